@@ -1,0 +1,39 @@
+"""Triton kernels with pure-torch twins. Each op lives in its own module (kernel, launcher, ``<op>_reference``,
+public function); the public ops are re-exported here. See :mod:`tritonrec.kernels.backend` for dispatch."""
+
+from tritonrec.kernels.backend import Backend, autotune_enabled, resolve_backend, set_autotune
+from tritonrec.kernels.block_bucketize import block_bucketize_sparse_features, block_bucketize_sparse_features_reference
+from tritonrec.kernels.checks import set_value_checks, value_checks_enabled
+from tritonrec.kernels.jagged_dense import (
+    dense_to_jagged,
+    dense_to_jagged_reference,
+    jagged_to_padded_dense,
+    jagged_to_padded_dense_reference,
+)
+from tritonrec.kernels.lengths_to_offsets import lengths_to_offsets, lengths_to_offsets_reference, offsets_to_lengths
+from tritonrec.kernels.permute_sparse import (
+    permute_1d_sparse_data,
+    permute_2d_sparse_data,
+    permute_2d_sparse_data_reference,
+)
+
+__all__ = [
+    "Backend",
+    "autotune_enabled",
+    "block_bucketize_sparse_features",
+    "block_bucketize_sparse_features_reference",
+    "dense_to_jagged",
+    "dense_to_jagged_reference",
+    "jagged_to_padded_dense",
+    "jagged_to_padded_dense_reference",
+    "lengths_to_offsets",
+    "lengths_to_offsets_reference",
+    "offsets_to_lengths",
+    "permute_1d_sparse_data",
+    "permute_2d_sparse_data",
+    "permute_2d_sparse_data_reference",
+    "resolve_backend",
+    "set_autotune",
+    "set_value_checks",
+    "value_checks_enabled",
+]

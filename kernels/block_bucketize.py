@@ -1,0 +1,272 @@
+"""``block_bucketize_sparse_features``: split a key-major sparse batch into per-bucket (per-rank) pieces for row-wise
+sharding, with FBGEMM's semantics.
+
+Index ``i`` of feature ``t`` (block size ``s = block_sizes[t]``, ``n = num_buckets``):
+
+* ``i < s * n``  -> bucket ``i // s``, local index ``i % s`` (the row inside that rank's block);
+* otherwise      -> bucket ``i % n``, local index ``i // n`` (ids past the sharded range are spread round-robin).
+
+``keep_orig_idx`` keeps ``i`` as the local index. Outputs are laid out ``[bucket][feature][sample]``:
+``new_lengths [n * T * B]``, and ``new_indices`` grouped by that order with each bag's original order kept.
+``bucketize_pos`` adds each index's position inside its original bag; ``sequence`` adds ``unbucketize_permute``,
+where ``unbucketize_permute[j]`` is the output position of input index ``j`` (what sequence embeddings need to put
+rows back in input order).
+
+Triton path: two launches over bags (count per bucket, then scatter), both holding per-bucket counters in registers,
+so no atomics and bit-identical results run to run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tritonrec.kernels._triton import tl, triton
+from tritonrec.kernels.backend import Backend, resolve_backend
+from tritonrec.kernels.checks import (
+    check_lengths_total,
+    check_nonnegative,
+    check_same_device,
+    check_tensor,
+    value_checks_enabled,
+)
+from tritonrec.kernels.lengths_to_offsets import lengths_to_offsets
+
+# Per-bucket counters live in registers as a [BLOCK, NUM_BUCKETS_P2] one-hot tile; beyond this the twin runs.
+_MAX_TRITON_BUCKETS = 8192
+
+
+@triton.jit
+def _bucket_and_local(idx, block_size, num_buckets, KEEP_ORIG_IDX: tl.constexpr):
+    in_blocks = idx < block_size * num_buckets
+    bucket = tl.where(in_blocks, idx // block_size, idx % num_buckets)
+    if KEEP_ORIG_IDX:
+        local = idx
+    else:
+        local = tl.where(in_blocks, idx % block_size, idx // num_buckets)
+    return bucket, local
+
+
+@triton.jit
+def _bucket_count_kernel(
+    offsets_ptr,
+    indices_ptr,
+    block_sizes_ptr,
+    new_lengths_ptr,
+    B,
+    TB,
+    num_buckets,
+    NB: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Program per bag: new_lengths[bucket * TB + bag] = number of the bag's indices landing in bucket."""
+    bag = tl.program_id(0).to(tl.int64)
+    start = tl.load(offsets_ptr + bag).to(tl.int64)
+    end = tl.load(offsets_ptr + bag + 1).to(tl.int64)
+    block_size = tl.load(block_sizes_ptr + bag // B).to(tl.int64)
+    buckets = tl.arange(0, NB)
+    counts = tl.zeros((NB,), dtype=tl.int64)
+    for j0 in range(start, end, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        valid = j < end
+        idx = tl.load(indices_ptr + j, mask=valid, other=0).to(tl.int64)
+        bucket, _ = _bucket_and_local(idx, block_size, num_buckets, False)
+        hit = (bucket[:, None] == buckets[None, :]) & valid[:, None]
+        counts += tl.sum(hit.to(tl.int64), axis=0)
+    tl.store(
+        new_lengths_ptr + buckets * TB + bag, counts.to(new_lengths_ptr.dtype.element_ty), mask=buckets < num_buckets
+    )
+
+
+@triton.jit
+def _bucket_scatter_kernel(
+    offsets_ptr,
+    indices_ptr,
+    block_sizes_ptr,
+    weights_ptr,
+    new_offsets_ptr,
+    new_indices_ptr,
+    new_weights_ptr,
+    new_pos_ptr,
+    unbucketize_ptr,
+    B,
+    TB,
+    num_buckets,
+    HAS_WEIGHTS: tl.constexpr,
+    BUCKETIZE_POS: tl.constexpr,
+    SEQUENCE: tl.constexpr,
+    KEEP_ORIG_IDX: tl.constexpr,
+    NB: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Program per bag: each index goes to new_offsets[bucket * TB + bag] + (earlier indices of the bag in bucket)."""
+    bag = tl.program_id(0).to(tl.int64)
+    start = tl.load(offsets_ptr + bag).to(tl.int64)
+    end = tl.load(offsets_ptr + bag + 1).to(tl.int64)
+    block_size = tl.load(block_sizes_ptr + bag // B).to(tl.int64)
+    buckets = tl.arange(0, NB)
+    lanes = tl.arange(0, BLOCK)
+    seen = tl.zeros((NB,), dtype=tl.int64)  # indices of this bag already placed, per bucket
+    for j0 in range(start, end, BLOCK):
+        j = j0 + lanes
+        valid = j < end
+        idx = tl.load(indices_ptr + j, mask=valid, other=0).to(tl.int64)
+        bucket, local = _bucket_and_local(idx, block_size, num_buckets, KEEP_ORIG_IDX)
+        one_hot = ((bucket[:, None] == buckets[None, :]) & valid[:, None]).to(tl.int64)
+        seen_before = tl.sum(one_hot * seen[None, :], axis=1)
+        same_bucket = (bucket[:, None] == bucket[None, :]) & valid[None, :] & (lanes[None, :] < lanes[:, None])
+        rank = tl.sum(same_bucket.to(tl.int64), axis=1)
+        base = tl.load(new_offsets_ptr + bucket * TB + bag, mask=valid, other=0).to(tl.int64)
+        pos = base + seen_before + rank
+        tl.store(new_indices_ptr + pos, local.to(new_indices_ptr.dtype.element_ty), mask=valid)
+        if HAS_WEIGHTS:
+            tl.store(new_weights_ptr + pos, tl.load(weights_ptr + j, mask=valid), mask=valid)
+        if BUCKETIZE_POS:
+            tl.store(new_pos_ptr + pos, (j - start).to(new_pos_ptr.dtype.element_ty), mask=valid)
+        if SEQUENCE:
+            tl.store(unbucketize_ptr + j, pos.to(unbucketize_ptr.dtype.element_ty), mask=valid)
+        seen += tl.sum(one_hot, axis=0)
+
+
+Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
+def _block_bucketize_triton(
+    lengths: torch.Tensor,
+    indices: torch.Tensor,
+    block_sizes: torch.Tensor,
+    num_buckets: int,
+    weights: torch.Tensor | None,
+    bucketize_pos: bool,
+    sequence: bool,
+    keep_orig_idx: bool,
+) -> Outputs:
+    num_bags, n = lengths.numel(), indices.numel()
+    batch = num_bags // max(block_sizes.numel(), 1)
+    offsets = lengths_to_offsets(lengths, backend="triton")
+    new_lengths = torch.empty(num_buckets * num_bags, dtype=lengths.dtype, device=lengths.device)
+    nb = triton.next_power_of_2(num_buckets)
+    block = max(16, min(128, 8192 // nb))
+    indices, block_sizes = indices.contiguous(), block_sizes.contiguous()
+    if num_bags:
+        _bucket_count_kernel[(num_bags,)](
+            offsets, indices, block_sizes, new_lengths, batch, num_bags, num_buckets, NB=nb, BLOCK=block
+        )
+    new_offsets = lengths_to_offsets(new_lengths, backend="triton")
+    new_indices = torch.empty_like(indices)
+    new_weights = None if weights is None else torch.empty_like(weights)
+    new_pos = torch.empty_like(indices) if bucketize_pos else None
+    unbucketize = torch.empty_like(indices) if sequence else None
+    if num_bags and n:
+        dummy = new_indices  # stands in for absent optional outputs; never written (the flags are constexpr)
+        _bucket_scatter_kernel[(num_bags,)](
+            offsets,
+            indices,
+            block_sizes,
+            dummy if weights is None else weights.contiguous(),
+            new_offsets,
+            new_indices,
+            dummy if new_weights is None else new_weights,
+            dummy if new_pos is None else new_pos,
+            dummy if unbucketize is None else unbucketize,
+            batch,
+            num_bags,
+            num_buckets,
+            HAS_WEIGHTS=weights is not None,
+            BUCKETIZE_POS=bucketize_pos,
+            SEQUENCE=sequence,
+            KEEP_ORIG_IDX=keep_orig_idx,
+            NB=nb,
+            BLOCK=block,
+        )
+    return new_lengths, new_indices, new_weights, new_pos, unbucketize
+
+
+def block_bucketize_sparse_features_reference(
+    lengths: torch.Tensor,
+    indices: torch.Tensor,
+    block_sizes: torch.Tensor,
+    num_buckets: int,
+    weights: torch.Tensor | None = None,
+    bucketize_pos: bool = False,
+    sequence: bool = False,
+    keep_orig_idx: bool = False,
+) -> Outputs:
+    """The specification (module docstring), vectorised: bucket every index, then one stable sort by
+    ``(bucket, bag)`` gives the output order."""
+    num_bags, n, device = lengths.numel(), indices.numel(), indices.device
+    batch = num_bags // max(block_sizes.numel(), 1)
+    idx = indices.to(torch.int64)
+    bag = torch.repeat_interleave(torch.arange(num_bags, device=device), lengths.to(torch.int64), output_size=n)
+    block_size = block_sizes.to(torch.int64).index_select(0, bag // max(batch, 1))
+    in_blocks = idx < block_size * num_buckets
+    bucket = torch.where(in_blocks, idx // block_size, idx % num_buckets)
+    local = idx if keep_orig_idx else torch.where(in_blocks, idx % block_size, idx // num_buckets)
+    key = bucket * num_bags + bag
+    new_lengths = torch.bincount(key, minlength=num_buckets * num_bags).to(lengths.dtype)
+    order = torch.sort(key, stable=True).indices  # output position -> input position
+    new_indices = local.index_select(0, order).to(indices.dtype)
+    new_weights = None if weights is None else weights.index_select(0, order)
+    new_pos = None
+    if bucketize_pos:
+        bag_start = lengths_to_offsets(lengths.to(torch.int64), backend="torch").index_select(0, bag)
+        new_pos = (torch.arange(n, device=device) - bag_start).index_select(0, order).to(indices.dtype)
+    unbucketize = None
+    if sequence:
+        unbucketize = torch.empty_like(indices)
+        unbucketize[order] = torch.arange(n, device=device, dtype=indices.dtype)
+    return new_lengths, new_indices, new_weights, new_pos, unbucketize
+
+
+def _check_bucketize_inputs(
+    lengths: torch.Tensor,
+    indices: torch.Tensor,
+    block_sizes: torch.Tensor,
+    num_buckets: int,
+    weights: torch.Tensor | None,
+) -> None:
+    check_tensor(lengths, "lengths", ndim=1, integer=True)
+    check_tensor(indices, "indices", ndim=1, integer=True)
+    check_tensor(block_sizes, "block_sizes", ndim=1, integer=True)
+    check_same_device(lengths=lengths, indices=indices, block_sizes=block_sizes, weights=weights)
+    if not isinstance(num_buckets, int) or isinstance(num_buckets, bool) or num_buckets < 1:
+        raise ValueError(f"num_buckets must be a positive int, got num_buckets={num_buckets!r}")
+    num_features = block_sizes.numel()
+    if (num_features == 0 and lengths.numel()) or (num_features and lengths.numel() % num_features):
+        raise ValueError(
+            f"lengths has {lengths.numel()} entries, not a multiple of the number of features "
+            f"(block_sizes has {num_features} entries)"
+        )
+    if weights is not None:
+        check_tensor(weights, "weights", ndim=1)
+        if weights.numel() != indices.numel():
+            raise ValueError(f"weights must have one entry per index ({indices.numel()}), got {weights.numel()}")
+    if value_checks_enabled():
+        check_lengths_total(lengths, "lengths", indices.numel(), what="indices")
+        check_nonnegative(indices, "indices")
+        if block_sizes.numel() and bool((block_sizes <= 0).any()):
+            where = int((block_sizes <= 0).nonzero()[0].item())
+            raise ValueError(f"block_sizes must be positive, got block_sizes[{where}] = {block_sizes[where].item()}")
+
+
+def block_bucketize_sparse_features(
+    lengths: torch.Tensor,
+    indices: torch.Tensor,
+    block_sizes: torch.Tensor,
+    num_buckets: int,
+    weights: torch.Tensor | None = None,
+    bucketize_pos: bool = False,
+    sequence: bool = False,
+    keep_orig_idx: bool = False,
+    backend: Backend = "auto",
+) -> Outputs:
+    """``lengths [T * B]``, ``indices [N]``, ``block_sizes [T]`` -> ``(new_lengths [num_buckets * T * B],
+    new_indices [N], new_weights [N] | None, new_pos [N] | None, unbucketize_permute [N] | None)``.
+    See the module docstring for the bucket rule and layout."""
+    _check_bucketize_inputs(lengths, indices, block_sizes, num_buckets, weights)
+    resolved = resolve_backend(backend, lengths, indices)
+    if resolved == "triton" and num_buckets > _MAX_TRITON_BUCKETS:
+        if backend == "triton":
+            raise ValueError(f"backend='triton' supports num_buckets <= {_MAX_TRITON_BUCKETS}, got {num_buckets}")
+        resolved = "torch"
+    run = _block_bucketize_triton if resolved == "triton" else block_bucketize_sparse_features_reference
+    return run(lengths, indices, block_sizes, num_buckets, weights, bucketize_pos, sequence, keep_orig_idx)

@@ -1,0 +1,125 @@
+"""Input checks shared by every public op and sparse type: clear errors that name the argument and the bad value.
+
+Two kinds of check:
+
+* metadata checks (rank, dtype, device, sizes) are free and always run;
+* value checks (negative lengths, out-of-range indices, offsets that do not match values) read tensor contents, which
+  costs a device sync on CUDA. They run by default everywhere; production GPU jobs that have validated their data
+  pipeline may switch them off with ``TRITONREC_VALUE_CHECKS=0`` or :func:`set_value_checks`.
+
+Shape and value problems raise ``ValueError``; a wrong dtype or Python type raises ``TypeError``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_INT_DTYPES = (torch.int32, torch.int64)
+_value_checks_override: bool | None = None
+
+
+def set_value_checks(enabled: bool | None) -> None:
+    """Force value checks on or off; ``None`` restores the default (``TRITONREC_VALUE_CHECKS``, on unless '0')."""
+    global _value_checks_override
+    _value_checks_override = enabled
+
+
+def value_checks_enabled() -> bool:
+    if _value_checks_override is not None:
+        return _value_checks_override
+    return os.environ.get("TRITONREC_VALUE_CHECKS", "1").lower() not in ("0", "false", "off", "no")
+
+
+def check_tensor(
+    t: object,
+    name: str,
+    *,
+    ndim: int | tuple[int, ...] | None = None,
+    integer: bool = False,
+    dtypes: tuple[torch.dtype, ...] | None = None,
+) -> torch.Tensor:
+    """Type, rank and dtype of one argument. ``integer`` means int32 or int64 (the index dtypes kernels accept)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else ndim
+        if t.dim() not in allowed:
+            raise ValueError(
+                f"{name} must have {' or '.join(map(str, allowed))} dimension(s), got shape {tuple(t.shape)}"
+            )
+    if integer and t.dtype not in _INT_DTYPES:
+        raise TypeError(f"{name} must be int32 or int64, got dtype {t.dtype}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {list(dtypes)}, got {t.dtype}")
+    return t
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> None:
+    """All given tensors live on one device."""
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        listing = ", ".join(f"{name} on {dev}" for name, dev in devices.items())
+        raise ValueError(f"tensors must be on one device, got {listing}")
+
+
+def check_nonnegative(t: torch.Tensor, name: str) -> None:
+    """Value check: no entry below zero (lengths, sizes, indices)."""
+    if value_checks_enabled() and t.numel() > 0:
+        negative = t < 0
+        if bool(negative.any()):
+            where = negative.reshape(-1).nonzero()[0].item()
+            raise ValueError(f"{name} must be non-negative, got {t.reshape(-1)[where].item()} at position {where}")
+
+
+def check_index_range(t: torch.Tensor, name: str, high: torch.Tensor | int, what: str = "bound") -> None:
+    """Value check: ``0 <= t < high`` elementwise (``high`` may be a tensor broadcast against ``t``)."""
+    if not value_checks_enabled() or t.numel() == 0:
+        return
+    bad = (t < 0) | (t >= high)
+    if bool(bad.any()):
+        where = bad.reshape(-1).nonzero()[0].item()
+        limit = high if isinstance(high, int) else torch.broadcast_to(high, t.shape).reshape(-1)[where].item()
+        raise ValueError(
+            f"{name} out of range: {name}[{where}] = {t.reshape(-1)[where].item()} is outside [0, {limit}) ({what})"
+        )
+
+
+def check_offsets(offsets: torch.Tensor, name: str, total: int | None = None) -> None:
+    """Value check: offsets start at 0, never decrease, and (if given) end at ``total``."""
+    if not value_checks_enabled() or offsets.numel() == 0:
+        return
+    first = int(offsets[0].item())
+    if first != 0:
+        raise ValueError(f"{name} must start at 0, got {name}[0] = {first}")
+    steps = offsets[1:] - offsets[:-1]
+    if steps.numel() and bool((steps < 0).any()):
+        where = int((steps < 0).nonzero()[0].item())
+        raise ValueError(
+            f"{name} must be non-decreasing, got {name}[{where}] = {offsets[where].item()} > "
+            f"{name}[{where + 1}] = {offsets[where + 1].item()}"
+        )
+    if total is not None and int(offsets[-1].item()) != total:
+        raise ValueError(f"{name} must end at {total} (the number of values), got {name}[-1] = {offsets[-1].item()}")
+
+
+def check_lengths_total(lengths: torch.Tensor, name: str, total: int, what: str = "values") -> None:
+    """Value check: ``lengths`` is non-negative and sums to ``total`` (the number of ``what``)."""
+    check_nonnegative(lengths, name)
+    if value_checks_enabled():
+        got = int(lengths.sum().item()) if lengths.numel() else 0
+        if got != total:
+            raise ValueError(f"sum({name}) = {got} does not match the number of {what} ({total})")
+
+
+__all__ = [
+    "check_index_range",
+    "check_lengths_total",
+    "check_nonnegative",
+    "check_offsets",
+    "check_same_device",
+    "check_tensor",
+    "set_value_checks",
+    "value_checks_enabled",
+]

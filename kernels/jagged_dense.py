@@ -1,0 +1,254 @@
+"""Jagged <-> padded dense conversion, differentiable both ways (FBGEMM's ``jagged_to_padded_dense`` and
+``dense_to_jagged`` for one jagged dimension).
+
+Layouts: ``values`` is ``[N]`` or ``[N, D]`` with bag ``b`` at rows ``offsets[b]:offsets[b + 1]``; the dense side is
+``[B, max_len]`` or ``[B, max_len, D]``. A bag longer than ``max_len`` keeps its first ``max_len`` rows (``max_len``
+is the caller's explicit truncation length, as in FBGEMM and torchrec's ``to_padded_dense``); converting back gives
+zeros for the rows that were cut. Rows of ``values`` past ``offsets[-1]`` are never read.
+
+Each op's backward is the other op, so ``jagged_to_padded_dense`` then ``dense_to_jagged`` is the identity on
+everything that fits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tritonrec.kernels._triton import tl, triton
+from tritonrec.kernels.backend import Backend, autotune, pow2_bucket, resolve_backend
+from tritonrec.kernels.checks import check_offsets, check_same_device, check_tensor, value_checks_enabled
+
+
+def _tile_configs() -> list:
+    # BLOCK_D is chosen by the launcher from D; the tile height and warps are what is tuned.
+    return [triton.Config({"BLOCK_L": bl}, num_warps=w) for bl, w in ((16, 4), (4, 2), (64, 8), (128, 8))]
+
+
+@autotune(configs=_tile_configs(), key=["L_BUCKET", "D_BUCKET", "BLOCK_D"])
+@triton.jit
+def _jagged_to_padded_dense_kernel(
+    values_ptr,
+    offsets_ptr,
+    out_ptr,
+    padding_ptr,
+    max_len,
+    D,
+    L_BUCKET,
+    D_BUCKET,
+    BLOCK_L: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Grid (B, cdiv(max_len, BLOCK_L), cdiv(D, BLOCK_D)): one [BLOCK_L, BLOCK_D] tile of the dense output."""
+    bag = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+    cols = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    start = tl.load(offsets_ptr + bag).to(tl.int64)
+    length = tl.load(offsets_ptr + bag + 1).to(tl.int64) - start
+    col_ok = cols[None, :] < D
+    from_values = (rows[:, None] < length) & col_ok
+    src = values_ptr + (start + rows[:, None]) * D + cols[None, :]
+    tile = tl.load(src, mask=from_values, other=0)
+    tile = tl.where(from_values, tile, tl.load(padding_ptr))
+    dst = out_ptr + (bag * max_len + rows[:, None]) * D + cols[None, :]
+    tl.store(dst, tile, mask=(rows[:, None] < max_len) & col_ok)
+
+
+@autotune(configs=_tile_configs(), key=["S_BUCKET", "D_BUCKET", "BLOCK_D"])
+@triton.jit
+def _dense_to_jagged_kernel(
+    dense_ptr,
+    offsets_ptr,
+    out_ptr,
+    S,
+    D,
+    S_BUCKET,
+    D_BUCKET,
+    BLOCK_L: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Grid (B, cdiv(D, BLOCK_D)): walk bag b's rows; rows at or past S (the dense length) become zeros."""
+    bag = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    start = tl.load(offsets_ptr + bag).to(tl.int64)
+    length = tl.load(offsets_ptr + bag + 1).to(tl.int64) - start
+    col_ok = cols[None, :] < D
+    for r0 in range(0, length, BLOCK_L):
+        rows = r0 + tl.arange(0, BLOCK_L)
+        in_bag = (rows[:, None] < length) & col_ok
+        src = dense_ptr + (bag * S + rows[:, None]) * D + cols[None, :]
+        tile = tl.load(src, mask=in_bag & (rows[:, None] < S), other=0)
+        tl.store(out_ptr + (start + rows[:, None]) * D + cols[None, :], tile, mask=in_bag)
+
+
+def _row_width(t: torch.Tensor, first_feature_dim: int = 1) -> int:
+    """Elements per row once the trailing feature dims are flattened (1 when there are none)."""
+    width = 1
+    for size in t.shape[first_feature_dim:]:
+        width *= size
+    return width
+
+
+def _block_d(d: int) -> int:
+    return min(triton.next_power_of_2(max(d, 1)), 128)
+
+
+def _padding_tensor(padding_value: float, like: torch.Tensor) -> torch.Tensor:
+    """The padding value rounded by torch into the values' dtype, passed by pointer: exact for int64 and fp64 too,
+    and independent of how the kernel would round a float scalar argument."""
+    return torch.full((1,), padding_value, dtype=like.dtype, device=like.device)
+
+
+def _jagged_to_padded_dense_triton(
+    values: torch.Tensor, offsets: torch.Tensor, max_len: int, padding_value: float
+) -> torch.Tensor:
+    batch, d = offsets.numel() - 1, _row_width(values)
+    values_2d = values.reshape(values.shape[0], d).contiguous()
+    out = torch.empty((batch, max_len, d), dtype=values.dtype, device=values.device)
+    if out.numel():
+        block_d = _block_d(d)
+        grid = lambda meta: (batch, triton.cdiv(max_len, meta["BLOCK_L"]), triton.cdiv(d, block_d))
+        _jagged_to_padded_dense_kernel[grid](
+            values_2d,
+            offsets.contiguous(),
+            out,
+            _padding_tensor(padding_value, values),
+            max_len,
+            d,
+            pow2_bucket(max_len),
+            pow2_bucket(d),
+            BLOCK_D=block_d,
+        )
+    return out.reshape(batch, max_len, *values.shape[1:])
+
+
+def _dense_to_jagged_triton(dense: torch.Tensor, offsets: torch.Tensor, total_len: int) -> torch.Tensor:
+    batch, s = dense.shape[0], dense.shape[1]
+    d = _row_width(dense, first_feature_dim=2)
+    dense_3d = dense.reshape(batch, s, d).contiguous()
+    out = torch.empty((total_len, d), dtype=dense.dtype, device=dense.device)
+    if batch and d and total_len:
+        block_d = _block_d(d)
+        _dense_to_jagged_kernel[(batch, triton.cdiv(d, block_d))](
+            dense_3d, offsets.contiguous(), out, s, d, pow2_bucket(s), pow2_bucket(d), BLOCK_D=block_d
+        )
+    return out.reshape(total_len, *dense.shape[2:])
+
+
+def _positions(offsets: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a [B, width] grid: flat value index of each cell, and whether the cell holds a value of its bag."""
+    starts = offsets[:-1].to(torch.int64)
+    lengths = offsets[1:].to(torch.int64) - starts
+    cols = torch.arange(width, device=offsets.device)
+    return starts[:, None] + cols, cols < lengths[:, None]
+
+
+def jagged_to_padded_dense_reference(
+    values: torch.Tensor, offsets: torch.Tensor, max_len: int, padding_value: float = 0.0
+) -> torch.Tensor:
+    """The specification: ``[N, *]`` values + ``[B + 1]`` offsets -> ``[B, max_len, *]``, padded, truncated."""
+    batch = offsets.numel() - 1
+    out = values.new_full((batch, max_len, *values.shape[1:]), padding_value)
+    src, filled = _positions(offsets, max_len)
+    out[filled] = values[src[filled]]
+    return out
+
+
+def dense_to_jagged_reference(dense: torch.Tensor, offsets: torch.Tensor, total_len: int | None = None) -> torch.Tensor:
+    """The specification: ``[B, S, *]`` dense + ``[B + 1]`` offsets -> ``[total_len, *]`` jagged values.
+
+    Row ``j`` of bag ``b`` is ``dense[b, j]`` for ``j < S`` and zero past the dense length.
+    """
+    total = int(offsets[-1].item()) if total_len is None else total_len
+    out = dense.new_zeros((total, *dense.shape[2:]))
+    dst, filled = _positions(offsets, dense.shape[1])
+    out[dst[filled]] = dense[filled]
+    return out
+
+
+class _JaggedToPaddedDense(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, values, offsets, max_len, padding_value, use_triton):  # type: ignore[override]
+        ctx.save_for_backward(offsets)
+        ctx.num_values, ctx.use_triton = values.shape[0], use_triton
+        if use_triton:
+            return _jagged_to_padded_dense_triton(values, offsets, max_len, padding_value)
+        return jagged_to_padded_dense_reference(values, offsets, max_len, padding_value)
+
+    @staticmethod
+    def backward(ctx, grad_dense):  # type: ignore[override]
+        (offsets,) = ctx.saved_tensors
+        run = _dense_to_jagged_triton if ctx.use_triton else dense_to_jagged_reference
+        return run(grad_dense, offsets, ctx.num_values), None, None, None, None
+
+
+class _DenseToJagged(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dense, offsets, total_len, use_triton):  # type: ignore[override]
+        ctx.save_for_backward(offsets)
+        ctx.dense_len, ctx.use_triton = dense.shape[1], use_triton
+        if use_triton:
+            return _dense_to_jagged_triton(dense, offsets, total_len)
+        return dense_to_jagged_reference(dense, offsets, total_len)
+
+    @staticmethod
+    def backward(ctx, grad_values):  # type: ignore[override]
+        (offsets,) = ctx.saved_tensors
+        run = _jagged_to_padded_dense_triton if ctx.use_triton else jagged_to_padded_dense_reference
+        return run(grad_values, offsets, ctx.dense_len, 0.0), None, None, None
+
+
+def _check_jagged(values: torch.Tensor, offsets: torch.Tensor, values_name: str = "values") -> None:
+    check_tensor(values, values_name, ndim=(1, 2))
+    check_tensor(offsets, "offsets", ndim=1, integer=True)
+    check_same_device(**{values_name: values, "offsets": offsets})
+    if offsets.numel() == 0:
+        raise ValueError("offsets must have B + 1 >= 1 entries, got an empty tensor")
+
+
+def jagged_to_padded_dense(
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    max_len: int,
+    padding_value: float = 0.0,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """``values [N] | [N, D]``, ``offsets [B + 1]`` -> ``[B, max_len] | [B, max_len, D]`` (differentiable in values).
+
+    Bags shorter than ``max_len`` are padded with ``padding_value``; longer bags keep their first ``max_len`` rows.
+    """
+    _check_jagged(values, offsets)
+    if not isinstance(max_len, int) or max_len < 0:
+        raise ValueError(f"max_len must be a non-negative int, got max_len={max_len!r}")
+    if value_checks_enabled():
+        check_offsets(offsets, "offsets")
+        if int(offsets[-1].item()) > values.shape[0]:
+            raise ValueError(
+                f"offsets[-1] = {int(offsets[-1].item())} exceeds the number of values ({values.shape[0]})"
+            )
+    use_triton = resolve_backend(backend, values, offsets) == "triton"
+    return _JaggedToPaddedDense.apply(values, offsets, max_len, float(padding_value), use_triton)
+
+
+def dense_to_jagged(
+    dense: torch.Tensor, offsets: torch.Tensor, total_len: int | None = None, backend: Backend = "auto"
+) -> torch.Tensor:
+    """``dense [B, S] | [B, S, D]``, ``offsets [B + 1]`` -> jagged ``[total_len] | [total_len, D]`` (differentiable).
+
+    ``total_len`` defaults to ``offsets[-1]`` (passing it avoids a device sync). Rows past the dense length ``S``
+    are zeros.
+    """
+    check_tensor(dense, "dense", ndim=(2, 3))
+    check_tensor(offsets, "offsets", ndim=1, integer=True)
+    check_same_device(dense=dense, offsets=offsets)
+    if offsets.numel() != dense.shape[0] + 1:
+        raise ValueError(
+            f"offsets must have B + 1 = {dense.shape[0] + 1} entries for dense of shape "
+            f"{tuple(dense.shape)}, got {offsets.numel()}"
+        )
+    if total_len is not None and (not isinstance(total_len, int) or total_len < 0):
+        raise ValueError(f"total_len must be a non-negative int or None, got total_len={total_len!r}")
+    if value_checks_enabled():
+        check_offsets(offsets, "offsets", total=total_len)
+    total = int(offsets[-1].item()) if total_len is None else total_len
+    use_triton = resolve_backend(backend, dense, offsets) == "triton"
+    return _DenseToJagged.apply(dense, offsets, total, use_triton)

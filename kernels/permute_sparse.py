@@ -1,0 +1,224 @@
+"""Permute keyed sparse data: FBGEMM's ``permute_2D_sparse_data`` / ``permute_1D_sparse_data``.
+
+``lengths [T, B]`` holds bag lengths per (key, sample); ``values [N, *]`` (and optional ``weights [N, *]``) hold the
+bags key-major, so all of key ``t`` is one contiguous span. ``permute [T']`` lists input keys in output order and may
+repeat or drop keys. Outputs: ``lengths[permute]`` and the key spans of values/weights concatenated in that order.
+
+Because a key's bags are contiguous on both sides, the copy is per key span, not per bag: the Triton path gives every
+output key ``SPLITS`` programs that stride over its span, and the torch twin builds one gather index for all spans.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tritonrec.kernels._triton import tl, triton
+from tritonrec.kernels.backend import Backend, autotune, pow2_bucket, resolve_backend
+from tritonrec.kernels.checks import (
+    check_index_range,
+    check_nonnegative,
+    check_same_device,
+    check_tensor,
+    value_checks_enabled,
+)
+from tritonrec.kernels.lengths_to_offsets import lengths_to_offsets
+
+
+@triton.jit
+def _key_lengths_kernel(
+    lengths_ptr, permute_ptr, out_lengths_ptr, in_key_len_ptr, out_key_len_ptr, T, T_OUT, B, BLOCK: tl.constexpr
+):
+    """Program i: total of input key i (if i < T); copy row permute[i] to output row i and total it (if i < T_OUT)."""
+    i = tl.program_id(0).to(tl.int64)
+    if i < T:
+        acc = tl.zeros((BLOCK,), dtype=tl.int64)
+        for b0 in range(0, B, BLOCK):
+            cols = b0 + tl.arange(0, BLOCK)
+            acc += tl.load(lengths_ptr + i * B + cols, mask=cols < B, other=0).to(tl.int64)
+        tl.store(in_key_len_ptr + i, tl.sum(acc, axis=0))
+    if i < T_OUT:
+        src_key = tl.load(permute_ptr + i).to(tl.int64)
+        acc = tl.zeros((BLOCK,), dtype=tl.int64)
+        for b0 in range(0, B, BLOCK):
+            cols = b0 + tl.arange(0, BLOCK)
+            row = tl.load(lengths_ptr + src_key * B + cols, mask=cols < B, other=0)
+            tl.store(out_lengths_ptr + i * B + cols, row, mask=cols < B)
+            acc += row.to(tl.int64)
+        tl.store(out_key_len_ptr + i, tl.sum(acc, axis=0))
+
+
+def _copy_configs() -> list:
+    return [triton.Config({"BLOCK": b}, num_warps=w) for b, w in ((1024, 4), (256, 2), (4096, 8))]
+
+
+@autotune(configs=_copy_configs(), key=["SPAN_BUCKET", "HAS_WEIGHTS"])
+@triton.jit
+def _copy_key_spans_kernel(
+    values_ptr,
+    weights_ptr,
+    out_values_ptr,
+    out_weights_ptr,
+    permute_ptr,
+    in_key_offsets_ptr,
+    out_key_offsets_ptr,
+    values_width,
+    weights_width,
+    SPLITS,
+    SPAN_BUCKET,
+    HAS_WEIGHTS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Grid (T', SPLITS): program (k, s) copies chunks s, s + SPLITS, ... of output key k's span."""
+    key = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    src_key = tl.load(permute_ptr + key).to(tl.int64)
+    src_row = tl.load(in_key_offsets_ptr + src_key)
+    dst_row = tl.load(out_key_offsets_ptr + key)
+    rows = tl.load(out_key_offsets_ptr + key + 1) - dst_row
+    n = rows * values_width
+    for e0 in range(split * BLOCK, n, SPLITS * BLOCK):
+        e = e0 + tl.arange(0, BLOCK)
+        chunk = tl.load(values_ptr + src_row * values_width + e, mask=e < n)
+        tl.store(out_values_ptr + dst_row * values_width + e, chunk, mask=e < n)
+    if HAS_WEIGHTS:
+        n_w = rows * weights_width
+        for e0 in range(split * BLOCK, n_w, SPLITS * BLOCK):
+            e = e0 + tl.arange(0, BLOCK)
+            chunk = tl.load(weights_ptr + src_row * weights_width + e, mask=e < n_w)
+            tl.store(out_weights_ptr + dst_row * weights_width + e, chunk, mask=e < n_w)
+
+
+def _width(t: torch.Tensor) -> int:
+    """Elements per row of a ``[N, *]`` tensor."""
+    return int(torch.Size(t.shape[1:]).numel())
+
+
+def _permute_2d_triton(
+    permute: torch.Tensor,
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    permuted_lengths_sum: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    (num_keys, batch), num_out = lengths.shape, permute.numel()
+    device = lengths.device
+    lengths, permute = lengths.contiguous(), permute.contiguous()
+    out_lengths = torch.empty((num_out, batch), dtype=lengths.dtype, device=device)
+    in_key_len = torch.empty(num_keys, dtype=torch.int64, device=device)
+    out_key_len = torch.empty(num_out, dtype=torch.int64, device=device)
+    if max(num_keys, num_out):
+        block = min(triton.next_power_of_2(max(batch, 1)), 1024)
+        _key_lengths_kernel[(max(num_keys, num_out),)](
+            lengths, permute, out_lengths, in_key_len, out_key_len, num_keys, num_out, batch, BLOCK=block
+        )
+    in_key_offsets = lengths_to_offsets(in_key_len, backend="triton")
+    out_key_offsets = lengths_to_offsets(out_key_len, backend="triton")
+    total = int(out_key_offsets[-1].item()) if permuted_lengths_sum is None else permuted_lengths_sum
+    out_values = values.new_empty((total, *values.shape[1:]))
+    out_weights = None if weights is None else weights.new_empty((total, *weights.shape[1:]))
+    if num_out and total:
+        values_c = values.contiguous()
+        weights_c = values_c if weights is None else weights.contiguous()
+        v_width = _width(values)
+        w_width = v_width if weights is None else _width(weights)
+        # Enough programs per key to cover its average span with ~4 chunks of 1024 elements each.
+        splits = max(1, min(1024, triton.cdiv(total * v_width, num_out * 4096)))
+        _copy_key_spans_kernel[(num_out, splits)](
+            values_c,
+            weights_c,
+            out_values,
+            out_values if out_weights is None else out_weights,
+            permute,
+            in_key_offsets,
+            out_key_offsets,
+            v_width,
+            w_width,
+            splits,
+            pow2_bucket(total * v_width // num_out),
+            HAS_WEIGHTS=weights is not None,
+        )
+    return out_lengths, out_values, out_weights
+
+
+def permute_2d_sparse_data_reference(
+    permute: torch.Tensor,
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    permuted_lengths_sum: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The specification (see module docstring). ``permuted_lengths_sum`` only saves the sync that computes it."""
+    permute = permute.to(device=lengths.device, dtype=torch.int64)
+    out_lengths = lengths.index_select(0, permute)
+    key_len = lengths.sum(dim=1, dtype=torch.int64)
+    key_start = lengths_to_offsets(key_len, backend="torch")[:-1]
+    out_key_len = key_len.index_select(0, permute)
+    out_key_start = lengths_to_offsets(out_key_len, backend="torch")[:-1]
+    total = int(out_key_len.sum().item()) if permuted_lengths_sum is None else permuted_lengths_sum
+    # Output row p of output key k reads input row p + (start of key permute[k]) - (start of output key k).
+    shift = key_start.index_select(0, permute) - out_key_start
+    gather = torch.arange(total, device=values.device) + torch.repeat_interleave(shift, out_key_len, output_size=total)
+    out_values = values.index_select(0, gather)
+    out_weights = None if weights is None else weights.index_select(0, gather)
+    return out_lengths, out_values, out_weights
+
+
+def _check_permute_inputs(
+    permute: torch.Tensor,
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    permuted_lengths_sum: int | None,
+) -> None:
+    check_tensor(permute, "permute", ndim=1, integer=True)
+    check_tensor(lengths, "lengths", ndim=2, integer=True)
+    check_tensor(values, "values", ndim=(1, 2, 3))
+    if weights is not None:
+        check_tensor(weights, "weights", ndim=(1, 2, 3))
+        if weights.shape[0] != values.shape[0]:
+            raise ValueError(
+                f"weights must have one row per value ({values.shape[0]}), got shape {tuple(weights.shape)}"
+            )
+    check_same_device(permute=permute, lengths=lengths, values=values, weights=weights)
+    if permuted_lengths_sum is not None and (not isinstance(permuted_lengths_sum, int) or permuted_lengths_sum < 0):
+        raise ValueError(f"permuted_lengths_sum must be a non-negative int or None, got {permuted_lengths_sum!r}")
+    if value_checks_enabled():
+        check_index_range(permute, "permute", lengths.shape[0], what="number of keys T")
+        check_nonnegative(lengths, "lengths")
+        total = int(lengths.sum().item()) if lengths.numel() else 0
+        if total > values.shape[0]:
+            raise ValueError(f"values has {values.shape[0]} rows but sum(lengths) = {total}")
+
+
+def permute_2d_sparse_data(
+    permute: torch.Tensor,
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    permuted_lengths_sum: int | None = None,
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``permute [T']``, ``lengths [T, B]``, ``values [N, *]``, ``weights [N, *]`` ->
+    ``(lengths [T', B], values [N', *], weights [N', *] | None)``; keys may repeat or be dropped.
+    """
+    _check_permute_inputs(permute, lengths, values, weights, permuted_lengths_sum)
+    if resolve_backend(backend, lengths, values) == "triton":
+        return _permute_2d_triton(permute, lengths, values, weights, permuted_lengths_sum)
+    return permute_2d_sparse_data_reference(permute, lengths, values, weights, permuted_lengths_sum)
+
+
+def permute_1d_sparse_data(
+    permute: torch.Tensor,
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    permuted_lengths_sum: int | None = None,
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Segment permute: ``lengths [S]`` are segment lengths and ``permute [S']`` picks segments. Used for
+    variable-batch KJTs, where each key is one segment of ``length_per_key`` values."""
+    check_tensor(lengths, "lengths", ndim=1, integer=True)
+    out_lengths, out_values, out_weights = permute_2d_sparse_data(
+        permute, lengths.reshape(-1, 1), values, weights, permuted_lengths_sum, backend
+    )
+    return out_lengths.reshape(-1), out_values, out_weights

@@ -1,0 +1,92 @@
+"""Run a function on several real ``torch.distributed`` ranks (gloo on loopback), for tests.
+
+``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes, gives each an initialised gloo process group,
+calls ``fn(rank, world_size, *args)`` and returns the per-rank results in rank order. A rank that raises makes the
+call raise with that rank's traceback; ranks that do not finish within ``timeout`` are killed and the call raises
+``TimeoutError`` naming them, so a hung collective fails a test instead of hanging the suite.
+
+``fn`` must be a module-level function (spawned processes import it by name). Spawning costs ~2-4 s (each child
+imports torch), so put several cases in one spawned function rather than one spawn per case.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(
+    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, results: Any, pg_timeout_s: float
+) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout_s),
+        )
+        results.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:  # report everything, including assertion errors, to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, pg_timeout_s: float = 60.0
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results in rank order."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(rank, world_size, port, fn, args, results, pg_timeout_s), daemon=True)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    outputs: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+    try:
+        while len(outputs) + len(errors) < world_size:
+            remaining = (deadline - datetime.datetime.now()).total_seconds()
+            if remaining <= 0:
+                break
+            try:
+                rank, ok, payload = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                continue
+            (outputs if ok else errors)[rank] = payload
+            if not ok:  # the other ranks may now block in a collective until the group timeout: do not wait for it
+                deadline = min(deadline, datetime.datetime.now() + datetime.timedelta(seconds=3))
+    finally:
+        for proc in procs:
+            proc.join(timeout=1 if errors else 5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    if errors:
+        first = min(errors)
+        raise AssertionError(f"rank {first} of {world_size} failed:\n{errors[first]}")
+    missing = [r for r in range(world_size) if r not in outputs]
+    if missing:
+        raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout} s")
+    return [outputs[r] for r in range(world_size)]
