@@ -1,0 +1,145 @@
+"""The one benchmark harness: timing with warm-up and repeats, throughput, and CSV rows that say where they came from.
+
+Every benchmark script defines its cases and anchors and calls :func:`measure` for each implementation, so ours and
+the anchor are timed the same way in the same run. On CUDA, timing uses ``triton.testing.do_bench`` (events, cache
+flush); on CPU, wall-clock ``perf_counter`` over individually timed calls.
+
+Rows appended with :func:`append_csv` carry device, versions, thread count and date, so a committed CSV is
+self-describing.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def measure(
+    fn: Callable[[], Any], *, warmup: int = 3, repeats: int = 20, min_time_s: float = 0.2, device: str = "cpu"
+) -> dict[str, float]:
+    """Time ``fn()``: returns ``median_ms``, ``p10_ms``, ``p90_ms`` and ``repeats`` (the number of timed calls).
+
+    On CPU, at least ``repeats`` calls and at least ``min_time_s`` of timed work after ``warmup`` untimed calls.
+    """
+    if device.startswith("cuda"):
+        import triton.testing
+
+        median, p10, p90 = triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.1, 0.9])
+        return {"median_ms": median, "p10_ms": p10, "p90_ms": p90, "repeats": float("nan")}
+    for _ in range(warmup):
+        fn()
+    samples: list[float] = []
+    started = time.perf_counter()
+    while len(samples) < repeats or time.perf_counter() - started < min_time_s:
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+        if len(samples) >= 50 * repeats:
+            break
+    samples.sort()
+    return {
+        "median_ms": statistics.median(samples),
+        "p10_ms": samples[int(0.1 * (len(samples) - 1))],
+        "p90_ms": samples[int(0.9 * (len(samples) - 1))],
+        "repeats": float(len(samples)),
+    }
+
+
+def gbps(num_bytes: float, ms: float) -> float:
+    """Throughput in GB/s (1e9 bytes) for ``num_bytes`` moved in ``ms`` milliseconds."""
+    return num_bytes / (ms * 1e-3) / 1e9 if ms > 0 else float("nan")
+
+
+def tensor_bytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def copy_bandwidth_gbps(num_bytes: int, device: str = "cpu") -> float:
+    """Same-run anchor: GB/s of a plain device copy of ``num_bytes`` (read + write counted)."""
+    src = torch.empty(max(num_bytes // 4, 1), dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    timing = measure(lambda: dst.copy_(src), device=device)
+    return gbps(2 * src.numel() * 4, timing["median_ms"])
+
+
+def device_name(device: str = "cpu") -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+
+
+def environment(device: str = "cpu") -> dict[str, Any]:
+    """Columns that identify the run: device, versions, threads, date."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "absent"
+    try:
+        import fbgemm_gpu
+
+        fbgemm_version = getattr(fbgemm_gpu, "__version__", "present")
+    except Exception:  # any import failure means the anchor is unavailable
+        fbgemm_version = "absent"
+    return {
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "fbgemm_gpu": fbgemm_version,
+        "threads": torch.get_num_threads(),
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def append_csv(path: str | Path, rows: Iterable[Mapping[str, Any]], device: str = "cpu") -> Path:
+    """Append ``rows`` (each merged with :func:`environment`) to ``path``, writing a header for a new file.
+
+    A relative ``path`` is taken inside ``benchmarks/results/``.
+    """
+    path = Path(path)
+    if not path.is_absolute():
+        path = RESULTS_DIR / path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    env = environment(device)
+    full_rows = [{**row, **env} for row in rows]
+    if not full_rows:
+        return path
+    fields = list(full_rows[0].keys())
+    new_file = not path.exists()
+    if not new_file:
+        with path.open() as handle:
+            existing = next(csv.reader(handle), None)
+        if existing and existing != fields:
+            raise ValueError(f"{path} has columns {existing}, rows have {fields}; write to a new file")
+    with path.open("a", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields)
+        if new_file:
+            writer.writeheader()
+        writer.writerows(full_rows)
+    return path
+
+
+def print_table(rows: list[Mapping[str, Any]], columns: list[str]) -> None:
+    """Fixed-width table on stdout, so a benchmark run shows ours next to its anchors."""
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
+    for row in rows:
+        print("  ".join(_fmt(row.get(c)).ljust(w) for c, w in zip(columns, widths, strict=True)))
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)
