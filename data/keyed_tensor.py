@@ -1,0 +1,167 @@
+"""``KeyedTensor``: dense per-key blocks concatenated along one dim, e.g. pooled embeddings ``[B, sum(D)]``
+(torchrec semantics).
+
+Example (torchrec's)::
+
+    kt = KeyedTensor.from_tensor_list(["A", "B"], [torch.ones(3, 2), 2 * torch.ones(3, 3)])
+    kt.values().shape   # [3, 5]
+    kt["B"]             # [3, 3] block of twos (a view)
+    KeyedTensor.regroup([kt], [["B"], ["A", "B"]])   # [[3, 3], [3, 5]] tensors
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tritonrec.data._validation import UnknownKeyError
+
+
+def _cumsum(sizes: list[int]) -> list[int]:
+    out = [0]
+    for size in sizes:
+        out.append(out[-1] + size)
+    return out
+
+
+class KeyedTensor:
+    """``values`` holds ``len(keys)`` blocks along ``key_dim``; block ``i`` is ``length_per_key[i]`` wide."""
+
+    def __init__(
+        self,
+        keys: list[str],
+        length_per_key: list[int],
+        values: torch.Tensor,
+        key_dim: int = 1,
+        offset_per_key: list[int] | None = None,
+        index_per_key: dict[str, int] | None = None,
+    ) -> None:
+        if not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) for k in keys):
+            raise TypeError(f"keys must be a list of str, got {keys!r}")
+        if not isinstance(values, torch.Tensor):
+            raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
+        if len(length_per_key) != len(keys):
+            raise ValueError(f"length_per_key must have one entry per key ({len(keys)}), got {list(length_per_key)}")
+        if any(not isinstance(n, int) or n < 0 for n in length_per_key):
+            raise ValueError(f"length_per_key must hold non-negative ints, got {list(length_per_key)}")
+        if not -values.dim() <= key_dim < values.dim():
+            raise ValueError(f"key_dim={key_dim} is not a dim of values with shape {tuple(values.shape)}")
+        if values.shape[key_dim] != sum(length_per_key):
+            raise ValueError(
+                f"values has size {values.shape[key_dim]} along key_dim={key_dim} but sum(length_per_key) = "
+                f"{sum(length_per_key)}"
+            )
+        self._keys = list(keys)
+        self._length_per_key = list(length_per_key)
+        self._values = values
+        self._key_dim = key_dim % values.dim()
+        self._offset_per_key = offset_per_key
+        self._index_per_key = index_per_key
+
+    @staticmethod
+    def from_tensor_list(
+        keys: list[str], tensors: list[torch.Tensor], key_dim: int = 1, cat_dim: int = 1
+    ) -> KeyedTensor:
+        """Concatenate ``tensors`` along ``cat_dim``; key ``i`` spans ``tensors[i].shape[key_dim]``."""
+        if len(keys) != len(tensors):
+            raise ValueError(f"tensors must have one tensor per key ({len(keys)}), got {len(tensors)}")
+        if not tensors:
+            raise ValueError("tensors must hold at least one tensor, got an empty list")
+        return KeyedTensor(
+            keys=keys,
+            length_per_key=[t.shape[key_dim] for t in tensors],
+            values=torch.cat(tensors, dim=cat_dim),
+            key_dim=key_dim,
+        )
+
+    def keys(self) -> list[str]:
+        return self._keys
+
+    def values(self) -> torch.Tensor:
+        return self._values
+
+    def key_dim(self) -> int:
+        return self._key_dim
+
+    def device(self) -> torch.device:
+        return self._values.device
+
+    def length_per_key(self) -> list[int]:
+        return self._length_per_key
+
+    def offset_per_key(self) -> list[int]:
+        if self._offset_per_key is None:
+            self._offset_per_key = _cumsum(self._length_per_key)
+        return self._offset_per_key
+
+    def _key_indices(self) -> dict[str, int]:
+        if self._index_per_key is None:
+            self._index_per_key = {key: i for i, key in enumerate(self._keys)}
+        return self._index_per_key
+
+    def _key_index(self, key: str) -> int:
+        index = self._key_indices().get(key)
+        if index is None:
+            raise UnknownKeyError(f"key {key!r} is not one of this KeyedTensor's keys {self._keys}")
+        return index
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        """Block of ``key`` (a view)."""
+        index = self._key_index(key)
+        return self._values.narrow(self._key_dim, self.offset_per_key()[index], self._length_per_key[index])
+
+    def to_dict(self) -> dict[str, torch.Tensor]:
+        blocks = self._values.split(self._length_per_key, dim=self._key_dim)
+        return {key: blocks[i] for key, i in self._key_indices().items()}
+
+    @staticmethod
+    def regroup(keyed_tensors: list[KeyedTensor], groups: list[list[str]]) -> list[torch.Tensor]:
+        """One tensor per group: the blocks of the group's keys concatenated along the key dim, in group order.
+        Keys may come from any input and appear in several groups. Differentiable (narrow + cat)."""
+        if not keyed_tensors:
+            raise ValueError("keyed_tensors must hold at least one KeyedTensor, got an empty list")
+        key_dim = keyed_tensors[0].key_dim()
+        if any(kt.key_dim() != key_dim for kt in keyed_tensors):
+            raise ValueError(f"keyed_tensors must share key_dim, got {[kt.key_dim() for kt in keyed_tensors]}")
+        owner: dict[str, KeyedTensor] = {}
+        for kt in keyed_tensors:
+            for key in kt.keys():
+                owner.setdefault(key, kt)
+        out = []
+        for g, group in enumerate(groups):
+            blocks = []
+            for key in group:
+                if key not in owner:
+                    raise UnknownKeyError(f"groups[{g}] names key {key!r}, held by none of the keyed_tensors")
+                blocks.append(owner[key][key])
+            if not blocks:
+                raise ValueError(f"groups[{g}] is empty; every group needs at least one key")
+            out.append(blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=key_dim))
+        return out
+
+    @staticmethod
+    def regroup_as_dict(
+        keyed_tensors: list[KeyedTensor], groups: list[list[str]], keys: list[str]
+    ) -> dict[str, torch.Tensor]:
+        """:meth:`regroup`, with the output of group ``i`` stored under ``keys[i]``."""
+        if len(groups) != len(keys):
+            raise ValueError(f"keys must name each group: {len(groups)} groups but {len(keys)} keys")
+        return dict(zip(keys, KeyedTensor.regroup(keyed_tensors, groups), strict=True))
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedTensor:
+        return KeyedTensor(
+            self._keys,
+            self._length_per_key,
+            self._values.to(device, non_blocking=non_blocking),
+            self._key_dim,
+            self._offset_per_key,
+            self._index_per_key,
+        )
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        self._values.record_stream(stream)
+
+    def __repr__(self) -> str:
+        if not self._keys:
+            return "KeyedTensor()"
+        lines = [f'    "{key}": {self[key].tolist()}' for key in self._keys]
+        return "KeyedTensor({\n" + ",\n".join(lines) + "\n})"
