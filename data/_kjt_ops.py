@@ -122,10 +122,11 @@ def getitem(kjt: KeyedJaggedTensor, key: str) -> JaggedTensor:
 
 def to_dict(kjt: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
     length_per_key = kjt.length_per_key()
-    values = kjt.values().split(length_per_key)
+    used = kjt.offset_per_key()[-1]  # values may carry a slack tail past the last bag
+    values = kjt.values()[:used].split(length_per_key)
     lengths = kjt.lengths().split(kjt.stride_per_key())
     weights = kjt.weights_or_none()
-    weights_split = [None] * len(values) if weights is None else weights.split(length_per_key)
+    weights_split = [None] * len(values) if weights is None else weights[:used].split(length_per_key)
     return {key: _trusted_jt(v, w, n) for key, v, w, n in zip(kjt.keys(), values, weights_split, lengths, strict=True)}
 
 

@@ -43,7 +43,11 @@ def check_jagged_parts(
     lengths: torch.Tensor | None,
     offsets: torch.Tensor | None,
 ) -> None:
-    """Values, weights, lengths and offsets describe the same jagged layout (``values [N, *]``)."""
+    """Values, weights, lengths and offsets describe the same jagged layout (``values [N, *]``).
+
+    ``values`` may be longer than the bags need (torchrec and FBGEMM allow a slack tail, which every op ignores);
+    shorter is an error.
+    """
     check_tensor(values, "values")
     if values.dim() == 0:
         raise ValueError("values must have at least 1 dimension, got a scalar")
@@ -62,10 +66,10 @@ def check_jagged_parts(
         return
     num_values = values.shape[0]
     if lengths is not None:
-        check_lengths_total(lengths, "lengths", num_values)
+        check_lengths_total(lengths, "lengths", num_values, allow_slack=True)
     if offsets is not None:
         if offsets.numel():
-            check_offsets(offsets, "offsets", total=num_values)
+            check_offsets(offsets, "offsets", capacity=num_values)
         elif num_values:
             raise ValueError(f"offsets is empty (no bags) but values has {num_values} entries")
     if lengths is not None and offsets is not None and offsets.numel():

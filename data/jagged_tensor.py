@@ -121,12 +121,14 @@ class JaggedTensor:
     # ------------------------------------------------------------------------------------------------ conversions
     def to_dense(self) -> list[torch.Tensor]:
         """One tensor per bag (views into ``values``)."""
-        return list(self._values.split(self.lengths().tolist()))
+        sizes = self.lengths().tolist()
+        return list(self._values[: sum(sizes)].split(sizes))
 
     def to_dense_weights(self) -> list[torch.Tensor] | None:
         if self._weights is None:
             return None
-        return list(self._weights.split(self.lengths().tolist()))
+        sizes = self.lengths().tolist()
+        return list(self._weights[: sum(sizes)].split(sizes))
 
     def _padded(self, source: torch.Tensor, desired_length: int | None, padding_value: float) -> torch.Tensor:
         lengths = self.lengths()

@@ -203,10 +203,13 @@ class KeyedJaggedTensor:
             return KeyedJaggedTensor.empty()
         strides = [jt.lengths().numel() for jt in jts]
         uniform = all(s == strides[0] for s in strides)
+        used = [int(jt.offsets()[-1].item()) if jt.offsets().numel() else 0 for jt in jts]  # drop slack tails
         return KeyedJaggedTensor(
             keys=list(jt_dict.keys()),
-            values=torch.cat([jt.values() for jt in jts]),
-            weights=torch.cat([jt.weights() for jt in jts]) if weighted == {True} else None,
+            values=torch.cat([jt.values()[:n] for jt, n in zip(jts, used, strict=True)]),
+            weights=(
+                torch.cat([jt.weights()[:n] for jt, n in zip(jts, used, strict=True)]) if weighted == {True} else None
+            ),
             lengths=torch.cat([jt.lengths() for jt in jts]),
             stride=strides[0] if uniform else None,
             stride_per_key_per_rank=None if uniform else [[s] for s in strides],
@@ -255,15 +258,19 @@ class KeyedJaggedTensor:
         strides = {k.stride() for k in kjt_list if k.keys()}
         if vbe == {False} and len(strides) > 1:
             raise ValueError(f"kjt_list members must share one stride, got strides {sorted(strides)}")
-        lpk_known = all(k.length_per_key_or_none() is not None for k in kjt_list)
+        used = [k.offset_per_key()[-1] if k.keys() else 0 for k in kjt_list]  # drop any slack tail of values
         return KeyedJaggedTensor._trusted(
             keys=[key for k in kjt_list for key in k.keys()],
-            values=torch.cat([k.values() for k in kjt_list]),
-            weights=torch.cat([k.weights() for k in kjt_list]) if weighted == {True} else None,
+            values=torch.cat([k.values()[:n] for k, n in zip(kjt_list, used, strict=True)]),
+            weights=(
+                torch.cat([k.weights()[:n] for k, n in zip(kjt_list, used, strict=True)])
+                if weighted == {True}
+                else None
+            ),
             lengths=torch.cat([k.lengths() for k in kjt_list]),
             stride=max(k.stride() for k in kjt_list) if vbe == {True} else (strides.pop() if strides else 0),
             strides=[row for k in kjt_list for row in k.stride_per_key_per_rank()] if vbe == {True} else None,
-            length_per_key=[n for k in kjt_list for n in k.length_per_key()] if lpk_known else None,
+            length_per_key=[n for k in kjt_list for n in k.length_per_key()],
         )
 
     # -------------------------------------------------------------------------------------------------- accessors

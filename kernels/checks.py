@@ -86,8 +86,8 @@ def check_index_range(t: torch.Tensor, name: str, high: torch.Tensor | int, what
         )
 
 
-def check_offsets(offsets: torch.Tensor, name: str, total: int | None = None) -> None:
-    """Value check: offsets start at 0, never decrease, and (if given) end at ``total``."""
+def check_offsets(offsets: torch.Tensor, name: str, total: int | None = None, capacity: int | None = None) -> None:
+    """Value check: offsets start at 0, never decrease, and end at ``total`` (or at most at ``capacity``)."""
     if not value_checks_enabled() or offsets.numel() == 0:
         return
     first = int(offsets[0].item())
@@ -100,16 +100,24 @@ def check_offsets(offsets: torch.Tensor, name: str, total: int | None = None) ->
             f"{name} must be non-decreasing, got {name}[{where}] = {offsets[where].item()} > "
             f"{name}[{where + 1}] = {offsets[where + 1].item()}"
         )
-    if total is not None and int(offsets[-1].item()) != total:
-        raise ValueError(f"{name} must end at {total} (the number of values), got {name}[-1] = {offsets[-1].item()}")
+    last = int(offsets[-1].item())
+    if total is not None and last != total:
+        raise ValueError(f"{name} must end at {total} (the number of values), got {name}[-1] = {last}")
+    if capacity is not None and last > capacity:
+        raise ValueError(f"{name}[-1] = {last} exceeds the number of values ({capacity})")
 
 
-def check_lengths_total(lengths: torch.Tensor, name: str, total: int, what: str = "values") -> None:
-    """Value check: ``lengths`` is non-negative and sums to ``total`` (the number of ``what``)."""
+def check_lengths_total(
+    lengths: torch.Tensor, name: str, total: int, what: str = "values", allow_slack: bool = False
+) -> None:
+    """Value check: ``lengths`` is non-negative and sums to ``total`` (the number of ``what``); with
+    ``allow_slack``, to at most ``total`` (a values buffer may be longer than the bags it holds, as in torchrec)."""
     check_nonnegative(lengths, name)
     if value_checks_enabled():
         got = int(lengths.sum().item()) if lengths.numel() else 0
-        if got != total:
+        if got > total:
+            raise ValueError(f"sum({name}) = {got} exceeds the number of {what} ({total})")
+        if got != total and not allow_slack:
             raise ValueError(f"sum({name}) = {got} does not match the number of {what} ({total})")
 
 

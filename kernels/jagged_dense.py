@@ -16,7 +16,7 @@ import torch
 
 from tritonrec.kernels._triton import tl, triton
 from tritonrec.kernels.backend import Backend, autotune, pow2_bucket, resolve_backend
-from tritonrec.kernels.checks import check_offsets, check_same_device, check_tensor, value_checks_enabled
+from tritonrec.kernels.checks import check_offsets, check_same_device, check_tensor
 
 
 def _tile_configs() -> list:
@@ -219,12 +219,7 @@ def jagged_to_padded_dense(
     _check_jagged(values, offsets)
     if not isinstance(max_len, int) or max_len < 0:
         raise ValueError(f"max_len must be a non-negative int, got max_len={max_len!r}")
-    if value_checks_enabled():
-        check_offsets(offsets, "offsets")
-        if int(offsets[-1].item()) > values.shape[0]:
-            raise ValueError(
-                f"offsets[-1] = {int(offsets[-1].item())} exceeds the number of values ({values.shape[0]})"
-            )
+    check_offsets(offsets, "offsets", capacity=values.shape[0])
     use_triton = resolve_backend(backend, values, offsets) == "triton"
     return _JaggedToPaddedDense.apply(values, offsets, max_len, float(padding_value), use_triton)
 
@@ -247,8 +242,7 @@ def dense_to_jagged(
         )
     if total_len is not None and (not isinstance(total_len, int) or total_len < 0):
         raise ValueError(f"total_len must be a non-negative int or None, got total_len={total_len!r}")
-    if value_checks_enabled():
-        check_offsets(offsets, "offsets", total=total_len)
+    check_offsets(offsets, "offsets", total=total_len)
     total = int(offsets[-1].item()) if total_len is None else total_len
     use_triton = resolve_backend(backend, dense, offsets) == "triton"
     return _DenseToJagged.apply(dense, offsets, total, use_triton)
