@@ -134,35 +134,42 @@ def _dense_to_jagged_triton(dense: torch.Tensor, offsets: torch.Tensor, total_le
     return out.reshape(total_len, *dense.shape[2:])
 
 
-def _positions(offsets: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For a [B, width] grid: flat value index of each cell, and whether the cell holds a value of its bag."""
-    starts = offsets[:-1].to(torch.int64)
-    lengths = offsets[1:].to(torch.int64) - starts
-    cols = torch.arange(width, device=offsets.device)
-    return starts[:, None] + cols, cols < lengths[:, None]
-
-
 def jagged_to_padded_dense_reference(
     values: torch.Tensor, offsets: torch.Tensor, max_len: int, padding_value: float = 0.0
 ) -> torch.Tensor:
-    """The specification: ``[N, *]`` values + ``[B + 1]`` offsets -> ``[B, max_len, *]``, padded, truncated."""
+    """The specification: ``[N, *]`` values + ``[B + 1]`` offsets -> ``[B, max_len, *]``, padded, truncated.
+
+    One gather: every output cell reads its value, or a padding row appended after the values.
+    """
     batch = offsets.numel() - 1
-    out = values.new_full((batch, max_len, *values.shape[1:]), padding_value)
-    src, filled = _positions(offsets, max_len)
-    out[filled] = values[src[filled]]
-    return out
+    starts = offsets[:-1].to(torch.int64)
+    lengths = offsets[1:].to(torch.int64) - starts
+    cols = torch.arange(max_len, device=offsets.device)
+    pad_row = int(offsets[-1].item())
+    src = torch.where(cols < lengths[:, None], starts[:, None] + cols, pad_row)
+    source = torch.cat([values[:pad_row], values.new_full((1, *values.shape[1:]), padding_value)])
+    return source.index_select(0, src.reshape(-1)).reshape(batch, max_len, *values.shape[1:])
 
 
 def dense_to_jagged_reference(dense: torch.Tensor, offsets: torch.Tensor, total_len: int | None = None) -> torch.Tensor:
     """The specification: ``[B, S, *]`` dense + ``[B + 1]`` offsets -> ``[total_len, *]`` jagged values.
 
-    Row ``j`` of bag ``b`` is ``dense[b, j]`` for ``j < S`` and zero past the dense length.
+    Row ``j`` of bag ``b`` is ``dense[b, j]`` for ``j < S`` and zero past the dense length. One gather.
     """
     total = int(offsets[-1].item()) if total_len is None else total_len
-    out = dense.new_zeros((total, *dense.shape[2:]))
-    dst, filled = _positions(offsets, dense.shape[1])
-    out[dst[filled]] = dense[filled]
-    return out
+    batch, dense_len = dense.shape[0], dense.shape[1]
+    starts = offsets[:-1].to(torch.int64)
+    lengths = offsets[1:].to(torch.int64) - starts
+    bag = torch.repeat_interleave(torch.arange(batch, device=dense.device), lengths, output_size=total)
+    position = torch.arange(total, device=dense.device) - starts.index_select(0, bag)
+    rows = dense.reshape(batch * dense_len, *dense.shape[2:])
+    beyond = position >= dense_len
+    if total and bool(beyond.any()):  # bags longer than the dense length: those rows are zeros
+        if not rows.shape[0]:
+            return dense.new_zeros((total, *dense.shape[2:]))
+        out = rows.index_select(0, torch.where(beyond, 0, bag * dense_len + position))
+        return out.masked_fill_(beyond.reshape(-1, *([1] * (dense.dim() - 2))), 0)
+    return rows.index_select(0, bag * dense_len + position)
 
 
 class _JaggedToPaddedDense(torch.autograd.Function):

@@ -147,20 +147,30 @@ def permute_2d_sparse_data_reference(
     weights: torch.Tensor | None = None,
     permuted_lengths_sum: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The specification (see module docstring). ``permuted_lengths_sum`` only saves the sync that computes it."""
-    permute = permute.to(device=lengths.device, dtype=torch.int64)
-    out_lengths = lengths.index_select(0, permute)
-    key_len = lengths.sum(dim=1, dtype=torch.int64)
-    key_start = lengths_to_offsets(key_len, backend="torch")[:-1]
-    out_key_len = key_len.index_select(0, permute)
-    out_key_start = lengths_to_offsets(out_key_len, backend="torch")[:-1]
-    total = int(out_key_len.sum().item()) if permuted_lengths_sum is None else permuted_lengths_sum
-    # Output row p of output key k reads input row p + (start of key permute[k]) - (start of output key k).
-    shift = key_start.index_select(0, permute) - out_key_start
-    gather = torch.arange(total, device=values.device) + torch.repeat_interleave(shift, out_key_len, output_size=total)
-    out_values = values.index_select(0, gather)
-    out_weights = None if weights is None else weights.index_select(0, gather)
+    """The specification (see module docstring): ``lengths[permute]`` and the permuted key spans concatenated.
+
+    Each key's values are one contiguous span, so the copy is one ``torch.cat`` of per-key views (memcpy speed on
+    CPU; the list has one entry per output key, never per bag). Reads ``T`` per-key totals on the host.
+    ``permuted_lengths_sum`` is accepted for FBGEMM compatibility and checked against the result.
+    """
+    permute_list = permute.tolist()
+    out_lengths = lengths.index_select(0, permute.to(device=lengths.device, dtype=torch.int64))
+    key_sizes = lengths.sum(dim=1).tolist() if lengths.numel() else [0] * lengths.shape[0]
+    used = sum(key_sizes)  # values may carry a slack tail past the last bag
+    value_spans = values[:used].split(key_sizes)
+    out_values = _cat_spans(value_spans, permute_list, values)
+    out_weights = None if weights is None else _cat_spans(weights[:used].split(key_sizes), permute_list, weights)
+    if permuted_lengths_sum is not None and permuted_lengths_sum != out_values.shape[0]:
+        raise ValueError(
+            f"permuted_lengths_sum = {permuted_lengths_sum} but the permuted keys hold {out_values.shape[0]} values"
+        )
     return out_lengths, out_values, out_weights
+
+
+def _cat_spans(spans: tuple[torch.Tensor, ...], order: list[int], like: torch.Tensor) -> torch.Tensor:
+    if not order:
+        return like.new_empty((0, *like.shape[1:]))
+    return torch.cat([spans[k] for k in order])
 
 
 def _check_permute_inputs(
