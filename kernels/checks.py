@@ -65,21 +65,24 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
 
 
 def check_nonnegative(t: torch.Tensor, name: str) -> None:
-    """Value check: no entry below zero (lengths, sizes, indices)."""
-    if value_checks_enabled() and t.numel() > 0:
-        negative = t < 0
-        if bool(negative.any()):
-            where = negative.reshape(-1).nonzero()[0].item()
-            raise ValueError(f"{name} must be non-negative, got {t.reshape(-1)[where].item()} at position {where}")
+    """Value check: no entry below zero (lengths, sizes, indices). One reduction; the position is only searched
+    for when there is an error to report."""
+    if value_checks_enabled() and t.numel() > 0 and bool(t.min() < 0):
+        where = int((t.reshape(-1) < 0).nonzero()[0].item())
+        raise ValueError(f"{name} must be non-negative, got {t.reshape(-1)[where].item()} at position {where}")
 
 
 def check_index_range(t: torch.Tensor, name: str, high: torch.Tensor | int, what: str = "bound") -> None:
     """Value check: ``0 <= t < high`` elementwise (``high`` may be a tensor broadcast against ``t``)."""
     if not value_checks_enabled() or t.numel() == 0:
         return
+    if isinstance(high, int):
+        low_value, high_value = torch.aminmax(t)
+        if int(low_value) >= 0 and int(high_value) < high:
+            return
     bad = (t < 0) | (t >= high)
     if bool(bad.any()):
-        where = bad.reshape(-1).nonzero()[0].item()
+        where = int(bad.reshape(-1).nonzero()[0].item())
         limit = high if isinstance(high, int) else torch.broadcast_to(high, t.shape).reshape(-1)[where].item()
         raise ValueError(
             f"{name} out of range: {name}[{where}] = {t.reshape(-1)[where].item()} is outside [0, {limit}) ({what})"
