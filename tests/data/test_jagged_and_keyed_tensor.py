@@ -97,3 +97,24 @@ def test_keyed_tensor_bad_input() -> None:
         KeyedTensor.regroup_as_dict([kt], [["a"]], ["x", "y"])
     with pytest.raises(TypeError, match="keys must be a list of str"):
         KeyedTensor([1], [5], torch.zeros(3, 5))  # type: ignore[list-item]
+
+
+def test_sparse_types_are_pytree_nodes() -> None:
+    """tree_map moves whole batches (tensors inside KJT/JT/KT are leaves; absent weights are not)."""
+    import torch.utils._pytree as pytree
+
+    from tritonrec.data import KeyedJaggedTensor, kjt_is_equal
+
+    kjt = KeyedJaggedTensor(["a", "b"], torch.arange(8), lengths=torch.tensor([2, 0, 1, 1, 1, 3]))
+    batch = {
+        "sparse": kjt,
+        "jt": JaggedTensor(VALUES, WEIGHTS, offsets=OFFSETS),
+        "kt": KeyedTensor(["x"], [2], torch.ones(3, 2)),
+    }
+    leaves, spec = pytree.tree_flatten(batch)
+    assert len(leaves) == 2 + 3 + 1  # kjt: values, lengths; jt: values, weights, offsets; kt: values
+    doubled = pytree.tree_map(lambda t: t * 2 if t.is_floating_point() else t, batch)
+    assert kjt_is_equal(doubled["sparse"].permute([1, 0]), kjt.permute([1, 0]))
+    assert torch.equal(doubled["jt"].weights(), 2 * WEIGHTS) and doubled["jt"].lengths().tolist() == [2, 0, 1, 1, 1, 3]
+    assert doubled["kt"]["x"].eq(2).all()
+    assert kjt_is_equal(pytree.tree_unflatten(leaves, spec)["sparse"], kjt)

@@ -1,0 +1,70 @@
+"""Register the sparse types as pytree nodes, so ``torch.utils._pytree.tree_map`` (device moves of whole batches),
+``torch.export`` and ``torch.compile`` see their tensors as leaves and rebuild them from a static context."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from tritonrec.data.jagged_tensor import JaggedTensor
+from tritonrec.data.keyed_jagged_tensor import KeyedJaggedTensor
+from tritonrec.data.keyed_tensor import KeyedTensor
+
+_FIELDS = ("_values", "_weights", "_lengths", "_offsets")
+
+
+def _present(obj: object) -> tuple[tuple[str, ...], list[torch.Tensor]]:
+    """Only the tensors that exist are children (so tree_map functions never see None); their names go in the
+    context."""
+    names = tuple(f for f in _FIELDS if getattr(obj, f) is not None)
+    return names, [getattr(obj, f) for f in names]
+
+
+def _flatten_jt(jt: JaggedTensor) -> tuple[list[torch.Tensor], tuple[str, ...]]:
+    names, children = _present(jt)
+    return children, names
+
+
+def _unflatten_jt(children: list[Any], context: tuple[str, ...]) -> JaggedTensor:
+    jt = JaggedTensor.__new__(JaggedTensor)
+    for name in _FIELDS:
+        setattr(jt, name, None)
+    for name, child in zip(context, children, strict=True):
+        setattr(jt, name, child)
+    return jt
+
+
+def _flatten_kjt(kjt: KeyedJaggedTensor) -> tuple[list[torch.Tensor], tuple]:
+    names, children = _present(kjt)
+    return children, (names, kjt._keys, kjt._stride, kjt._stride_per_key_per_rank, kjt._length_per_key)
+
+
+def _unflatten_kjt(children: list[Any], context: tuple) -> KeyedJaggedTensor:
+    names, keys, stride, strides, length_per_key = context
+    parts = dict(zip(names, children, strict=True))
+    kjt = KeyedJaggedTensor.__new__(KeyedJaggedTensor)
+    kjt._init(keys, parts["_values"], parts.get("_weights"), parts.get("_lengths"), parts.get("_offsets"), stride,
+              strides, length_per_key, None)  # fmt: skip
+    return kjt
+
+
+def _flatten_kt(kt: KeyedTensor) -> tuple[list[torch.Tensor], tuple]:
+    return [kt._values], (kt._keys, kt._length_per_key, kt._key_dim)
+
+
+def _unflatten_kt(children: list[Any], context: tuple) -> KeyedTensor:
+    keys, length_per_key, key_dim = context
+    return KeyedTensor(keys, length_per_key, children[0], key_dim)
+
+
+def register() -> None:
+    """Idempotent: registering twice (e.g. a module reload in a notebook) is a no-op."""
+    for cls, flatten, unflatten in (
+        (JaggedTensor, _flatten_jt, _unflatten_jt),
+        (KeyedJaggedTensor, _flatten_kjt, _unflatten_kjt),
+        (KeyedTensor, _flatten_kt, _unflatten_kt),
+    ):
+        if cls not in pytree.SUPPORTED_NODES:
+            pytree.register_pytree_node(cls, flatten, unflatten, serialized_type_name=f"tritonrec.data.{cls.__name__}")
