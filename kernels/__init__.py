@@ -11,6 +11,14 @@ from tritonrec.kernels.jagged_dense import (
     jagged_to_padded_dense_reference,
 )
 from tritonrec.kernels.lengths_to_offsets import lengths_to_offsets, lengths_to_offsets_reference, offsets_to_lengths
+from tritonrec.kernels.pack_sequences import (
+    PackedSequences,
+    pack_sequences,
+    pack_sequences_reference,
+    unpack_sequences,
+    unpack_sequences_reference,
+)
+from tritonrec.kernels.packing_plan import PackingPlan, bin_assignment, make_packing_plan
 from tritonrec.kernels.permute_sparse import (
     permute_1d_sparse_data,
     permute_2d_sparse_data,
@@ -19,7 +27,10 @@ from tritonrec.kernels.permute_sparse import (
 
 __all__ = [
     "Backend",
+    "PackedSequences",
+    "PackingPlan",
     "autotune_enabled",
+    "bin_assignment",
     "block_bucketize_sparse_features",
     "block_bucketize_sparse_features_reference",
     "dense_to_jagged",
@@ -28,12 +39,17 @@ __all__ = [
     "jagged_to_padded_dense_reference",
     "lengths_to_offsets",
     "lengths_to_offsets_reference",
+    "make_packing_plan",
     "offsets_to_lengths",
+    "pack_sequences",
+    "pack_sequences_reference",
     "permute_1d_sparse_data",
     "permute_2d_sparse_data",
     "permute_2d_sparse_data_reference",
     "resolve_backend",
     "set_autotune",
     "set_value_checks",
+    "unpack_sequences",
+    "unpack_sequences_reference",
     "value_checks_enabled",
 ]

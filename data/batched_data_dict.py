@@ -1,0 +1,414 @@
+"""``BatchedDataDict``: NeMo-RL's batch container (same names and semantics) for sharding rollouts across
+data-parallel ranks and cutting them into microbatches, with dynamic batching and sequence packing.
+
+Values are tensors (batch on dim 0; sequences on dim 1 where there is one) or Python lists, one entry per sample.
+Unlike NeMo-RL, bad input raises ``ValueError`` (or ``TypeError`` for types) naming the argument and the offending
+value, where NeMo-RL asserts. Microbatches from a sequence-packed shard also carry their packed tokens
+(:attr:`BatchedDataDict.packed_sequences`, built by :func:`tritonrec.kernels.pack_sequences.pack_sequences`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import UserDict
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Generic, Literal, TypedDict, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tritonrec.data.batch_gather import all_gather_data
+from tritonrec.data.batch_sharding import (
+    check_args,
+    dynamic_batching_order,
+    dynamic_microbatches,
+    sequence_packing_plan,
+    shard_rows,
+)
+from tritonrec.kernels.backend import Backend
+from tritonrec.kernels.pack_sequences import PackedSequences, make_packing_plan, pack_sequences
+
+try:
+    from typing import NotRequired
+except ImportError:  # Python 3.10
+    from typing_extensions import NotRequired
+
+DictT = TypeVar("DictT", bound=Mapping[str, Any])
+Indices = Sequence[int] | np.ndarray | torch.Tensor
+
+
+class SequencePackingArgs(TypedDict):
+    """Pass to ``shard_by_batch_size`` to pack each shard's sequences into microbatches."""
+
+    max_tokens_per_microbatch: int  # bin capacity, in padded tokens
+    input_key: str  # the [B, S, *] tensor to pack (used by make_microbatch_iterator_for_packable_sequences)
+    input_lengths_key: str  # per-sample sequence lengths
+    algorithm: str  # a tritonrec.data.packing algorithm name
+    microbatch_order: NotRequired[Literal["packer", "largest_first"]]  # run a rank's bins in packer order (default)
+    balance_ranks: NotRequired[bool]  # reorder bins so the round-robin deal balances tokens across ranks (tritonrec)
+    sequence_length_pad_multiple: int  # pad every sequence to a multiple of this (context-parallel alignment)
+
+
+class DynamicBatchingArgs(TypedDict):
+    """Pass to ``shard_by_batch_size`` to form microbatches of similar lengths under a token budget."""
+
+    max_tokens_per_microbatch: int  # rows x padded length of a microbatch stays at or below this
+    sequence_length_round: int  # round each microbatch's sequence length up to this multiple
+    input_key: str  # the [B, S, *] tensor (S bounds the padded lengths)
+    input_lengths_key: str  # per-sample sequence lengths
+
+
+def _rows(value: Any, key: str) -> int:
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            raise ValueError(f"value for key {key!r} must have a batch dimension, got a 0-d tensor")
+        return value.shape[0]
+    if isinstance(value, list):
+        return len(value)
+    raise TypeError(f"values must be tensors or lists, got {type(value).__name__} for key {key!r}")
+
+
+def _take(value: Any, rows: Indices) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value[torch.as_tensor(rows, dtype=torch.int64, device=value.device)]
+    positions = rows.tolist() if isinstance(rows, (torch.Tensor, np.ndarray)) else rows
+    return [value[i] for i in positions]
+
+
+def _stack(values: list[Any], key: str, pad_value: float) -> Any:
+    """One key of ``from_batches``: lists flatten, 1-D tensors concatenate, others pad dim 1 and concatenate."""
+    if all(isinstance(v, list) for v in values):
+        return [item for v in values for item in v]
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        raise TypeError(f"key {key!r} mixes types {sorted({type(v).__name__ for v in values})}; use tensors or lists")
+    ranks = {v.dim() for v in values}
+    if ranks == {1}:
+        return torch.cat(values)
+    if len(ranks) > 1 or 0 in ranks:
+        raise ValueError(f"key {key!r} has tensors of ranks {sorted(ranks)}; they must share one rank >= 1")
+    trailing = {tuple(v.shape[2:]) for v in values}
+    if len(trailing) > 1:
+        raise ValueError(f"key {key!r} has tensors whose dims after the sequence dim differ: {sorted(trailing)}")
+    longest = max(v.shape[1] for v in values)
+    dims_after = 2 * (values[0].dim() - 2)
+    padded = [
+        torch.nn.functional.pad(v, (0,) * dims_after + (0, longest - v.shape[1]), value=pad_value) for v in values
+    ]
+    return torch.cat(padded)
+
+
+class BatchedDataDict(UserDict, Generic[DictT]):
+    """A dict of per-sample values sharing one batch size (see the module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.micro_batch_indices: list[list[list[int]]] | None = None  # per batch: [start, end] per microbatch
+        self.micro_batch_lengths: list[list[int]] | None = None  # per batch: padded tokens per microbatch
+        self.elem_counts_per_gb: list[int] | None = None  # per batch: rows (sequence packing)
+        self.sequence_packing_args: SequencePackingArgs | None = None
+        self._pack_options: tuple[float, Backend] | None = None  # set on microbatches of packed shards
+        self._packed_sequences: PackedSequences | None = None
+
+    @classmethod
+    def from_batches(
+        cls, batches: Sequence[Mapping[str, Any]], pad_value_dict: dict[str, float] | None = None
+    ) -> BatchedDataDict:
+        """Concatenate batches key by key; tensors of rank >= 2 are padded along dim 1 to the longest, with
+        ``pad_value_dict[key]`` (default 0). A key may be absent only from empty batches."""
+        stacked = cls()
+        pad_value_dict = pad_value_dict or {}
+        if not batches:
+            return stacked
+
+        def rows(batch: Mapping[str, Any]) -> int:
+            return _rows(next(iter(batch.values())), "first key") if batch else 0
+
+        for key in sorted({key for batch in batches for key in batch}):
+            missing = [i for i, batch in enumerate(batches) if key not in batch and rows(batch)]
+            if missing:
+                raise KeyError(f"Key {key!r} is missing from non-empty batches {missing}.")
+            stacked[key] = _stack([batch[key] for batch in batches if key in batch], key, pad_value_dict.get(key, 0))
+        return stacked
+
+    def _uniform_size(self) -> int:
+        sizes = {key: _rows(value, key) for key, value in self.data.items()}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"Batch sizes are not the same across the rollout batch, found sizes per key: {sizes}")
+        return next(iter(sizes.values()), 0)
+
+    def _select_rows(self, rows: Indices) -> dict[str, Any]:
+        return {key: _take(value, rows) for key, value in self.data.items()}
+
+    def _lengths(self, key: str, args_name: str) -> np.ndarray:
+        if key not in self.data:
+            raise ValueError(f"{args_name} names input_lengths_key={key!r}, which is not a key of the batch")
+        value = self.data[key]
+        lengths = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+        if lengths.ndim != 1 or not np.issubdtype(lengths.dtype, np.integer):
+            raise ValueError(
+                f"{args_name}: batch[{key!r}] must hold one integer length per sample, "
+                f"got dtype {lengths.dtype} and shape {lengths.shape}"
+            )
+        if lengths.size and int(lengths.min()) < 0:
+            raise ValueError(f"{args_name}: batch[{key!r}] holds a negative length {int(lengths.min())}")
+        return lengths.astype(np.int64)
+
+    def all_gather(self, group: dist.ProcessGroup | None = None) -> BatchedDataDict:
+        """Every rank's rows concatenated in rank order (ranks may hold different numbers of rows)."""
+        return type(self)(all_gather_data(self.data, group))
+
+    def chunk(self, rank: int, chunks: int) -> SlicedDataDict:
+        """The ``rank``-th of ``chunks`` equal contiguous parts (``size`` must divide evenly); tensors are copied."""
+        total = self._uniform_size()
+        if not isinstance(chunks, int) or chunks < 1 or total % chunks:
+            raise ValueError(f"batch size ({total}) is not a multiple of chunks ({chunks!r})")
+        if not isinstance(rank, int) or not 0 <= rank < chunks:
+            raise ValueError(f"rank must be in [0, chunks={chunks}), got rank={rank!r}")
+        return SlicedDataDict(self._select_rows(torch.arange(total).tensor_split(chunks)[rank]))
+
+    def reorder_data(self, reorded_indices: Indices) -> None:
+        """Undo a shuffle in place: row ``j`` now came from original row ``reorded_indices[j]`` (the indices that
+        ``shard_by_batch_size`` returns), so afterwards the rows are back in original order."""
+        total = self._uniform_size()
+        indices = torch.as_tensor(reorded_indices, dtype=torch.int64).reshape(-1)
+        if indices.numel() != total or not torch.equal(torch.sort(indices).values, torch.arange(total)):
+            raise ValueError(f"reorded_indices must be a permutation of range({total}), got {indices.tolist()[:16]}...")
+        self.data = self._select_rows(torch.argsort(indices))
+
+    def shard_by_batch_size(
+        self,
+        shards: int,
+        batch_size: int | None = None,
+        allow_uneven_shards: bool = False,
+        dynamic_batching_args: DynamicBatchingArgs | None = None,
+        sequence_packing_args: SequencePackingArgs | None = None,
+    ) -> list[SlicedDataDict] | tuple[list[SlicedDataDict], list[int]]:
+        """Cut the batch into ``batch_size`` chunks and give shard ``s`` its part of every chunk (see
+        :mod:`tritonrec.data.batch_sharding`). With dynamic batching or sequence packing, also returns the
+        original row of every sharded row (shard after shard), which ``reorder_data`` inverts."""
+        if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+            raise ValueError(f"shards must be a positive int, got shards={shards!r}")
+        if allow_uneven_shards and batch_size is not None:
+            raise ValueError(f"batch_size must be None if allow_uneven_shards is True, got batch_size={batch_size!r}")
+        if dynamic_batching_args is not None and sequence_packing_args is not None:
+            raise ValueError("dynamic_batching_args and sequence_packing_args cannot be passed together")
+        total = self._uniform_size()
+        batch_size = total if batch_size is None else batch_size
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int (or None for the whole batch), got {batch_size!r}")
+        if total % batch_size:
+            raise ValueError(f"Total batch size ({total}) is not a multiple of batch_size ({batch_size})")
+        if not allow_uneven_shards and batch_size % shards:
+            raise ValueError(f"Batch size ({batch_size}) is not a multiple of shards ({shards})")
+
+        if dynamic_batching_args is not None:
+            args = dynamic_batching_args
+            check_args(
+                args,
+                "dynamic_batching_args",
+                ("max_tokens_per_microbatch", "sequence_length_round"),
+                ("input_key", "input_lengths_key"),
+            )
+            if allow_uneven_shards:
+                raise ValueError("dynamic batching deals rows round-robin and needs allow_uneven_shards=False")
+            lengths = self._lengths(args["input_lengths_key"], "dynamic_batching_args")
+            inputs = self.data.get(args["input_key"])
+            if not isinstance(inputs, torch.Tensor) or inputs.dim() < 2:
+                raise ValueError(
+                    f"dynamic_batching_args['input_key']={args['input_key']!r} must name a [B, S, *] tensor"
+                )
+            order = dynamic_batching_order(lengths, batch_size, shards)
+            indices, microbatch_lengths = dynamic_microbatches(
+                lengths[order],
+                batch_size,
+                shards,
+                args["max_tokens_per_microbatch"],
+                args["sequence_length_round"],
+                inputs.shape[1],
+            )
+            sharded, sharded_order = [], []
+            for rows in shard_rows(total, batch_size, shards, False):
+                sharded_order += order[rows].tolist()
+                shard = SlicedDataDict(self._select_rows(order[rows]))
+                shard.micro_batch_indices, shard.micro_batch_lengths = (
+                    copy.deepcopy(indices),
+                    copy.deepcopy(microbatch_lengths),
+                )
+                sharded.append(shard)
+            # Shard-major, like the packing branch, so from_batches(shards).reorder_data(indices) restores the batch
+            # with any number of chunks (NeMo-RL returns the chunk-major order; the two agree for a single chunk).
+            return sharded, sharded_order
+
+        if sequence_packing_args is not None:
+            args = sequence_packing_args
+            check_args(
+                args,
+                "sequence_packing_args",
+                ("max_tokens_per_microbatch", "sequence_length_pad_multiple"),
+                ("input_key", "input_lengths_key"),
+                other=("algorithm",),
+            )
+            plans = sequence_packing_plan(
+                self._lengths(args["input_lengths_key"], "sequence_packing_args"), batch_size, shards, args
+            )
+            sharded = []
+            for plan in plans:
+                shard = SlicedDataDict(self._select_rows(plan.rows))
+                shard.micro_batch_indices, shard.micro_batch_lengths = (
+                    plan.micro_batch_indices,
+                    plan.micro_batch_lengths,
+                )
+                shard.elem_counts_per_gb, shard.sequence_packing_args = plan.elem_counts_per_gb, dict(args)  # type: ignore[assignment]
+                sharded.append(shard)
+            return sharded, [row for plan in plans for row in plan.rows]
+
+        return [
+            SlicedDataDict(self._select_rows(rows))
+            for rows in shard_rows(total, batch_size, shards, allow_uneven_shards)
+        ]
+
+    def get_batch(self, batch_idx: int, batch_size: int | None = None) -> SlicedDataDict:
+        """The ``batch_idx``-th global batch of a shard (its rows and its microbatch metadata)."""
+        if self.elem_counts_per_gb is not None:
+            counts = self.elem_counts_per_gb
+            if not 0 <= batch_idx < len(counts):
+                raise ValueError(f"batch_idx must be in [0, {len(counts)}), got batch_idx={batch_idx!r}")
+            start = sum(counts[:batch_idx])
+            batch = self.slice(start, start + counts[batch_idx])
+            batch.elem_counts_per_gb = [counts[batch_idx]]
+            batch.sequence_packing_args = self.sequence_packing_args
+        else:
+            if not isinstance(batch_size, int) or batch_size < 1:
+                raise ValueError(f"batch_size must be a positive int for this dict, got batch_size={batch_size!r}")
+            batch = self.slice(batch_size * batch_idx, batch_size * (batch_idx + 1))
+        if self.micro_batch_indices is not None and self.micro_batch_lengths is not None:
+            batch.micro_batch_indices = [self.micro_batch_indices[batch_idx]]
+            batch.micro_batch_lengths = [self.micro_batch_lengths[batch_idx]]
+        return batch
+
+    def slice(self, start: int, end: int) -> SlicedDataDict:
+        """Rows ``start:end``."""
+        total = self._uniform_size()
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= total):
+            raise ValueError(f"need 0 <= start <= end <= size ({total}), got start={start!r}, end={end!r}")
+        return SlicedDataDict({key: value[start:end] for key, value in self.data.items()})
+
+    def repeat_interleave(self, num_repeats: int) -> BatchedDataDict:
+        """Every row ``num_repeats`` times in a row (list items are deep-copied)."""
+        if isinstance(num_repeats, bool) or not isinstance(num_repeats, int) or num_repeats < 0:
+            raise ValueError(f"num_repeats must be an int >= 0, got num_repeats={num_repeats!r}")
+        repeated = type(self)()
+        for key, value in self.data.items():
+            if isinstance(value, torch.Tensor):
+                repeated[key] = value.repeat_interleave(num_repeats, dim=0)
+            else:
+                repeated[key] = [copy.deepcopy(item) for item in value for _ in range(num_repeats)]
+        return repeated
+
+    def truncate_tensors(self, dim: int, truncated_len: int) -> None:
+        """Keep the first ``truncated_len`` entries along ``dim`` of every tensor that has that dim, in place."""
+        for key, value in self.data.items():
+            if isinstance(value, torch.Tensor) and value.dim() > dim:
+                if truncated_len > value.shape[dim]:
+                    raise ValueError(
+                        f"truncated_len={truncated_len} exceeds dim {dim} of {key!r} ({tuple(value.shape)})"
+                    )
+                self.data[key] = value.narrow(dim, 0, truncated_len)
+
+    def make_microbatch_iterator(self, microbatch_size: int) -> Iterator[SlicedDataDict]:
+        """Consecutive slices of ``microbatch_size`` rows (which must divide ``size``)."""
+        total = self.size
+        if not isinstance(microbatch_size, int) or microbatch_size < 1 or total % microbatch_size:
+            raise ValueError(f"Data dict size ({total}) is not a multiple of microbatch_size={microbatch_size!r}")
+        for start in range(0, total, microbatch_size):
+            yield self.slice(start, start + microbatch_size)
+
+    def _single_batch_microbatches(self, what: str) -> tuple[list[list[int]], list[int]]:
+        if self.micro_batch_indices is None or self.micro_batch_lengths is None or len(self.micro_batch_indices) != 1:
+            raise ValueError(
+                f"{what} needs microbatch metadata for exactly one batch: shard with dynamic_batching_args or "
+                "sequence_packing_args, then take get_batch(i)"
+            )
+        return self.micro_batch_indices[0], self.micro_batch_lengths[0]
+
+    def make_microbatch_iterator_with_dynamic_shapes(self, sequence_dim: int = 1) -> Iterator[SlicedDataDict]:
+        """Dynamic-batching microbatches, each truncated along ``sequence_dim`` to its padded length."""
+        indices, lengths = self._single_batch_microbatches("make_microbatch_iterator_with_dynamic_shapes")
+        for (start, end), length in zip(indices, lengths, strict=True):
+            microbatch = self.slice(start, end)
+            microbatch.truncate_tensors(dim=sequence_dim, truncated_len=length)
+            yield microbatch
+
+    def get_microbatch_iterator_dynamic_shapes_len(self) -> int:
+        return len(self._single_batch_microbatches("get_microbatch_iterator_dynamic_shapes_len")[0])
+
+    def make_microbatch_iterator_for_packable_sequences(
+        self, padding_value: float = 0, backend: Backend = "auto"
+    ) -> Iterator[SlicedDataDict]:
+        """Sequence-packing microbatches (one bin each). On shards made with ``sequence_packing_args``, each one's
+        :attr:`packed_sequences` holds its ``input_key`` tensor packed into one flat buffer (built on first access)."""
+        indices, _ = self._single_batch_microbatches("make_microbatch_iterator_for_packable_sequences")
+        for start, end in indices:
+            microbatch = self.slice(start, end)
+            if self.sequence_packing_args is not None:
+                microbatch.sequence_packing_args = self.sequence_packing_args
+                microbatch._pack_options = (padding_value, backend)
+            yield microbatch
+
+    @property
+    def packed_sequences(self) -> PackedSequences | None:
+        """For a microbatch of a packed shard: ``pack_sequences`` of its ``input_key`` tensor, every sequence padded
+        to ``sequence_length_pad_multiple``, in one flat buffer with ``cu_seqlens``, position and segment ids
+        (scatter model outputs back with ``unpack_sequences(outputs, mb.packed_sequences.plan)``). Built on first
+        access, then cached; None for other dicts."""
+        if self._packed_sequences is None and self._pack_options is not None:
+            self._packed_sequences = self._pack(*self._pack_options)
+        return self._packed_sequences
+
+    def _pack(self, padding_value: float, backend: Backend) -> PackedSequences:
+        args = self.sequence_packing_args
+        assert args is not None
+        inputs = self.data[args["input_key"]]
+        if not isinstance(inputs, torch.Tensor) or inputs.dim() < 2:
+            raise ValueError(f"sequence_packing_args['input_key']={args['input_key']!r} must name a [B, S, *] tensor")
+        # The plan's [B]-sized index math runs on the host (no device syncs), then moves with one copy.
+        lengths = torch.as_tensor(self.data[args["input_lengths_key"]], dtype=torch.int64).cpu()
+        count = inputs.shape[0]
+        plan = make_packing_plan(
+            torch.arange(count),
+            torch.tensor([0, count]),
+            lengths=lengths,
+            padded_len=inputs.shape[1],
+            pad_to_multiple=int(args["sequence_length_pad_multiple"]),
+        )
+        return pack_sequences(inputs, plan.to(inputs.device), padding_value=padding_value, backend=backend)
+
+    def get_microbatch_iterator_for_packable_sequences_len(self) -> tuple[int, int]:
+        """(number of packed microbatches, largest packed length)."""
+        indices, lengths = self._single_batch_microbatches("get_microbatch_iterator_for_packable_sequences_len")
+        return len(indices), max(lengths)
+
+    @property
+    def size(self) -> int:
+        """Rows of the first value (0 when empty)."""
+        return _rows(next(iter(self.data.values())), next(iter(self.data))) if self.data else 0
+
+    def to(self, device: str | torch.device) -> BatchedDataDict:
+        """Move every tensor to ``device`` in place; returns self."""
+        for key, value in self.data.items():
+            if isinstance(value, torch.Tensor):
+                self.data[key] = value.to(device)
+        return self
+
+    def select_indices(self, indices: Indices) -> BatchedDataDict:
+        """The rows at ``indices`` (any order, repeats allowed)."""
+        return type(self)(self._select_rows(indices))
+
+    def get_dict(self) -> dict[Any, Any]:
+        """The underlying dict."""
+        return self.data
+
+
+class SlicedDataDict(BatchedDataDict):
+    """A slice or shard of a larger batch (a distinct type for readers and type checkers)."""
