@@ -1,0 +1,301 @@
+"""INT8 row-wise comm encoding (FBGEMM's fused 8-bit row-wise layout) with nearest-even or stochastic rounding.
+
+Byte layout, per group of ``row_dim`` consecutive values (see :mod:`.rowwise`), ``ceil4(row_dim) + 8`` bytes
+(40 for the default ``row_dim = 32``):
+
+    [0, row_dim)                   uint8 codes, value j at byte j
+    [row_dim, ceil4(row_dim))      zero
+    [ceil4(row_dim), +4)           fp32 scale = (max - min) / 255, little-endian
+    [ceil4(row_dim) + 4, +4)       fp32 bias = min, little-endian
+
+with ``code = round_half_even((x - min) / scale)`` (0 when ``scale == 0``: constant rows decode exactly) and decode
+``code * scale + bias``. For ``row_dim % 4 == 0`` this is byte-compatible with FBGEMM's
+``Fused8BitRowwiseQuantizedToFloat``. A zero ``min`` is stored as +0.0 whatever the sign of the input zeros.
+
+Non-finite policy ("propagate"): the codes cannot hold NaN, so a group holding a NaN or Inf, or whose ``max - min``
+overflows fp32, gets scale = bias = NaN and decodes to NaN in every position; it never decodes to finite numbers.
+``nonfinite="raise"`` rejects such input instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tritonrec.kernels._triton import tl, triton
+from tritonrec.kernels.backend import Backend, autotune, pow2_bucket, resolve_backend
+from tritonrec.kernels.codecs import bits_reference as ref
+from tritonrec.kernels.codecs.bits import output_view, random_bits, store_output
+from tritonrec.kernels.codecs.formats import (
+    NonFinitePolicy,
+    ceil4,
+    check_encoded,
+    check_float32_input,
+    check_nonfinite_policy,
+    check_output_dtype,
+    check_row_dim,
+    check_seed,
+    int8_row_bytes,
+    stream_keys,
+)
+from tritonrec.kernels.codecs.rowwise import (
+    decoded_shape,
+    encoded_shape,
+    groups_per_program,
+    launch_geometry,
+    load_group_tile,
+    load_le_word,
+    pack_bytes_le,
+    padded_groups,
+    row_p2,
+    tile_configs,
+)
+
+_INV_2_POW_24 = 5.9604644775390625e-08  # 2**-24: turns 24 random bits into a uniform fp32 in [0, 1), exactly
+
+
+@autotune(configs=tile_configs(), key=["G_BUCKET", "ROW_P2", "STOCHASTIC"])
+@triton.heuristics({"BLOCK_G": groups_per_program})
+@triton.jit(do_not_specialize=["k1", "k2"])
+def _int8_encode_kernel(
+    x_ptr,
+    words_ptr,
+    num_groups,
+    cols,
+    groups_per_row,
+    row_stride,
+    row_dim,
+    words_per_row,
+    k1,
+    k2,
+    G_BUCKET,
+    STOCHASTIC: tl.constexpr,
+    ROW_P2: tl.constexpr,
+    ELEMS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):
+    """Encode BLOCK_G groups; ``words_ptr`` is the int32 view of the ``[G, ceil4(row_dim) + 8]`` byte output."""
+    group, member, in_group, x = load_group_tile(
+        x_ptr, num_groups, cols, groups_per_row, row_stride, row_dim, BLOCK_G, ROW_P2
+    )
+    nonfinite = (x.to(tl.uint32, bitcast=True) & 0x7F800000) == 0x7F800000
+    usable = in_group & ~nonfinite
+    low = tl.min(tl.where(usable, x, float("inf")), axis=1) + 0.0  # -0.0 -> +0.0: one bit pattern for zero
+    high = tl.max(tl.where(usable, x, float("-inf")), axis=1) + 0.0
+    span = high - low
+    poisoned = (tl.max(nonfinite.to(tl.int32), axis=1) > 0) | (span == float("inf"))
+    # IEEE divisions (Triton's default fp32 '/' is approximate on GPUs).
+    scale = tl.math.div_rn(span, 255.0)
+    has_scale = (scale > 0.0) & ~poisoned
+    safe_scale = tl.where(has_scale, scale, 1.0)
+    q = tl.where(has_scale[:, None] & usable, tl.math.div_rn(x - low[:, None], safe_scale[:, None]), 0.0)
+    # 0 <= q < 2**24, so truncation is the floor and the fraction is exact (no libdevice floor: it flushes subnormals).
+    base = q.to(tl.int32)
+    frac = q - base.to(tl.float32)
+    if STOCHASTIC:
+        rand = random_bits(group[:, None] * row_dim + member[None, :], k1, k2)
+        up = (rand >> 8).to(tl.float32) * 5.9604644775390625e-08 < frac  # uniform in [0, 1) on a 2**-24 grid
+    else:
+        up = (frac > 0.5) | ((frac == 0.5) & ((base & 1) == 1))
+    code = tl.minimum(tl.maximum(base + up.to(tl.int32), 0), 255)
+    code = tl.where(in_group & ~poisoned[:, None], code, 0).to(tl.uint32)
+    nan = tl.full(scale.shape, 0x7FC00000, tl.uint32)
+    scale_bits = tl.where(poisoned, nan, scale.to(tl.uint32, bitcast=True))
+    bias_bits = tl.where(poisoned, nan, low.to(tl.uint32, bitcast=True))
+    words = pack_bytes_le(code, BLOCK_G, ROW_P2)
+    word = tl.arange(0, ROW_P2 // 4)
+    code_words = words_per_row - 2
+    real = group < num_groups
+    row_words = words_ptr + group * words_per_row
+    tl.store(row_words[:, None] + word[None, :], words, mask=real[:, None] & (word < code_words)[None, :])
+    tl.store(row_words + code_words, scale_bits.to(tl.int32, bitcast=True), mask=real)
+    tl.store(row_words + code_words + 1, bias_bits.to(tl.int32, bitcast=True), mask=real)
+
+
+@autotune(configs=tile_configs(), key=["G_BUCKET", "ROW_P2", "OUT_KIND"])
+@triton.heuristics({"BLOCK_G": groups_per_program})
+@triton.jit
+def _int8_decode_kernel(
+    q_ptr,
+    out_ptr,
+    num_groups,
+    row_dim,
+    row_bytes,
+    G_BUCKET,
+    OUT_KIND: tl.constexpr,
+    ROW_P2: tl.constexpr,
+    ELEMS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):
+    """out[g * row_dim + j] = code[g, j] * scale[g] + bias[g], rounded twice (launched without FMA contraction)."""
+    group = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
+    member = tl.arange(0, ROW_P2)
+    real = group < num_groups
+    in_group = real[:, None] & (member < row_dim)[None, :]
+    row = q_ptr + group * row_bytes
+    code = tl.load(row[:, None] + member[None, :], mask=in_group, other=0).to(tl.float32)
+    scale = load_le_word(row + row_bytes - 8, real).to(tl.float32, bitcast=True)
+    bias = load_le_word(row + row_bytes - 4, real).to(tl.float32, bitcast=True)
+    value = code * scale[:, None] + bias[:, None]
+    store_output(out_ptr, group[:, None] * row_dim + member[None, :], in_group, value, OUT_KIND)
+
+
+def _quantize_int8_triton(input: torch.Tensor, row_dim: int, stochastic_rounding: bool, seed: int) -> torch.Tensor:
+    matrix, _, cols, per_row, num_groups = launch_geometry(input, row_dim)
+    row_bytes = int8_row_bytes(row_dim)
+    out = torch.empty(encoded_shape(input, row_dim, row_bytes), dtype=torch.uint8, device=input.device)
+    if num_groups:
+        k1, k2 = stream_keys(seed)
+        _int8_encode_kernel[lambda meta: (triton.cdiv(num_groups, meta["BLOCK_G"]),)](
+            matrix,
+            out.view(torch.int32),
+            num_groups,
+            cols,
+            per_row,
+            matrix.stride(0),
+            row_dim,
+            row_bytes // 4,
+            k1,
+            k2,
+            pow2_bucket(num_groups),
+            STOCHASTIC=stochastic_rounding,
+            ROW_P2=row_p2(row_dim),
+            enable_fp_fusion=False,
+        )
+    return out
+
+
+def _dequantize_int8_triton(input: torch.Tensor, row_dim: int, units: int, output_dtype: torch.dtype) -> torch.Tensor:
+    out = torch.empty(decoded_shape(input, units, row_dim), dtype=output_dtype, device=input.device)
+    num_groups = out.numel() // row_dim
+    if num_groups:
+        out_arg, kind = output_view(out)
+        _int8_decode_kernel[lambda meta: (triton.cdiv(num_groups, meta["BLOCK_G"]),)](
+            input.contiguous(),
+            out_arg,
+            num_groups,
+            row_dim,
+            int8_row_bytes(row_dim),
+            pow2_bucket(num_groups),
+            OUT_KIND=kind,
+            ROW_P2=row_p2(row_dim),
+            enable_fp_fusion=False,
+        )
+    return out
+
+
+def quantize_int8_rowwise_reference(
+    input: torch.Tensor, row_dim: int = 32, stochastic_rounding: bool = False, seed: int = 0
+) -> torch.Tensor:
+    """The specification of :func:`quantize_int8_rowwise`."""
+    groups = padded_groups(input, row_dim)
+    low = groups.amin(dim=1, keepdim=True) + 0.0  # -0.0 -> +0.0 (NaN propagates)
+    high = groups.amax(dim=1, keepdim=True) + 0.0
+    span = high - low
+    poisoned = ~torch.isfinite(span)  # a NaN/Inf in the group, or max - min beyond fp32
+    # Divide by device tensors, not Python scalars: CUDA torch turns scalar division into a reciprocal multiply.
+    scale = span / span.new_tensor(255.0)
+    has_scale = (scale > 0) & ~poisoned
+    safe_scale = torch.where(has_scale, scale, 1.0)
+    if stochastic_rounding or bool(poisoned.any()):
+        rand = ref.random_bits(groups.numel(), seed, input.device).view(groups.shape) if stochastic_rounding else None
+        code = _round_codes(groups, low, safe_scale, has_scale, poisoned, rand)
+    else:
+        # Finite groups with nearest-even rounding: torch.round is half-to-even, the same as the floor/fraction rule
+        # of _round_codes for 0 <= q < 2**23, and a group without a scale has q <= span < 2**-140, which rounds to 0.
+        code = ((groups - low) / safe_scale).round_().clamp_(0, 255).to(torch.uint8)
+    out = torch.empty((groups.shape[0], int8_row_bytes(row_dim)), dtype=torch.uint8, device=input.device)
+    out[:, :row_dim] = code
+    out[:, row_dim : ceil4(row_dim)] = 0
+    meta = torch.cat([scale, low], dim=1).masked_fill(poisoned, torch.nan)
+    out[:, ceil4(row_dim) :] = ref.cast_with_canonical_nan(meta, torch.float32).view(torch.uint8)
+    return out.reshape(encoded_shape(input, row_dim, out.shape[1]))
+
+
+def _round_codes(
+    groups: torch.Tensor,
+    low: torch.Tensor,
+    safe_scale: torch.Tensor,
+    has_scale: torch.Tensor,
+    poisoned: torch.Tensor,
+    rand: torch.Tensor | None,
+) -> torch.Tensor:
+    """The kernel's rounding of ``q = (x - low) / scale``: floor plus a fraction test (nearest-even, or against 24
+    random bits), on ``[G, row_dim]`` groups; uint8 codes, zero in poisoned groups."""
+    usable = has_scale & torch.isfinite(groups)
+    q = torch.where(usable, (groups - low) / safe_scale, 0.0)
+    base = q.to(torch.int32)  # truncation == floor for 0 <= q < 2**24
+    frac = q - base.to(torch.float32)
+    if rand is None:
+        up = (frac > 0.5) | ((frac == 0.5) & ((base & 1) == 1))
+    else:
+        up = (rand >> 8).to(torch.float32) * _INV_2_POW_24 < frac
+    return (base + up.to(torch.int32)).clamp(0, 255).masked_fill(poisoned, 0).to(torch.uint8)
+
+
+def dequantize_int8_rowwise_reference(
+    input: torch.Tensor, row_dim: int = 32, output_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The specification of :func:`dequantize_int8_rowwise`: ``code * scale + bias`` in fp32, two roundings."""
+    row_bytes = int8_row_bytes(row_dim)
+    units = input.shape[-1] // row_bytes
+    rows = input.reshape(-1, row_bytes)
+    meta = rows[:, row_bytes - 8 :].contiguous().view(torch.float32)
+    value = rows[:, :row_dim].to(torch.float32).mul_(meta[:, :1]).add_(meta[:, 1:])
+    if ref.all_finite(meta):  # codes are finite, so only a non-finite scale or bias can make a NaN
+        return (value if output_dtype == torch.float32 else value.to(output_dtype)).reshape(
+            decoded_shape(input, units, row_dim)
+        )
+    return ref.to_output(value, output_dtype).reshape(decoded_shape(input, units, row_dim))
+
+
+def _raise_if_unencodable(input: torch.Tensor, row_dim: int) -> None:
+    """``nonfinite="raise"``: name the first group holding NaN/Inf or spanning more than fp32's range."""
+    groups = padded_groups(input, row_dim)
+    finite = torch.isfinite(groups)
+    span = torch.where(finite, groups, 0.0).amax(dim=1) - torch.where(finite, groups, 0.0).amin(dim=1)
+    bad = ~finite.all(dim=1) | torch.isinf(span)
+    if bool(bad.any()):
+        group = int(bad.nonzero()[0].item())
+        raise ValueError(
+            f"input group {group} (values {group * row_dim}..{(group + 1) * row_dim - 1} of the zero-padded input) "
+            f"holds NaN/Inf or spans more than fp32's range, which INT8 cannot encode (nonfinite='raise'; "
+            "nonfinite='propagate' decodes such a group as NaN)"
+        )
+
+
+def quantize_int8_rowwise(
+    input: torch.Tensor,
+    row_dim: int = 32,
+    *,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+    nonfinite: NonFinitePolicy = "propagate",
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """fp32 ``[N]`` (``N % row_dim == 0``) or ``[R, C]`` -> uint8 ``[N / row_dim * B]`` or ``[R, ceil(C / row_dim) *
+    B]`` with ``B = ceil4(row_dim) + 8`` bytes per group."""
+    check_float32_input(input, ndim=(1, 2))
+    check_row_dim(row_dim)
+    check_seed(seed)
+    launch_geometry(input, row_dim)  # shape check before any work
+    if check_nonfinite_policy(nonfinite) == "raise":
+        _raise_if_unencodable(input, row_dim)
+    if resolve_backend(backend, input) == "triton":
+        return _quantize_int8_triton(input, row_dim, bool(stochastic_rounding), seed)
+    return quantize_int8_rowwise_reference(input, row_dim, bool(stochastic_rounding), seed)
+
+
+def dequantize_int8_rowwise(
+    input: torch.Tensor,
+    row_dim: int = 32,
+    *,
+    output_dtype: torch.dtype = torch.float32,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """uint8 ``[..., units * B]`` -> ``output_dtype`` ``[..., units * row_dim]`` (padding columns included)."""
+    check_row_dim(row_dim)
+    units = check_encoded(input, int8_row_bytes(row_dim), "INT8 rows")
+    check_output_dtype(output_dtype)
+    if resolve_backend(backend, input) == "triton":
+        return _dequantize_int8_triton(input, row_dim, units, output_dtype)
+    return dequantize_int8_rowwise_reference(input, row_dim, output_dtype)

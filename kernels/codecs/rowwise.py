@@ -1,0 +1,94 @@
+"""Shared plumbing of the row-wise codecs (FP8, INT8, MX4): how an input splits into groups of ``row_dim`` values,
+the tile each Triton program loads, and the encoded / decoded shapes.
+
+Group ``g`` of an input viewed as ``[R, C]`` (a 1-D ``[N]`` input is ``[N / row_dim, row_dim]``) is row
+``g // K``, columns ``(g % K) * row_dim ...`` with ``K = ceil(C / row_dim)``; columns past ``C`` read as zeros. Its
+values sit at positions ``g * row_dim + j`` of the padded flat tensor, which is also the element index the
+stochastic-rounding stream uses. Encoded group ``g`` is bytes ``g * unit_bytes ...`` of the output.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tritonrec.kernels._triton import tl, triton
+from tritonrec.kernels.codecs.formats import rowwise_groups
+
+
+def tile_configs() -> list:
+    """``ELEMS`` values per program; the heuristic below turns it into whole groups per program."""
+    return [triton.Config({"ELEMS": e}, num_warps=w) for e, w in ((4096, 4), (2048, 4), (8192, 8))]
+
+
+def groups_per_program(args: dict) -> int:
+    return max(1, args["ELEMS"] // args["ROW_P2"])
+
+
+@triton.jit
+def load_group_tile(
+    x_ptr, num_groups, cols, groups_per_row, row_stride, row_dim, BLOCK_G: tl.constexpr, ROW_P2: tl.constexpr
+):
+    """This program's ``[BLOCK_G, ROW_P2]`` tile: group ids ``[BLOCK_G]`` (int64), column ids ``[ROW_P2]``, the mask
+    of real group members, and the values (zeros outside the input, including the zero padding of the last group)."""
+    group = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
+    member = tl.arange(0, ROW_P2)
+    in_group = (group < num_groups)[:, None] & (member < row_dim)[None, :]
+    row = group // groups_per_row
+    col = (group % groups_per_row)[:, None] * row_dim + member[None, :]
+    x = tl.load(x_ptr + row[:, None] * row_stride + col, mask=in_group & (col < cols), other=0.0)
+    return group, member, in_group, x
+
+
+@triton.jit
+def load_le_word(ptr, mask):
+    """Four little-endian bytes at ``ptr`` (uint8 pointers, any alignment) as a uint32."""
+    b0 = tl.load(ptr, mask=mask, other=0).to(tl.uint32)
+    b1 = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint32)
+    b2 = tl.load(ptr + 2, mask=mask, other=0).to(tl.uint32)
+    b3 = tl.load(ptr + 3, mask=mask, other=0).to(tl.uint32)
+    return b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
+
+
+@triton.jit
+def pack_bytes_le(codes, BLOCK_G: tl.constexpr, ROW_P2: tl.constexpr):
+    """``[BLOCK_G, ROW_P2]`` byte codes (uint32 < 256) -> ``[BLOCK_G, ROW_P2 / 4]`` little-endian words (int32)."""
+    quads = tl.reshape(codes, [BLOCK_G, ROW_P2 // 4, 4])
+    shifts = (tl.arange(0, 4) * 8).to(tl.uint32)
+    return tl.sum(quads << shifts[None, None, :], axis=2).to(tl.int32, bitcast=True)
+
+
+def row_p2(row_dim: int) -> int:
+    """Tile width: the next power of two of ``row_dim`` rounded up to 4 bytes (whole packed words)."""
+    return max(4, triton.next_power_of_2(row_dim))
+
+
+def launch_geometry(input: torch.Tensor, row_dim: int) -> tuple[torch.Tensor, int, int, int, int]:
+    """``(input as [R, C] with unit column stride, R, C, K, number of groups R * K)`` for an encode launch."""
+    rows, cols, per_row = rowwise_groups(input, row_dim)
+    matrix = input.reshape(rows, cols)
+    if matrix.stride(-1) != 1:
+        matrix = matrix.contiguous()
+    return matrix, rows, cols, per_row, rows * per_row
+
+
+def padded_groups(input: torch.Tensor, row_dim: int) -> torch.Tensor:
+    """The torch twins' view of the input: ``[G, row_dim]`` groups, the last group of each row zero-padded."""
+    rows, cols, per_row = rowwise_groups(input, row_dim)
+    matrix = input.reshape(rows, cols)
+    if per_row * row_dim != cols:
+        matrix = F.pad(matrix, (0, per_row * row_dim - cols))
+    return matrix.reshape(rows * per_row, row_dim)
+
+
+def encoded_shape(input: torch.Tensor, row_dim: int, unit_bytes: int) -> tuple[int, ...]:
+    """1-D ``[N]`` -> ``[N / row_dim * unit_bytes]``; 2-D ``[R, C]`` -> ``[R, ceil(C / row_dim) * unit_bytes]``."""
+    rows, _, per_row = rowwise_groups(input, row_dim)
+    if input.dim() == 1:
+        return (rows * unit_bytes,)
+    return (rows, per_row * unit_bytes)
+
+
+def decoded_shape(encoded: torch.Tensor, units_per_row: int, row_dim: int) -> tuple[int, ...]:
+    """Inverse of :func:`encoded_shape` up to the padding: ``[..., units * row_dim]``."""
+    return (*encoded.shape[:-1], units_per_row * row_dim)
