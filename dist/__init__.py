@@ -1,7 +1,56 @@
 """Model parallelism on torch.distributed: collectives with awaitables and autograd, quantized comm codecs,
 process-group helpers (sharding, planner and train pipelines build on these)."""
 
+from tritonrec.dist.all_to_one import EmbeddingsAllToOne, EmbeddingsAllToOneReduce, SeqEmbeddingsAllToOne
+from tritonrec.dist.awaitable import Awaitable, LazyAwaitable, LazyNoWait, NoWait
+from tritonrec.dist.comm import (
+    get_group_rank,
+    get_local_rank,
+    get_local_size,
+    get_num_groups,
+    intra_and_cross_node_pg,
+    invoke_on_rank_and_broadcast_result,
+    is_leader,
+    run_on_leader,
+)
+from tritonrec.dist.comm_ops import (
+    all_gather_base_pooled,
+    alltoall_pooled,
+    alltoall_sequence,
+    alltoallv,
+    get_gradient_division,
+    reduce_scatter_base_pooled,
+    reduce_scatter_pooled,
+    reduce_scatter_v_per_feature_pooled,
+    reduce_scatter_v_pooled,
+    set_gradient_division,
+    variable_batch_alltoall_pooled,
+)
+from tritonrec.dist.comm_request import Request
+from tritonrec.dist.comm_timeout import (
+    CollectiveError,
+    CollectiveTimeoutError,
+    collective_timeout,
+    get_collective_timeout,
+    set_collective_timeout,
+)
+from tritonrec.dist.comm_wire import WireTraffic
+from tritonrec.dist.dist_data import (
+    KJTAllToAll,
+    KJTAllToAllSplitsAwaitable,
+    KJTAllToAllTensorsAwaitable,
+    KJTOneToAll,
+    PooledEmbeddingsAllGather,
+    PooledEmbeddingsAllToAll,
+    PooledEmbeddingsAwaitable,
+    PooledEmbeddingsReduceScatter,
+    SequenceEmbeddingsAllToAll,
+    SequenceEmbeddingsAwaitable,
+    VariableBatchPooledEmbeddingsAllToAll,
+    VariableBatchPooledEmbeddingsReduceScatter,
+)
 from tritonrec.dist.error_feedback import ErrorFeedbackCodec
+from tritonrec.dist.kjt_dist import get_recat
 from tritonrec.dist.qcomm_codec import CommType, TritonQuantizedCommCodec
 from tritonrec.dist.qcomm_config import QCommsConfig, get_qcomm_codecs, get_qcomm_codecs_registry
 from tritonrec.dist.qcomm_protocol import (
@@ -14,16 +63,62 @@ from tritonrec.dist.qcomm_protocol import (
 )
 
 __all__ = [
+    "Awaitable",
+    "CollectiveError",
+    "CollectiveTimeoutError",
     "CommOp",
     "CommType",
+    "EmbeddingsAllToOne",
+    "EmbeddingsAllToOneReduce",
     "ErrorFeedbackCodec",
+    "KJTAllToAll",
+    "KJTAllToAllSplitsAwaitable",
+    "KJTAllToAllTensorsAwaitable",
+    "KJTOneToAll",
+    "LazyAwaitable",
+    "LazyNoWait",
     "NoOpQuantizedCommCodec",
+    "NoWait",
+    "PooledEmbeddingsAllGather",
+    "PooledEmbeddingsAllToAll",
+    "PooledEmbeddingsAwaitable",
+    "PooledEmbeddingsReduceScatter",
     "QCommsConfig",
     "QuantizationContext",
     "QuantizedCommCodec",
     "QuantizedCommCodecs",
+    "Request",
     "RoundingMode",
+    "SeqEmbeddingsAllToOne",
+    "SequenceEmbeddingsAllToAll",
+    "SequenceEmbeddingsAwaitable",
     "TritonQuantizedCommCodec",
+    "VariableBatchPooledEmbeddingsAllToAll",
+    "VariableBatchPooledEmbeddingsReduceScatter",
+    "WireTraffic",
+    "all_gather_base_pooled",
+    "alltoall_pooled",
+    "alltoall_sequence",
+    "alltoallv",
+    "collective_timeout",
+    "get_collective_timeout",
+    "get_gradient_division",
+    "get_group_rank",
+    "get_local_rank",
+    "get_local_size",
+    "get_num_groups",
     "get_qcomm_codecs",
     "get_qcomm_codecs_registry",
+    "get_recat",
+    "intra_and_cross_node_pg",
+    "invoke_on_rank_and_broadcast_result",
+    "is_leader",
+    "reduce_scatter_base_pooled",
+    "reduce_scatter_pooled",
+    "reduce_scatter_v_per_feature_pooled",
+    "reduce_scatter_v_pooled",
+    "run_on_leader",
+    "set_collective_timeout",
+    "set_gradient_division",
+    "variable_batch_alltoall_pooled",
 ]

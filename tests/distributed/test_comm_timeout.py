@@ -1,0 +1,84 @@
+"""A rank that never joins a collective makes the others fail with a clear timeout error naming the collective.
+
+Rank 1 joins the group setup and one forward, then stays away; rank 0 meets four stuck collectives, each on its own
+group (a timed-out collective leaves its group unusable): the per-collective timeout on a forward, on the sparse
+all-to-all's first round and on a backward, and the process group's own timeout (no per-collective one set).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed.spawned import spawn_ranks
+from tritonrec.data import KeyedJaggedTensor
+from tritonrec.dist.comm_ops import alltoall_pooled, reduce_scatter_base_pooled
+from tritonrec.dist.comm_timeout import CollectiveTimeoutError, collective_timeout
+from tritonrec.dist.dist_data import KJTAllToAll
+
+pytestmark = pytest.mark.dist
+
+PER_COLLECTIVE_S = 0.3
+GROUP_TIMEOUT_S = 0.6
+ABSENT_S = 2.5
+
+
+def _outcome(attempt: Callable[[], Any]) -> tuple[str, str, float]:
+    started = time.monotonic()
+    try:
+        attempt()
+    except Exception as error:  # the test checks the type
+        return type(error).__name__, str(error), time.monotonic() - started
+    return "none", "", time.monotonic() - started
+
+
+def _stuck_collectives(rank: int, world: int) -> dict[str, tuple[str, str, float]]:
+    forward_group, kjt_group, backward_group = (dist.new_group() for _ in range(3))
+    short_group = dist.new_group(timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    embs = torch.ones(2, 1, requires_grad=True)
+    joined = alltoall_pooled(embs, [1, 1], [1, 1], group=backward_group).wait()  # both ranks join this one
+    if rank == 1:
+        time.sleep(ABSENT_S)  # never joins anything else
+        return {}
+    kjt = KeyedJaggedTensor(["a", "b"], torch.arange(2), lengths=torch.tensor([1, 1]))
+    outcomes = {}
+    with collective_timeout(PER_COLLECTIVE_S):
+        outcomes["forward"] = _outcome(lambda: alltoall_pooled(embs, [1, 1], [1, 1], group=forward_group).wait())
+        outcomes["kjt"] = _outcome(lambda: KJTAllToAll(kjt_group, [1, 1])(kjt).wait())
+        outcomes["backward"] = _outcome(lambda: joined.sum().backward())
+    outcomes["group_timeout"] = _outcome(lambda: reduce_scatter_base_pooled(torch.ones(2, 1), short_group).wait())
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict[str, tuple[str, str, float]]:
+    return spawn_ranks(_stuck_collectives, 2, timeout=60)[0]
+
+
+@pytest.mark.parametrize(
+    ("attempt", "collective", "limit_s"),
+    [
+        ("forward", "alltoall_pooled timed out after 0.3 s", PER_COLLECTIVE_S),
+        ("kjt", "KJTAllToAll splits timed out after 0.3 s", PER_COLLECTIVE_S),
+        ("backward", "alltoall_pooled backward timed out after 0.3 s", PER_COLLECTIVE_S),
+        ("group_timeout", "reduce_scatter_base_pooled timed out (process group timeout)", GROUP_TIMEOUT_S),
+    ],
+)
+def test_absent_rank_gives_named_timeout(
+    outcomes: dict[str, tuple[str, str, float]], attempt: str, collective: str, limit_s: float
+) -> None:
+    error_name, message, elapsed = outcomes[attempt]
+    assert error_name == CollectiveTimeoutError.__name__, f"{error_name}: {message}"
+    assert collective in message, message
+    assert "rank 0 of a group of 2" in message, message
+    assert elapsed < limit_s + 2.0, f"took {elapsed:.1f} s, so it waited past the timeout"
+
+
+def test_timeout_error_is_a_timeout_error() -> None:
+    assert issubclass(CollectiveTimeoutError, TimeoutError) and issubclass(CollectiveTimeoutError, RuntimeError)
