@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import logging
 import os
 import platform
 import statistics
@@ -87,12 +88,16 @@ def environment(device: str = "cpu") -> dict[str, Any]:
         triton_version = triton.__version__
     except ImportError:
         triton_version = "absent"
+    fbgemm_version = "absent"
+    logging.disable(logging.INFO)  # fbgemm_gpu logs a screen of INFO lines on import
     try:
         import fbgemm_gpu
 
         fbgemm_version = getattr(fbgemm_gpu, "__version__", "present")
     except Exception:  # any import failure means the anchor is unavailable
-        fbgemm_version = "absent"
+        pass
+    finally:
+        logging.disable(logging.NOTSET)
     return {
         "device": device_name(device),
         "torch": torch.__version__,
