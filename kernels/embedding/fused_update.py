@@ -1,0 +1,374 @@
+"""Fused optimizer update inside the backward: sum each touched row's gradient once, then update the row in place.
+
+Rules (``g`` = the row's summed gradient, plus ``weight_decay * w`` when weight decay is set, i.e. L2 as in torch):
+
+* EXACT_SGD:             ``w -= lr * g``
+* EXACT_ROWWISE_ADAGRAD: ``m += mean(g**2 over the row)``; ``w -= lr * g / (sqrt(m) + eps)`` (FBGEMM's rule; one
+  fp32 ``m`` per row)
+* ADAM:                  ``m1 = b1*m1 + (1-b1)*g``, ``m2 = b2*m2 + (1-b2)*g**2``;
+  ``w -= lr * (m1 / (1 - b1**t)) / (sqrt(m2 / (1 - b2**t)) + eps)`` with ``t`` the table's update count
+
+Only rows present in the batch are touched (row-sparse, as FBGEMM and ``SparseAdam``): an absent row keeps its
+weights and its state. Optimizer state is fp32 and laid out like the weights: per-row state at the row's global
+number, per-element state at the weight's own element offset, so a table shard's state is the same slice.
+fp16 / bf16 weights are updated in fp32 and rounded back (to nearest, or stochastically) with
+:mod:`~tritonrec.kernels.embedding.rounding`.
+
+Triton: one program per unique row walks its sorted run of contributions (``segment_grad``); when the widest table
+fits one column block the gradient is summed once, otherwise (rowwise Adagrad on very wide rows) it is re-summed per
+block after a first pass computes the row's mean square.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tritonrec.kernels._triton import tl, triton
+from tritonrec.kernels.backend import autotune
+from tritonrec.kernels.embedding.grad_plan import RowGradientPlan
+from tritonrec.kernels.embedding.layout import TableBatchedLayout
+from tritonrec.kernels.embedding.optim_state import FusedOptimizerState, OptimType, begin_step, optim_code
+from tritonrec.kernels.embedding.rounding import WEIGHT_CODES, round_fp32_to_storage, round_fp32_to_storage_reference
+from tritonrec.kernels.embedding.row_gradients import iter_row_sums, segment_grad
+
+# Columns per program above which rows are processed in several column blocks.
+MAX_ONE_BLOCK_D = 1024
+# Gradient sums the torch twin updates per step: keeps its [rows, D] temporaries in cache instead of DRAM (on a
+# 2-core EPYC this halves the update's time against one pass over all rows).
+_CHUNK_BYTES = 4 << 20
+
+
+@triton.jit
+def _load_grad_block(
+    weights_ptr,
+    grad_ptr,
+    goff_ptr,
+    scale_ptr,
+    start,
+    end,
+    row_start,
+    cols,
+    col_ok,
+    weight_decay,
+    HAS_SCALE: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    w = tl.load(weights_ptr + row_start + cols, mask=col_ok, other=0.0).to(tl.float32)
+    g = segment_grad(grad_ptr, goff_ptr, scale_ptr, start, end, cols, col_ok, HAS_SCALE, BLOCK_N, BLOCK_D)
+    if HAS_DECAY:
+        g = g + weight_decay * w
+    return w, g
+
+
+@triton.jit
+def _elementwise_update(
+    w,
+    g,
+    mom1_ptr,
+    mom2_ptr,
+    element,
+    col_ok,
+    lr,
+    eps,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    bias1,
+    bias2,
+    OPTIM: tl.constexpr,
+):
+    """SGD or Adam on one column block; returns the new fp32 weights."""
+    if OPTIM == 0:
+        new = w - lr * g
+    else:
+        m1 = beta1 * tl.load(mom1_ptr + element, mask=col_ok, other=0.0) + one_minus_beta1 * g
+        m2 = beta2 * tl.load(mom2_ptr + element, mask=col_ok, other=0.0) + one_minus_beta2 * (g * g)
+        tl.store(mom1_ptr + element, m1, mask=col_ok)
+        tl.store(mom2_ptr + element, m2, mask=col_ok)
+        new = w - lr * tl.div_rn(tl.div_rn(m1, bias1), tl.sqrt_rn(tl.div_rn(m2, bias2)) + eps)
+    return new
+
+
+@triton.jit
+def _rowwise_multiplier(mom1_ptr, state_row, sum_sq, dim, lr, eps):
+    """Rowwise Adagrad: accumulate the row's mean square gradient, return ``lr / (sqrt(m) + eps)``."""
+    m = tl.load(mom1_ptr + state_row) + tl.div_rn(sum_sq, dim.to(tl.float32))
+    tl.store(mom1_ptr + state_row, m)
+    return tl.div_rn(lr, tl.sqrt_rn(m) + eps)
+
+
+def _update_configs() -> list:
+    return [triton.Config({"BLOCK_N": n}, num_warps=w) for n, w in ((4, 4), (1, 2), (8, 4), (16, 8))]
+
+
+# The kernel updates weights and state in place, so autotuning restores them after every trial run.
+@autotune(
+    configs=_update_configs(),
+    key=["BLOCK_D", "OPTIM", "WEIGHT_DTYPE", "HAS_SCALE"],
+    restore_value=["weights_ptr", "mom1_ptr", "mom2_ptr"],
+)
+@triton.jit
+def _fused_update_kernel(
+    weights_ptr,
+    mom1_ptr,
+    mom2_ptr,
+    grad_ptr,
+    goff_ptr,
+    scale_ptr,
+    segment_offsets_ptr,
+    unique_tables_ptr,
+    unique_local_rows_ptr,
+    table_weight_offsets_ptr,
+    table_row_offsets_ptr,
+    table_dims_ptr,
+    bias1_ptr,
+    bias2_ptr,
+    lr,
+    eps,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    weight_decay,
+    seed,
+    OPTIM: tl.constexpr,
+    WEIGHT_DTYPE: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
+    ONE_D_BLOCK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Grid (U,): unique row ``u`` of the plan sums its contributions and updates its weights and state."""
+    u = tl.program_id(0).to(tl.int64)
+    table = tl.load(unique_tables_ptr + u)
+    local_row = tl.load(unique_local_rows_ptr + u)
+    dim = tl.load(table_dims_ptr + table).to(tl.int64)
+    row_start = tl.load(table_weight_offsets_ptr + table) + local_row * dim
+    state_row = tl.load(table_row_offsets_ptr + table) + local_row
+    start = tl.load(segment_offsets_ptr + u)
+    end = tl.load(segment_offsets_ptr + u + 1)
+    bias1 = tl.load(bias1_ptr + table)
+    bias2 = tl.load(bias2_ptr + table)
+    if ONE_D_BLOCK:
+        cols = tl.arange(0, BLOCK_D)
+        col_ok = cols < dim
+        w, g = _load_grad_block(
+            weights_ptr,
+            grad_ptr,
+            goff_ptr,
+            scale_ptr,
+            start,
+            end,
+            row_start,
+            cols,
+            col_ok,
+            weight_decay,
+            HAS_SCALE,
+            HAS_DECAY,
+            BLOCK_N,
+            BLOCK_D,
+        )
+        if OPTIM == 1:
+            new = w - _rowwise_multiplier(mom1_ptr, state_row, tl.sum(g * g, axis=0), dim, lr, eps) * g
+        else:
+            new = _elementwise_update(
+                w,
+                g,
+                mom1_ptr,
+                mom2_ptr,
+                row_start + cols,
+                col_ok,
+                lr,
+                eps,
+                beta1,
+                one_minus_beta1,
+                beta2,
+                one_minus_beta2,
+                bias1,
+                bias2,
+                OPTIM,
+            )
+        stored = round_fp32_to_storage(new, row_start + cols, seed, WEIGHT_DTYPE, STOCHASTIC)
+        tl.store(weights_ptr + row_start + cols, stored, mask=col_ok)
+    else:
+        multiplier = 0.0
+        if OPTIM == 1:
+            sum_sq = 0.0
+            for d0 in range(0, dim, BLOCK_D):
+                cols = d0 + tl.arange(0, BLOCK_D)
+                w, g = _load_grad_block(
+                    weights_ptr,
+                    grad_ptr,
+                    goff_ptr,
+                    scale_ptr,
+                    start,
+                    end,
+                    row_start,
+                    cols,
+                    cols < dim,
+                    weight_decay,
+                    HAS_SCALE,
+                    HAS_DECAY,
+                    BLOCK_N,
+                    BLOCK_D,
+                )
+                sum_sq += tl.sum(g * g, axis=0)
+            multiplier = _rowwise_multiplier(mom1_ptr, state_row, sum_sq, dim, lr, eps)
+        for d0 in range(0, dim, BLOCK_D):
+            cols = d0 + tl.arange(0, BLOCK_D)
+            col_ok = cols < dim
+            w, g = _load_grad_block(
+                weights_ptr,
+                grad_ptr,
+                goff_ptr,
+                scale_ptr,
+                start,
+                end,
+                row_start,
+                cols,
+                col_ok,
+                weight_decay,
+                HAS_SCALE,
+                HAS_DECAY,
+                BLOCK_N,
+                BLOCK_D,
+            )
+            if OPTIM == 1:
+                new = w - multiplier * g
+            else:
+                new = _elementwise_update(
+                    w,
+                    g,
+                    mom1_ptr,
+                    mom2_ptr,
+                    row_start + cols,
+                    col_ok,
+                    lr,
+                    eps,
+                    beta1,
+                    one_minus_beta1,
+                    beta2,
+                    one_minus_beta2,
+                    bias1,
+                    bias2,
+                    OPTIM,
+                )
+            stored = round_fp32_to_storage(new, row_start + cols, seed, WEIGHT_DTYPE, STOCHASTIC)
+            tl.store(weights_ptr + row_start + cols, stored, mask=col_ok)
+
+
+def fused_update_triton(
+    weights: torch.Tensor,
+    layout: TableBatchedLayout,
+    plan: RowGradientPlan,
+    grad_flat: torch.Tensor,
+    state: FusedOptimizerState,
+    max_one_block_d: int = MAX_ONE_BLOCK_D,
+) -> None:
+    scalars = begin_step(state)
+    if plan.num_unique == 0:
+        return
+    meta = layout.tensors(weights.device)
+    block_d = triton.next_power_of_2(layout.max_dim)
+    one_block = block_d <= max_one_block_d
+    if not one_block:  # wide rows: walk them in column blocks of the largest one-block width
+        block_d = triton.next_power_of_2(max_one_block_d)
+    mom1 = weights if state.momentum1 is None else state.momentum1
+    mom2 = weights if state.momentum2 is None else state.momentum2
+    _fused_update_kernel[(plan.num_unique,)](
+        weights,
+        mom1,
+        mom2,
+        grad_flat,
+        plan.sorted_grad_offsets,
+        grad_flat if plan.sorted_scales is None else plan.sorted_scales,
+        plan.segment_offsets,
+        plan.unique_tables,
+        plan.unique_local_rows,
+        meta.table_weight_offsets,
+        meta.table_row_offsets,
+        meta.table_dims,
+        scalars.bias1,
+        scalars.bias2,
+        scalars.lr,
+        scalars.eps,
+        scalars.beta1,
+        scalars.one_minus_beta1,
+        scalars.beta2,
+        scalars.one_minus_beta2,
+        scalars.weight_decay,
+        scalars.seed,
+        OPTIM=optim_code(state.optim),
+        WEIGHT_DTYPE=WEIGHT_CODES[weights.dtype],
+        STOCHASTIC=state.stochastic_rounding,
+        HAS_SCALE=plan.sorted_scales is not None,
+        HAS_DECAY=scalars.weight_decay != 0.0,
+        ONE_D_BLOCK=one_block,
+        BLOCK_D=block_d,
+    )
+
+
+def fused_update_reference(
+    weights: torch.Tensor,
+    layout: TableBatchedLayout,
+    plan: RowGradientPlan,
+    grad_flat: torch.Tensor,
+    state: FusedOptimizerState,
+) -> None:
+    """The specification (see module docstring): apply the rule in fp32 to the touched rows, round to the storage
+    dtype and write rows and state back - over all tables at once when they share a dim, else per table, in
+    chunks of ``_CHUNK_BYTES`` of gradient sums.
+
+    Each rule computes ``delta = -update`` and the new weights are ``w + delta``. For fp32 SGD and rowwise Adagrad
+    that is written with ``index_add_`` (one read-modify-write per row, much faster on CPU than gathering the rows
+    and copying them back).
+    """
+    s = begin_step(state)
+    in_place = weights.dtype == torch.float32 and state.optim != OptimType.ADAM
+    for span, a, b, g in iter_row_sums(layout, plan, grad_flat, chunk_bytes=_CHUNK_BYTES):
+        t, dim = span.table, span.dim
+        if t is None:  # every table: global rows of the flat buffer viewed as [num_rows, dim]
+            rows, table = plan.unique_rows[a:b], weights.view(layout.num_rows, dim)
+            first_row, element_base = 0, 0
+        else:
+            rows, table = plan.unique_local_rows[a:b], layout.table_view(weights, t)
+            first_row, element_base = layout.table_row_offsets[t], layout.table_weight_offsets[t]
+        w = table.index_select(0, rows).float() if s.weight_decay != 0.0 or not in_place else None
+        if s.weight_decay != 0.0:
+            g = g + s.weight_decay * w
+        # ``delta = -update`` (negating is exact, so ``w + delta`` rounds like ``w - update``); ``g`` is scratch
+        # (this chunk's fresh sums), so SGD and rowwise Adagrad scale it in place
+        if state.optim == OptimType.EXACT_SGD:
+            delta = g.mul_(-s.lr)
+        elif state.optim == OptimType.EXACT_ROWWISE_ADAGRAD:
+            momentum = state.momentum1[first_row : first_row + table.shape[0]]
+            momentum.index_add_(0, rows, (g * g).sum(dim=1) / dim)  # m + mean(g**2); rows are unique
+            delta = g.mul_((-s.lr / (momentum.index_select(0, rows).sqrt() + s.eps))[:, None])
+        else:
+            m1_table = state.momentum1[element_base : element_base + table.numel()].view(table.shape)
+            m2_table = state.momentum2[element_base : element_base + table.numel()].view(table.shape)
+            m1 = s.beta1 * m1_table.index_select(0, rows) + s.one_minus_beta1 * g
+            m2 = s.beta2 * m2_table.index_select(0, rows) + s.one_minus_beta2 * (g * g)
+            m1_table.index_copy_(0, rows, m1)
+            m2_table.index_copy_(0, rows, m2)
+            # Adam's bias corrections are per table: one value for a table's chunk, one per row across tables
+            if t is None:
+                bias1, bias2 = s.bias1[plan.unique_tables[a:b], None], s.bias2[plan.unique_tables[a:b], None]
+            else:
+                bias1, bias2 = s.bias1[t], s.bias2[t]
+            delta = -s.lr * ((m1 / bias1) / ((m2 / bias2).sqrt() + s.eps))
+        if in_place:
+            table.index_add_(0, rows, delta)
+            continue
+        new = w + delta
+        element = None
+        if weights.dtype != torch.float32 and state.stochastic_rounding:
+            element = element_base + rows[:, None] * dim + torch.arange(dim, device=rows.device)
+        table.index_copy_(
+            0, rows, round_fp32_to_storage_reference(new, weights.dtype, state.stochastic_rounding, element, s.seed)
+        )

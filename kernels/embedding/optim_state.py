@@ -1,0 +1,139 @@
+"""Fused optimizer rules and their state: which hyperparameters each rule takes, the fp32 state buffers laid out
+like the weights, and the per-update constants (step counts, Adam bias corrections, the stochastic-rounding seed).
+
+See :mod:`~tritonrec.kernels.embedding.fused_update` for the rules themselves.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tritonrec.kernels.embedding.layout import TableBatchedLayout
+
+
+class OptimType(enum.Enum):
+    """Fused rules (FBGEMM's ``EmbOptimType`` names). ``SGD`` is an alias of ``EXACT_SGD``."""
+
+    EXACT_SGD = "EXACT_SGD"
+    SGD = "EXACT_SGD"
+    EXACT_ROWWISE_ADAGRAD = "EXACT_ROWWISE_ADAGRAD"
+    ADAM = "ADAM"
+
+
+_OPTIM_CODE = {OptimType.EXACT_SGD: 0, OptimType.EXACT_ROWWISE_ADAGRAD: 1, OptimType.ADAM: 2}
+_DEFAULTS: dict[OptimType, dict[str, Any]] = {
+    OptimType.EXACT_SGD: {"lr": 0.01, "weight_decay": 0.0},
+    OptimType.EXACT_ROWWISE_ADAGRAD: {"lr": 0.01, "eps": 1e-8, "weight_decay": 0.0},
+    OptimType.ADAM: {"lr": 0.001, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},
+}
+
+
+@dataclass
+class FusedOptimizerState:
+    """Everything a fused update needs besides the weights. ``hyperparams`` is live: modules expose this very dict
+    as ``param_groups[0]``, so changing ``lr`` there takes effect on the next backward."""
+
+    optim: OptimType
+    hyperparams: dict[str, Any]
+    momentum1: torch.Tensor | None
+    momentum2: torch.Tensor | None
+    step: torch.Tensor
+    stochastic_rounding: bool = True
+    seed: int = 0
+    updates: int = field(default=0)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The flat state buffers by name (``momentum1``, ``momentum2``, ``step``) that exist for this rule."""
+        out = {"momentum1": self.momentum1, "momentum2": self.momentum2, "step": self.step}
+        return {k: v for k, v in out.items() if v is not None}
+
+
+def create_fused_optimizer_state(
+    layout: TableBatchedLayout,
+    optim: OptimType,
+    device: torch.device | str | None = None,
+    stochastic_rounding: bool = True,
+    seed: int = 0,
+    **hyperparams: Any,
+) -> FusedOptimizerState:
+    """Zero state for ``optim`` over ``layout`` plus validated hyperparameters (unknown names raise)."""
+    if not isinstance(optim, OptimType):
+        raise TypeError(f"optim must be an OptimType, got optim={optim!r}")
+    allowed = _DEFAULTS[optim]
+    unknown = sorted(set(hyperparams) - set(allowed))
+    if unknown:
+        raise ValueError(f"{optim.name} does not take {unknown}; its hyperparameters are {sorted(allowed)}")
+    merged = {**allowed, **hyperparams}
+    for name in ("lr", "eps", "weight_decay"):
+        if name in merged and (not isinstance(merged[name], (int, float)) or merged[name] < 0):
+            raise ValueError(f"{name} must be a non-negative number, got {name}={merged[name]!r}")
+    if optim == OptimType.ADAM:
+        betas = tuple(merged["betas"])
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got betas={merged['betas']!r}")
+        merged["betas"] = betas
+    zeros = lambda n: torch.zeros(n, dtype=torch.float32, device=device)
+    momentum1 = momentum2 = None
+    if optim == OptimType.EXACT_ROWWISE_ADAGRAD:
+        momentum1 = zeros(layout.num_rows)
+    elif optim == OptimType.ADAM:
+        momentum1, momentum2 = zeros(layout.num_weights), zeros(layout.num_weights)
+    step = torch.zeros(layout.num_tables, dtype=torch.int64, device=device)
+    return FusedOptimizerState(optim, merged, momentum1, momentum2, step, stochastic_rounding, seed)
+
+
+@dataclass(frozen=True)
+class StepScalars:
+    """Per-update constants, computed once on the host so kernel and twin use the same fp32 values."""
+
+    lr: float
+    eps: float
+    beta1: float
+    one_minus_beta1: float
+    beta2: float
+    one_minus_beta2: float
+    weight_decay: float
+    bias1: torch.Tensor
+    bias2: torch.Tensor
+    seed: int
+
+
+def _fp32(x: float) -> float:
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+def begin_step(state: FusedOptimizerState) -> StepScalars:
+    """Count the update (every table's step += 1) and freeze this update's constants."""
+    state.step += 1
+    hp = state.hyperparams
+    beta1, beta2 = hp.get("betas", (0.0, 0.0))
+    if state.optim == OptimType.ADAM:
+        steps = state.step.double()
+        bias1 = (1.0 - beta1**steps).float()
+        bias2 = (1.0 - beta2**steps).float()
+    else:
+        bias1 = bias2 = torch.ones_like(state.step, dtype=torch.float32)
+    # 31 bits, so the kernel argument is an int32 on every launch
+    seed = (state.seed * 0x9E3779B1 + state.updates * 0x85EBCA77 + 1) & 0x7FFFFFFF
+    state.updates += 1
+    return StepScalars(
+        lr=_fp32(hp["lr"]),
+        eps=_fp32(hp.get("eps", 0.0)),
+        beta1=_fp32(beta1),
+        one_minus_beta1=_fp32(1.0 - beta1),
+        beta2=_fp32(beta2),
+        one_minus_beta2=_fp32(1.0 - beta2),
+        weight_decay=_fp32(hp.get("weight_decay", 0.0)),
+        bias1=bias1,
+        bias2=bias2,
+        seed=seed,
+    )
+
+
+def optim_code(optim: OptimType) -> int:
+    """The kernels' integer code for a rule (0 SGD, 1 rowwise Adagrad, 2 Adam)."""
+    return _OPTIM_CODE[optim]

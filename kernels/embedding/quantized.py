@@ -1,0 +1,232 @@
+"""Row-wise INT8 / INT4 tables for inference: quantize once, dequantize inside the pooled lookup.
+
+Each row is stored as ``ceil(D * bits / 8)`` bytes of codes (INT4: two codes per byte, the even column in the low
+nibble) plus an fp16 ``scale`` and ``bias`` per row; ``value = code * scale + bias`` in fp32. Quantization follows
+FBGEMM's row-wise rule: ``bias = fp16(min(row))``, ``scale = fp16((max(row) - bias) / (2**bits - 1))`` (1 when the
+row is constant or the scale is not representable), ``code = clamp(round((x - bias) / scale), 0, 2**bits - 1)``.
+
+The lookup runs the pooled forward kernel with ``QUANT_BITS`` set (same tiling, same order of sums as the float
+path); the torch twin dequantizes only the gathered rows and pools them with ``embedding_bag``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tritonrec.kernels.backend import Backend, resolve_backend
+from tritonrec.kernels.checks import check_same_device, check_tensor
+from tritonrec.kernels.embedding import op_checks
+from tritonrec.kernels.embedding.layout import (
+    BoundsCheckMode,
+    PoolingMode,
+    TableBatchedLayout,
+    check_bounds,
+    feature_value_offsets,
+)
+from tritonrec.kernels.embedding.pooled_forward import launch_pooled_forward
+
+QUANT_BIT_WIDTHS = (8, 4)
+
+
+def row_bytes(dim: int, bits: int) -> int:
+    """Bytes of codes per row."""
+    return (dim * bits + 7) // 8
+
+
+def quantize_rowwise(table: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[rows, D]`` float -> (codes ``[rows, row_bytes]`` uint8, scale ``[rows]`` fp16, bias ``[rows]`` fp16)."""
+    check_tensor(table, "table", ndim=2, dtypes=(torch.float32, torch.float16, torch.bfloat16))
+    if bits not in QUANT_BIT_WIDTHS:
+        raise ValueError(f"bits must be one of {QUANT_BIT_WIDTHS}, got bits={bits!r}")
+    rows, dim = table.shape
+    x = table.float()
+    levels = (1 << bits) - 1
+    if rows == 0:
+        empty = torch.zeros(0, dtype=torch.float16, device=table.device)
+        return torch.zeros(0, row_bytes(dim, bits), dtype=torch.uint8, device=table.device), empty, empty.clone()
+    bias = x.amin(dim=1).half()
+    scale = ((x.amax(dim=1) - bias.float()) / levels).half()
+    unusable = (scale == 0) | ~torch.isfinite(scale) | ~torch.isfinite(1.0 / scale.float())
+    scale = torch.where(unusable, torch.ones_like(scale), scale)
+    codes = torch.round((x - bias.float()[:, None]) / scale.float()[:, None]).clamp(0, levels).to(torch.uint8)
+    if bits == 4:
+        if dim % 2:
+            codes = F.pad(codes, (0, 1))
+        codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return codes.contiguous(), scale, bias
+
+
+def dequantize_rowwise(
+    codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, dim: int, bits: int
+) -> torch.Tensor:
+    """The inverse: ``[rows, row_bytes]`` codes + per-row fp16 scale / bias -> ``[rows, dim]`` fp32."""
+    if bits == 4:
+        unpacked = torch.stack((codes & 0xF, codes >> 4), dim=2).reshape(codes.shape[0], -1)[:, :dim]
+    else:
+        unpacked = codes[:, :dim]
+    return unpacked.float() * scale.float()[:, None] + bias.float()[:, None]
+
+
+@dataclass
+class QuantizedTables:
+    """Quantized tables batched like :class:`TableBatchedLayout`: flat ``codes`` (table ``t`` at
+    ``byte_offsets[t]``, ``row_bytes(dim, bits)`` bytes per row) and flat per-row ``scale`` / ``bias`` indexed by
+    global row."""
+
+    layout: TableBatchedLayout
+    bits: int
+    codes: torch.Tensor
+    scale: torch.Tensor
+    bias: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.bits not in QUANT_BIT_WIDTHS:
+            raise ValueError(f"bits must be one of {QUANT_BIT_WIDTHS}, got bits={self.bits!r}")
+        check_tensor(self.codes, "codes", ndim=1, dtypes=(torch.uint8,))
+        check_tensor(self.scale, "scale", ndim=1, dtypes=(torch.float16,))
+        check_tensor(self.bias, "bias", ndim=1, dtypes=(torch.float16,))
+        if self.codes.numel() != self.byte_offsets[-1]:
+            raise ValueError(f"codes must hold {self.byte_offsets[-1]} bytes for this layout, got {self.codes.numel()}")
+        for name, t in (("scale", self.scale), ("bias", self.bias)):
+            if t.numel() != self.layout.num_rows:
+                raise ValueError(f"{name} must hold one entry per row ({self.layout.num_rows}), got {t.numel()}")
+
+    @property
+    def byte_offsets(self) -> list[int]:
+        out = [0]
+        for spec in self.layout.tables:
+            out.append(out[-1] + spec.num_rows * row_bytes(spec.dim, self.bits))
+        return out
+
+    @staticmethod
+    def from_float(layout: TableBatchedLayout, tables: list[torch.Tensor], bits: int) -> QuantizedTables:
+        """Quantize ``tables[t]`` (``[rows_t, dim_t]``) and pack them in layout order."""
+        parts = [quantize_rowwise(t, bits) for t in tables]
+        return QuantizedTables(
+            layout,
+            bits,
+            torch.cat([p[0].reshape(-1) for p in parts]),
+            torch.cat([p[1] for p in parts]),
+            torch.cat([p[2] for p in parts]),
+        )
+
+    def table_codes(self, t: int) -> torch.Tensor:
+        spec, start = self.layout.tables[t], self.byte_offsets[t]
+        width = row_bytes(spec.dim, self.bits)
+        return self.codes[start : start + spec.num_rows * width].view(spec.num_rows, width)
+
+    def table_scale_bias(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        r0, r1 = self.layout.table_row_offsets[t], self.layout.table_row_offsets[t + 1]
+        return self.scale[r0:r1], self.bias[r0:r1]
+
+    def dequantized(self, t: int) -> torch.Tensor:
+        """Table ``t`` dequantized to ``[rows, dim]`` fp32 (the reference the lookups must match)."""
+        return dequantize_rowwise(self.table_codes(t), *self.table_scale_bias(t), self.layout.tables[t].dim, self.bits)
+
+    def to(self, device: torch.device | str) -> QuantizedTables:
+        return QuantizedTables(
+            self.layout, self.bits, self.codes.to(device), self.scale.to(device), self.bias.to(device)
+        )
+
+
+def _quantized_triton(
+    q: QuantizedTables, indices, offsets, per_sample_weights, bag_divisors, batch_size: int
+) -> torch.Tensor:
+    layout, device = q.layout, q.codes.device
+    storage_offsets = torch.tensor([q.byte_offsets[t] for t in layout.feature_tables], device=device)
+    strides = torch.tensor([row_bytes(layout.tables[t].dim, q.bits) for t in layout.feature_tables], device=device)
+    return launch_pooled_forward(
+        q.codes,
+        layout,
+        indices,
+        offsets,
+        per_sample_weights,
+        bag_divisors,
+        batch_size,
+        storage_offsets,
+        strides,
+        quant=(q.scale, q.bias, q.bits),
+    )
+
+
+def quantized_pooled_lookup_reference(
+    q: QuantizedTables,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    bag_divisors: torch.Tensor | None,
+    batch_size: int,
+) -> torch.Tensor:
+    """The specification: per feature, dequantize the gathered rows (out-of-range rows are zero) and pool them."""
+    layout = q.layout
+    out = torch.empty((batch_size, layout.total_dim), dtype=torch.float32, device=q.codes.device)
+    if out.numel() == 0:
+        return out
+    starts = feature_value_offsets(offsets, layout.num_features, batch_size)
+    for f, t in enumerate(layout.feature_tables):
+        spec = layout.tables[t]
+        idx = indices[starts[f] : starts[f + 1]].long()
+        ok = (idx >= 0) & (idx < spec.num_rows)
+        safe = torch.where(ok, idx, 0)
+        scale, bias = q.table_scale_bias(t)
+        if spec.num_rows:
+            rows = dequantize_rowwise(q.table_codes(t)[safe], scale[safe], bias[safe], spec.dim, q.bits)
+        else:
+            rows = torch.zeros(idx.numel(), spec.dim, device=idx.device)
+        psw = ok.float() if per_sample_weights is None else per_sample_weights[starts[f] : starts[f + 1]].float() * ok
+        bag_offsets = offsets[f * batch_size : (f + 1) * batch_size + 1] - starts[f]
+        pooled = F.embedding_bag(
+            torch.arange(idx.numel(), device=idx.device),
+            rows if idx.numel() else rows.new_zeros(1, spec.dim),
+            bag_offsets.long(),
+            mode="sum",
+            per_sample_weights=psw,
+            include_last_offset=True,
+        )
+        if spec.pooling == PoolingMode.MEAN:
+            lengths = (bag_offsets[1:] - bag_offsets[:-1]).float()
+            divisor = lengths if bag_divisors is None else bag_divisors[f * batch_size : (f + 1) * batch_size].float()
+            pooled = torch.where(divisor[:, None] > 0, pooled / divisor.clamp(min=1e-30)[:, None], 0.0)
+        col = layout.feature_out_offsets[f]
+        out[:, col : col + spec.dim] = pooled
+    return out
+
+
+def quantized_pooled_lookup(
+    q: QuantizedTables,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None = None,
+    bag_divisors: torch.Tensor | None = None,
+    *,
+    bounds_check: BoundsCheckMode = BoundsCheckMode.FATAL,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Pooled lookup on row-wise quantized tables: ``[B, layout.total_dim]`` fp32 (inference only, no autograd).
+
+    Arguments as in :func:`~tritonrec.kernels.embedding.pooled.pooled_embedding_lookup`.
+    """
+    if not isinstance(q, QuantizedTables):
+        raise TypeError(f"q must be QuantizedTables, got {type(q).__name__}")
+    layout = op_checks.check_layout(q.layout)
+    op_checks.check_indices(indices)
+    batch_size = op_checks.check_pooled_offsets(offsets, layout, indices.numel())
+    op_checks.check_per_value(per_sample_weights, "per_sample_weights", indices.numel())
+    op_checks.check_bag_divisors(bag_divisors, offsets, layout, batch_size)
+    check_same_device(
+        codes=q.codes,
+        indices=indices,
+        offsets=offsets,
+        per_sample_weights=per_sample_weights,
+        bag_divisors=bag_divisors,
+    )
+    op_checks.check_bounds_mode(bounds_check)
+    if bounds_check != BoundsCheckMode.IGNORE:
+        check_bounds(layout, indices, feature_value_offsets(offsets, layout.num_features, batch_size), bounds_check)
+    with torch.no_grad():
+        if resolve_backend(backend, q.codes, indices) == "triton":
+            return _quantized_triton(q, indices, offsets, per_sample_weights, bag_divisors, batch_size)
+        return quantized_pooled_lookup_reference(q, indices, offsets, per_sample_weights, bag_divisors, batch_size)

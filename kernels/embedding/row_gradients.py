@@ -1,0 +1,328 @@
+"""Backward pieces that do not update weights: per-row gradient sums (for plain torch optimizers) and the gradient of
+the per-sample weights.
+
+Row sums follow a :class:`~tritonrec.kernels.embedding.grad_plan.RowGradientPlan`: unique row ``u`` receives the sum
+of its sorted run of contributions ``scale * grad[goff : goff + D]``. The result is *compact*: table ``t``'s unique
+rows are stored one after another as a ``[U_t, D_t]`` block, blocks in table order (the caller scatters them into a
+dense gradient or wraps them as sparse rows).
+
+Per-sample-weight gradient of value ``j`` in bag ``b``: ``dot(W[idx_j], grad_output[b, cols_f]) / divisor_b`` (zero
+for out-of-range rows and for bags whose divisor is 0).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tritonrec.kernels._triton import tl, triton
+from tritonrec.kernels.backend import autotune
+from tritonrec.kernels.embedding.grad_plan import RowGradientPlan, ValueGradientInfo, long_runs
+from tritonrec.kernels.embedding.layout import TableBatchedLayout
+from tritonrec.kernels.embedding.pooled_forward import block_d_for
+
+
+@triton.jit
+def segment_grad(
+    grad_ptr,
+    goff_ptr,
+    scale_ptr,
+    start,
+    end,
+    cols,
+    col_ok,
+    HAS_SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Sum of ``scale[j] * grad[goff[j] + cols]`` over ``j in [start, end)``, ``BLOCK_N`` contributions at a time.
+
+    The order is fixed by the plan and the tile shape, so the sum is reproducible.
+    """
+    acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    for j0 in range(start, end, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        in_run = j < end
+        goff = tl.load(goff_ptr + j, mask=in_run, other=0)
+        tile = tl.load(grad_ptr + goff[:, None] + cols[None, :], mask=in_run[:, None] & col_ok[None, :], other=0.0)
+        if HAS_SCALE:
+            tile = tile * tl.load(scale_ptr + j, mask=in_run, other=0.0)[:, None]
+        acc += tile
+    return tl.sum(acc, axis=0)
+
+
+def _segment_configs() -> list:
+    return [triton.Config({"BLOCK_N": n}, num_warps=w) for n, w in ((4, 4), (1, 2), (8, 4), (16, 8))]
+
+
+@autotune(configs=_segment_configs(), key=["BLOCK_D", "HAS_SCALE"])
+@triton.jit
+def _segment_sum_kernel(
+    grad_ptr,
+    goff_ptr,
+    scale_ptr,
+    segment_offsets_ptr,
+    unique_tables_ptr,
+    table_dims_ptr,
+    table_unique_offsets_ptr,
+    table_compact_offsets_ptr,
+    out_ptr,
+    HAS_SCALE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Grid (U, cdiv(max D, BLOCK_D)): one unique row, one column block."""
+    u = tl.program_id(0).to(tl.int64)
+    table = tl.load(unique_tables_ptr + u)
+    dim = tl.load(table_dims_ptr + table).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    if tl.program_id(1) * BLOCK_D < dim:
+        col_ok = cols < dim
+        start = tl.load(segment_offsets_ptr + u)
+        end = tl.load(segment_offsets_ptr + u + 1)
+        g = segment_grad(grad_ptr, goff_ptr, scale_ptr, start, end, cols, col_ok, HAS_SCALE, BLOCK_N, BLOCK_D)
+        row = u - tl.load(table_unique_offsets_ptr + table)
+        dst = tl.load(table_compact_offsets_ptr + table) + row * dim
+        tl.store(out_ptr + dst + cols, g, mask=col_ok)
+
+
+def compact_offsets(layout: TableBatchedLayout, plan: RowGradientPlan) -> list[int]:
+    """``[T + 1]`` element offsets of each table's ``[U_t, D_t]`` block in the compact row-gradient buffer."""
+    out = [0]
+    for t, spec in enumerate(layout.tables):
+        out.append(out[-1] + (plan.table_unique_offsets[t + 1] - plan.table_unique_offsets[t]) * spec.dim)
+    return out
+
+
+def row_gradient_sums_triton(
+    layout: TableBatchedLayout, plan: RowGradientPlan, grad_flat: torch.Tensor
+) -> torch.Tensor:
+    device = grad_flat.device
+    blocks = compact_offsets(layout, plan)
+    out = torch.empty(blocks[-1], dtype=torch.float32, device=device)
+    if plan.num_unique == 0:
+        return out
+    meta = layout.tensors(device)
+    block_d = block_d_for(layout.max_dim)
+    _segment_sum_kernel[(plan.num_unique, triton.cdiv(layout.max_dim, block_d))](
+        grad_flat,
+        plan.sorted_grad_offsets,
+        grad_flat if plan.sorted_scales is None else plan.sorted_scales,
+        plan.segment_offsets,
+        plan.unique_tables,
+        meta.table_dims,
+        torch.tensor(plan.table_unique_offsets[:-1], dtype=torch.int64, device=device),
+        torch.tensor(blocks[:-1], dtype=torch.int64, device=device),
+        out,
+        HAS_SCALE=plan.sorted_scales is not None,
+        BLOCK_D=block_d,
+    )
+    return out
+
+
+def grad_rows(
+    grad_flat: torch.Tensor, grad_offsets: torch.Tensor, dim: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[n, dim]`` gradient rows starting at ``grad_offsets`` of the flat buffer, gathered through a sliding-window
+    view (row ``k`` of the view is ``grad_flat[k : k + dim]``), so no ``[n, dim]`` index tensor is built."""
+    if grad_offsets.numel() == 0:
+        return grad_flat.new_zeros(0, dim) if out is None else out
+    window = grad_flat.as_strided((grad_flat.numel() - dim + 1, dim), (1, 1))
+    return (
+        torch.index_select(window, 0, grad_offsets, out=out)
+        if out is not None
+        else window.index_select(0, grad_offsets)
+    )
+
+
+@dataclass(frozen=True)
+class RowSpan:
+    """Unique rows ``[u0, u1)`` of equal ``dim`` (their contributions ``[c0, c1)``, their compact block at
+    ``start``) that the twins process with one set of torch ops; ``table`` is None when it spans every table."""
+
+    table: int | None
+    dim: int
+    u0: int
+    u1: int
+    c0: int
+    c1: int
+    start: int
+
+
+def row_spans(layout: TableBatchedLayout, plan: RowGradientPlan) -> list[RowSpan]:
+    """One span for all tables when they share one dim (rows are then addressed by global number in the flat
+    buffer viewed as ``[num_rows, D]``), else one span per table with touched rows."""
+    blocks = compact_offsets(layout, plan)
+    if len({spec.dim for spec in layout.tables}) == 1:
+        if plan.num_unique == 0:
+            return []
+        return [RowSpan(None, layout.tables[0].dim, 0, plan.num_unique, 0, plan.table_contribution_offsets[-1], 0)]
+    spans = []
+    for t, spec in enumerate(layout.tables):
+        u0, u1 = plan.table_unique_offsets[t], plan.table_unique_offsets[t + 1]
+        c0, c1 = plan.table_contribution_offsets[t], plan.table_contribution_offsets[t + 1]
+        if u1 > u0:
+            spans.append(RowSpan(t, spec.dim, u0, u1, c0, c1, blocks[t]))
+    return spans
+
+
+def iter_row_sums(
+    layout: TableBatchedLayout,
+    plan: RowGradientPlan,
+    grad_flat: torch.Tensor,
+    chunk_bytes: int | None = None,
+    out: torch.Tensor | None = None,
+) -> Iterator[tuple[RowSpan, int, int, torch.Tensor]]:
+    """Yield ``(span, a, b, sums)``: the fp32 gradient sums ``[b - a, dim]`` of unique rows ``[a, b)``, at most
+    ``chunk_bytes`` of sums at a time (so a consumer's temporaries stay in cache), written into ``out`` (the
+    compact buffer) when given.
+
+    Each run's first contribution is gathered straight into the sums and the others are added with ``index_add_``,
+    which adds in index order: every run is summed in the plan's canonical order."""
+    goff, scales = plan.sorted_grad_offsets, plan.sorted_scales
+    rest, rest_run = long_runs(plan.segment_offsets, plan.segment_offsets[1:] - plan.segment_offsets[:-1], True)
+    for span in row_spans(layout, plan):
+        rows_per_chunk = max(1, chunk_bytes // (4 * span.dim)) if chunk_bytes else span.u1 - span.u0
+        bounds = [*range(span.u0, span.u1, rows_per_chunk), span.u1]
+        rest_bounds = torch.searchsorted(rest_run, torch.tensor(bounds, device=rest_run.device)).tolist()
+        for k, (a, b) in enumerate(itertools.pairwise(bounds)):
+            start = span.start + (a - span.u0) * span.dim
+            block = None if out is None else out[start : start + (b - a) * span.dim].view(b - a, span.dim)
+            first = plan.segment_offsets[a:b]
+            sums = grad_rows(grad_flat, goff[first], span.dim, out=block)
+            if scales is not None:
+                sums.mul_(scales[first, None])
+            r0, r1 = rest_bounds[k], rest_bounds[k + 1]
+            if r1 > r0:  # rows looked up more than once: add their other contributions, in the plan's order
+                rest_rows = grad_rows(grad_flat, goff[rest[r0:r1]], span.dim)
+                if scales is not None:
+                    rest_rows.mul_(scales[rest[r0:r1], None])
+                sums.index_add_(0, rest_run[r0:r1] - a, rest_rows)
+            yield span, a, b, sums
+
+
+def row_gradient_sums_reference(
+    layout: TableBatchedLayout, plan: RowGradientPlan, grad_flat: torch.Tensor
+) -> torch.Tensor:
+    """The specification: compact fp32 row sums (see module docstring and :func:`iter_row_sums`)."""
+    out = torch.empty(compact_offsets(layout, plan)[-1], dtype=torch.float32, device=grad_flat.device)
+    for _ in iter_row_sums(layout, plan, grad_flat, out=out):
+        pass
+    return out
+
+
+@triton.jit
+def _psw_grad_kernel(
+    weights_ptr,
+    grad_ptr,
+    indices_ptr,
+    features_ptr,
+    goff_ptr,
+    divisors_ptr,
+    feature_weight_offsets_ptr,
+    feature_rows_ptr,
+    feature_dims_ptr,
+    out_ptr,
+    N,
+    max_dim,
+    HAS_DIVISORS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Grid (cdiv(N, BLOCK_N),): dot products of BLOCK_N values' table rows with their bags' gradient rows."""
+    j = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_range = j < N
+    feature = tl.load(features_ptr + j, mask=in_range, other=0)
+    idx = tl.load(indices_ptr + j, mask=in_range, other=0).to(tl.int64)
+    dim = tl.load(feature_dims_ptr + feature).to(tl.int64)
+    row_ok = in_range & (idx >= 0) & (idx < tl.load(feature_rows_ptr + feature))
+    row_start = tl.load(feature_weight_offsets_ptr + feature) + idx * dim
+    goff = tl.load(goff_ptr + j, mask=in_range, other=0)
+    acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    for d0 in range(0, max_dim, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        m = row_ok[:, None] & (cols[None, :] < dim[:, None])
+        w = tl.load(weights_ptr + row_start[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        g = tl.load(grad_ptr + goff[:, None] + cols[None, :], mask=m, other=0.0)
+        acc += w * g
+    dot = tl.sum(acc, axis=1)
+    if HAS_DIVISORS:
+        divisor = tl.load(divisors_ptr + j, mask=in_range, other=1.0)
+        dot = tl.where(divisor > 0, tl.div_rn(dot, tl.maximum(divisor, 1e-30)), 0.0)
+    tl.store(out_ptr + j, dot, mask=in_range)
+
+
+def per_sample_weight_grad_triton(
+    weights: torch.Tensor,
+    layout: TableBatchedLayout,
+    indices: torch.Tensor,
+    info: ValueGradientInfo,
+    grad_flat: torch.Tensor,
+) -> torch.Tensor:
+    out = torch.empty(indices.numel(), dtype=torch.float32, device=indices.device)
+    if out.numel() == 0:
+        return out
+    meta = layout.tensors(indices.device)
+    block_n = 16
+    _psw_grad_kernel[(triton.cdiv(indices.numel(), block_n),)](
+        weights,
+        grad_flat,
+        indices,
+        info.features,
+        info.grad_offsets,
+        grad_flat if info.divisors is None else info.divisors,
+        meta.feature_weight_offsets,
+        meta.feature_rows,
+        meta.feature_dims,
+        out,
+        indices.numel(),
+        layout.max_dim,
+        HAS_DIVISORS=info.divisors is not None,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d_for(layout.max_dim),
+    )
+    return out
+
+
+def per_sample_weight_grad_reference(
+    weights: torch.Tensor,
+    layout: TableBatchedLayout,
+    indices: torch.Tensor,
+    info: ValueGradientInfo,
+    grad_flat: torch.Tensor,
+    feature_value_offsets: Sequence[int],
+) -> torch.Tensor:
+    """The specification: ``[N]`` fp32 (see module docstring), one gather-and-dot per feature."""
+    out = torch.zeros(indices.numel(), dtype=torch.float32, device=indices.device)
+    for f, table in enumerate(layout.feature_tables):
+        start, end = feature_value_offsets[f], feature_value_offsets[f + 1]
+        if start == end:
+            continue
+        spec = layout.tables[table]
+        idx = indices[start:end]
+        ok = (idx >= 0) & (idx < spec.num_rows)
+        rows = layout.table_view(weights, table)[torch.where(ok, idx, 0)].float() if spec.num_rows else None
+        if rows is None:
+            continue
+        dots = (rows * grad_rows(grad_flat, info.grad_offsets[start:end], spec.dim)).sum(dim=1)
+        out[start:end] = torch.where(ok, dots, 0.0)
+    if info.divisors is not None:
+        out = torch.where(info.divisors > 0, out / info.divisors.clamp(min=1e-30), 0.0)
+    return out
+
+
+__all__ = [
+    "RowSpan",
+    "compact_offsets",
+    "grad_rows",
+    "iter_row_sums",
+    "per_sample_weight_grad_reference",
+    "per_sample_weight_grad_triton",
+    "row_gradient_sums_reference",
+    "row_gradient_sums_triton",
+    "row_spans",
+    "segment_grad",
+]

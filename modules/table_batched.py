@@ -1,0 +1,231 @@
+"""What every embedding collection shares: tables grouped by storage dtype into flat buffers, per-table parameters
+that are views into those buffers, and routing of a KeyedJaggedTensor's features to their group.
+
+Each group is one :class:`~tritonrec.kernels.embedding.TableBatchedLayout` and one flat weight buffer, so a forward
+is one kernel launch per dtype group. The per-table ``nn.EmbeddingBag`` / ``nn.Embedding`` children exist for
+torchrec's state-dict keys (``embedding_bags.<table>.weight``) and for plain torch optimizers; their ``weight``
+parameters alias the flat buffer. Anything that replaces parameter storage (``.to()``, ``.half()``,
+``load_state_dict(assign=True)``) is repaired before the next forward by re-packing the parameters into a new flat
+buffer (same Parameter objects, so optimizers keep working).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tritonrec.data import KeyedJaggedTensor
+from tritonrec.kernels.backend import Backend
+from tritonrec.kernels.embedding import BoundsCheckMode, PoolingMode, TableBatchedLayout, TableSpec
+from tritonrec.modules.embedding_configs import (
+    BaseEmbeddingConfig,
+    data_type_to_dtype,
+    pooling_type_to_pooling_mode,
+)
+
+
+@dataclass
+class TableGroup:
+    """Tables sharing one storage dtype: their config positions, layout, flat buffer and per-table modules."""
+
+    table_positions: list[int]
+    layout: TableBatchedLayout
+    weights: torch.Tensor
+    modules: list[nn.Module]
+
+    @property
+    def feature_names(self) -> tuple[str, ...]:
+        return self.layout.feature_names
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The tables' current ``weight`` parameters (read each time: ``load_state_dict(assign=True)`` replaces
+        the Parameter objects)."""
+        return [m.weight for m in self.modules]
+
+
+@dataclass
+class GroupInputs:
+    """One group's slice of a KJT: ``values [N_g]``, ``offsets [F_g * B + 1]``, optional ``weights [N_g]``,
+    ``lengths [F_g * B]`` and the per-feature value spans ``value_offsets [F_g + 1]`` (host ints)."""
+
+    values: torch.Tensor
+    offsets: torch.Tensor
+    weights: torch.Tensor | None
+    lengths: torch.Tensor
+    value_offsets: list[int]
+
+
+def validate_tables(tables: object, config_type: type, module_name: str) -> list[BaseEmbeddingConfig]:
+    """Configs of the right type, unique non-empty table names, each feature read by at most one table."""
+    if not isinstance(tables, (list, tuple)) or not tables:
+        raise ValueError(f"{module_name} needs a non-empty list of {config_type.__name__}, got tables={tables!r}")
+    seen_tables: set[str] = set()
+    feature_owner: dict[str, str] = {}
+    for i, config in enumerate(tables):
+        if not isinstance(config, config_type):
+            raise TypeError(f"tables[{i}] must be an {config_type.__name__}, got {type(config).__name__}")
+        if not config.name:
+            raise ValueError(f"tables[{i}] needs a name (it keys the state dict), got name={config.name!r}")
+        if config.name in seen_tables:
+            raise ValueError(f"table names must be unique, got {config.name!r} twice")
+        seen_tables.add(config.name)
+        for feature in config.feature_names:
+            if feature in feature_owner:
+                raise ValueError(
+                    f"feature {feature!r} is read by tables {feature_owner[feature]!r} and {config.name!r}; "
+                    "a feature may feed only one table"
+                )
+            feature_owner[feature] = config.name
+    return list(tables)
+
+
+def build_groups(
+    tables: Sequence[BaseEmbeddingConfig],
+    device: torch.device | str | None,
+    make_table_module: Callable[[BaseEmbeddingConfig, torch.Tensor], nn.Module],
+    container: nn.ModuleDict,
+    pooled: bool,
+) -> list[TableGroup]:
+    """Group tables by dtype (first-appearance order), allocate and initialise each flat buffer, and register one
+    child module per table in ``container`` whose ``weight`` is that table's view."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, config in enumerate(tables):
+        by_dtype.setdefault(data_type_to_dtype(config.data_type), []).append(i)
+    groups, modules = [], {}
+    for dtype, positions in by_dtype.items():
+        specs, feature_tables, feature_names = [], [], []
+        for local, pos in enumerate(positions):
+            config = tables[pos]
+            pooling = pooling_type_to_pooling_mode(config.pooling) if pooled else PoolingMode.NONE
+            specs.append(TableSpec(config.num_embeddings, config.embedding_dim, pooling, config.name))
+            feature_tables += [local] * len(config.feature_names)
+            feature_names += config.feature_names
+        layout = TableBatchedLayout(specs, feature_tables, feature_names)
+        flat = torch.empty(layout.num_weights, dtype=dtype, device=device)
+        for local, pos in enumerate(positions):
+            view = layout.table_view(flat, local)
+            if flat.device.type != "meta":
+                with torch.no_grad():
+                    initialised = tables[pos].init_fn(view)
+                    if initialised is not None and initialised is not view:
+                        view.copy_(initialised)
+            modules[pos] = make_table_module(tables[pos], view)
+        groups.append(TableGroup(positions, layout, flat, [modules[pos] for pos in positions]))
+    for pos in range(len(tables)):  # registered in table order, so state-dict keys follow the configs
+        container[tables[pos].name] = modules[pos]
+    return groups
+
+
+def repack(group: TableGroup) -> None:
+    """Make the group's parameters views of one flat buffer again (after something replaced their storage)."""
+    layout, params = group.layout, group.params
+    first = params[0]
+    for t, p in enumerate(params):
+        if p.dtype != first.dtype or p.device != first.device:
+            raise ValueError(
+                f"tables of one dtype group must share dtype and device, got {layout.table_label(t)} as {p.dtype} on "
+                f"{p.device} but {layout.table_label(0)} as {first.dtype} on {first.device}"
+            )
+    flat = torch.empty(layout.num_weights, dtype=first.dtype, device=first.device)
+    with torch.no_grad():
+        for t, p in enumerate(params):
+            view = layout.table_view(flat, t)
+            view.copy_(p.data)
+            p.data = view
+    group.weights = flat
+
+
+def is_packed(group: TableGroup) -> bool:
+    """Whether every parameter still aliases its table's place in the group's flat buffer."""
+    flat, layout = group.weights, group.layout
+    base, size = flat.data_ptr(), flat.element_size()
+    for t, p in enumerate(group.params):
+        if p.dtype != flat.dtype or p.device != flat.device:
+            return False
+        if p.numel() and p.data_ptr() != base + layout.table_weight_offsets[t] * size:
+            return False
+    return True
+
+
+def pooled_column_order(
+    groups: Sequence[tuple[Sequence[str], Sequence[int]]], embedding_names: Sequence[str]
+) -> list[int] | None:
+    """Columns of the concatenated per-group pooled outputs (``(feature_names, feature_dims)`` per group) listed in
+    ``embedding_names`` order; ``None`` when the concatenation is already in that order."""
+    spans, position = {}, 0
+    for names, dims in groups:
+        for name, dim in zip(names, dims, strict=True):
+            spans[name] = range(position, position + dim)
+            position += dim
+    order = [c for name in embedding_names for c in spans[name]]
+    return None if order == list(range(len(order))) else order
+
+
+class TableBatchedCollection(nn.Module):
+    """Base of the embedding collections: owns the groups and turns a KJT into per-group kernel inputs."""
+
+    def __init__(self, bounds_check: BoundsCheckMode, backend: Backend) -> None:
+        super().__init__()
+        if not isinstance(bounds_check, BoundsCheckMode):
+            raise TypeError(f"bounds_check must be a BoundsCheckMode, got bounds_check={bounds_check!r}")
+        self.bounds_check = bounds_check
+        self.backend: Backend = backend
+        self._groups: list[TableGroup] = []
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
+        super()._apply(fn, recurse)
+        self._ensure_packed()
+        return self
+
+    def _ensure_packed(self) -> bool:
+        """Re-pack every group whose parameters no longer alias its flat buffer; True if any was re-packed."""
+        repacked = False
+        for group in self._groups:
+            if not is_packed(group):
+                repack(group)
+                repacked = True
+        return repacked
+
+    def _group_inputs(self, features: KeyedJaggedTensor, group: TableGroup, need_weights: bool) -> GroupInputs:
+        """The KJT's tensors restricted to (and ordered like) the group's features; no copy when the KJT already
+        is. Built from per-key slices (not ``KJT.permute``) so gradients flow back to the KJT's weights."""
+        if not isinstance(features, KeyedJaggedTensor):
+            raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
+        if features.variable_stride_per_key():
+            raise ValueError(
+                f"{type(self).__name__} needs one batch size for all keys; got a variable-stride KJT with "
+                f"stride_per_key={features.stride_per_key()}"
+            )
+        weights = features.weights_or_none() if need_weights else None
+        if need_weights and weights is None:
+            raise ValueError(f"{type(self).__name__} was built with is_weighted=True but features has no weights")
+        names = list(group.feature_names)
+        if features.keys() == names:
+            return GroupInputs(
+                features.values(), features.offsets(), weights, features.lengths(), features.offset_per_key()
+            )
+        index = features.index_per_key()
+        missing = [n for n in names if n not in index]
+        if missing:
+            raise ValueError(f"features is missing keys {missing} (it has {features.keys()})")
+        order = [index[n] for n in names]
+        value_spans = features.offset_per_key()
+        batch = features.stride()
+        lengths = features.lengths()
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t[value_spans[i] : value_spans[i + 1]] for i in order])
+
+        group_lengths = torch.cat([lengths[i * batch : (i + 1) * batch] for i in order])
+        offsets = torch.zeros(group_lengths.numel() + 1, dtype=group_lengths.dtype, device=group_lengths.device)
+        torch.cumsum(group_lengths, dim=0, out=offsets[1:])
+        spans = [0]
+        for i in order:
+            spans.append(spans[-1] + value_spans[i + 1] - value_spans[i])
+        return GroupInputs(
+            gather(features.values()), offsets, None if weights is None else gather(weights), group_lengths, spans
+        )
