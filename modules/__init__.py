@@ -1,8 +1,18 @@
 """nn.Modules with torchrec's names: embedding configs, (fused) embedding bag / sequence collections, feature
-processors and quantized inference collections. Modules hold parameters and route KJTs; the lookups are
+processors, quantized inference collections and the DLRM family. Modules hold parameters and route KJTs; the lookups are
 :mod:`tritonrec.kernels.embedding` ops."""
 
 from tritonrec.kernels.embedding import OptimType
+from tritonrec.modules.dlrm import DLRM, DLRM_DCN, DLRMTrain
+from tritonrec.modules.dlrm_archs import (
+    MLP,
+    DenseArch,
+    InteractionArch,
+    InteractionDCNArch,
+    LowRankCrossNet,
+    OverArch,
+    SparseArch,
+)
 from tritonrec.modules.embedding_configs import (
     BaseEmbeddingConfig,
     BoundsCheckMode,
@@ -26,9 +36,14 @@ from tritonrec.modules.fused_embedding_modules import (
 from tritonrec.modules.quant_embedding_modules import QuantEmbeddingBagCollection
 
 __all__ = [
+    "DLRM",
+    "DLRM_DCN",
+    "MLP",
     "BaseEmbeddingConfig",
     "BoundsCheckMode",
+    "DLRMTrain",
     "DataType",
+    "DenseArch",
     "EmbeddingBagCollection",
     "EmbeddingBagConfig",
     "EmbeddingCollection",
@@ -37,10 +52,15 @@ __all__ = [
     "FeatureProcessedEmbeddingBagCollection",
     "FusedEmbeddingBagCollection",
     "FusedEmbeddingCollection",
+    "InteractionArch",
+    "InteractionDCNArch",
+    "LowRankCrossNet",
     "OptimType",
+    "OverArch",
     "PoolingType",
     "PositionWeightedModule",
     "PositionWeightedModuleCollection",
     "QuantEmbeddingBagCollection",
+    "SparseArch",
     "data_type_to_dtype",
 ]

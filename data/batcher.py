@@ -1,0 +1,183 @@
+"""``Batcher``: groups :class:`RecElement` samples into :class:`Batch` es (datarax's batcher semantics).
+
+``process(elements, batch_size, drop_remainder=False)`` yields one Batch per ``batch_size`` elements. Without
+``drop_remainder`` a short last batch is padded up to ``batch_size`` (zero dense rows, empty bags, zero labels) and its
+``valid_mask`` marks the real rows, so every step sees one shape; with it the short batch is dropped, as in datarax.
+
+The Batcher remembers where its stream stands: ``get_state()`` returns ``{"epoch", "position", "batches"}`` (the
+number of completed passes, the elements consumed by the batches yielded so far in this pass, and those batches).
+``set_state(state)`` makes the next ``process`` call start at that element, so a job restored from a checkpoint sees
+exactly the batches it would have seen. Sources with ``iter_from`` (:class:`ElementSource`) jump there directly; any
+other iterable is replayed from its start and the consumed elements are skipped. A pass that runs to its end bumps
+``epoch`` and resets ``position``, so ``while True: for batch in batcher.process(source, B)`` walks epochs.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from tritonrec.data.batch import Batch
+from tritonrec.data.elements import BatchSpec, ElementSource, ElementSpec, RecElement, TensorSpec
+from tritonrec.data.keyed_jagged_tensor import KeyedJaggedTensor
+
+_STATE_KEYS = ("epoch", "position", "batches")
+
+
+def _check_batch_size(batch_size: object) -> int:
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got batch_size={batch_size!r}")
+    return batch_size
+
+
+class Batcher:
+    """Collates elements described by ``element_spec`` into padded, masked batches (see module docstring)."""
+
+    def __init__(self, element_spec: ElementSpec) -> None:
+        if not isinstance(element_spec, ElementSpec):
+            raise TypeError(f"element_spec must be an ElementSpec, got {type(element_spec).__name__}")
+        self.element_spec = element_spec
+        self._state = {"epoch": 0, "position": 0, "batches": 0}
+
+    # ------------------------------------------------------------------------------------------------------ state
+    def get_state(self) -> dict[str, int]:
+        """A copy of ``{"epoch", "position", "batches"}`` (plain ints: JSON- and torch.save-friendly)."""
+        return dict(self._state)
+
+    def set_state(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`get_state` result; the next :meth:`process` call resumes from it."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state must be a mapping from get_state(), got {type(state).__name__}")
+        if set(state) != set(_STATE_KEYS):
+            raise ValueError(f"state must have exactly the keys {list(_STATE_KEYS)}, got {sorted(state)}")
+        for key in _STATE_KEYS:
+            value = state[key]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"state[{key!r}] must be a non-negative int, got {value!r}")
+        self._state = {key: int(state[key]) for key in _STATE_KEYS}
+
+    # ---------------------------------------------------------------------------------------------------- batching
+    def batch_spec(self, element_spec: ElementSpec, batch_size: int) -> BatchSpec:
+        """The shape of every batch ``process`` yields from elements like ``element_spec`` (padding included)."""
+        if not isinstance(element_spec, ElementSpec):
+            raise TypeError(f"element_spec must be an ElementSpec, got {type(element_spec).__name__}")
+        batch_size = _check_batch_size(batch_size)
+        return BatchSpec(
+            batch_size=batch_size,
+            dense_features=TensorSpec((batch_size, element_spec.dense_dim), torch.float32),
+            sparse_keys=element_spec.sparse_keys,
+            sparse_values_dtype=torch.int64,
+            sparse_lengths_dtype=torch.int32,
+            labels=TensorSpec((batch_size,), torch.float32),
+            valid_mask=TensorSpec((batch_size,), torch.bool),
+        )
+
+    def process(
+        self, elements: Iterable[RecElement] | ElementSource, batch_size: int, drop_remainder: bool = False
+    ) -> Iterator[Batch]:
+        """Yield Batches of ``batch_size`` from ``elements``, starting where the Batcher's state says."""
+        batch_size = _check_batch_size(batch_size)
+        if not isinstance(drop_remainder, bool):
+            raise TypeError(f"drop_remainder must be a bool, got drop_remainder={drop_remainder!r}")
+        if not isinstance(elements, (Iterable, ElementSource)):
+            raise TypeError(f"elements must be an iterable of RecElement or an ElementSource, got {type(elements)}")
+        return self._generate(elements, batch_size, drop_remainder)
+
+    def _generate(
+        self, elements: Iterable[RecElement] | ElementSource, batch_size: int, drop_remainder: bool
+    ) -> Iterator[Batch]:
+        epoch, position, batches = self._state["epoch"], self._state["position"], self._state["batches"]
+        stream = self._stream_from(elements, epoch, position)
+        while True:
+            chunk = list(itertools.islice(stream, batch_size))
+            if not chunk or (len(chunk) < batch_size and drop_remainder):
+                break
+            batch = collate(chunk, self.element_spec, batch_size, first_index=position)
+            position += len(chunk)
+            batches += 1
+            self._state = {"epoch": epoch, "position": position, "batches": batches}
+            yield batch
+            if len(chunk) < batch_size:
+                break
+        self._state = {"epoch": epoch + 1, "position": 0, "batches": 0}
+
+    @staticmethod
+    def _stream_from(elements: Iterable[RecElement] | ElementSource, epoch: int, position: int) -> Iterator[RecElement]:
+        if isinstance(elements, ElementSource):
+            return iter(elements.iter_from(position, epoch))
+        stream = iter(elements)
+        skipped = sum(1 for _ in itertools.islice(stream, position))
+        if skipped < position:
+            raise ValueError(
+                f"the Batcher state says {position} elements were consumed, but elements holds only {skipped}"
+            )
+        return stream
+
+
+def collate(elements: list[RecElement], spec: ElementSpec, batch_size: int, first_index: int = 0) -> Batch:
+    """``n <= batch_size`` elements -> one Batch of ``batch_size`` rows, the last ``batch_size - n`` padding.
+
+    Ids arrive sample-major (each element's features back to back); the KJT wants them key-major, so one gather
+    reorders them: bag ``(f, b)`` starts at its sample-major offset.
+    """
+    n, num_keys = len(elements), len(spec.sparse_keys)
+    for i, element in enumerate(elements):
+        if not isinstance(element, RecElement):
+            raise TypeError(f"element {first_index + i} must be a RecElement, got {type(element).__name__}")
+    dense = np.zeros((batch_size, spec.dense_dim), dtype=np.float32)
+    lengths = np.zeros((batch_size, num_keys), dtype=np.int64)
+    labels = np.zeros(batch_size, dtype=np.float32)
+    try:
+        dense[:n] = np.stack([e.dense for e in elements])
+        lengths[:n] = np.stack([e.sparse_lengths for e in elements])
+    except ValueError:
+        _raise_shape_mismatch(elements, spec, first_index)
+        raise
+    labels[:n] = [e.label for e in elements]
+    ids = np.concatenate([e.sparse_ids for e in elements])
+    if not np.issubdtype(ids.dtype, np.integer):
+        i = next(i for i, e in enumerate(elements) if not np.issubdtype(np.asarray(e.sparse_ids).dtype, np.integer))
+        dtype = np.asarray(elements[i].sparse_ids).dtype
+        raise TypeError(f"element {first_index + i} has sparse_ids of dtype {dtype}, not an integer dtype")
+    ids = ids.astype(np.int64, copy=False)
+    id_counts = np.fromiter((e.sparse_ids.shape[0] for e in elements), dtype=np.int64, count=n)
+    mismatch = np.flatnonzero(id_counts != lengths[:n].sum(1))
+    if mismatch.size:
+        i = int(mismatch[0])
+        raise ValueError(
+            f"element {first_index + i} has {id_counts[i]} sparse_ids but its sparse_lengths "
+            f"{elements[i].sparse_lengths.tolist()} sum to {int(lengths[i].sum())}"
+        )
+    if (lengths < 0).any():
+        i = int(np.flatnonzero((lengths < 0).any(1))[0])
+        raise ValueError(f"element {first_index + i} has negative sparse_lengths {elements[i].sparse_lengths.tolist()}")
+    starts = np.cumsum(lengths.reshape(-1)) - lengths.reshape(-1)  # sample-major start of bag (b, f)
+    lengths_key_major = lengths.T.reshape(-1)
+    starts_key_major = starts.reshape(batch_size, num_keys).T.reshape(-1)
+    out_starts = np.cumsum(lengths_key_major) - lengths_key_major
+    gather = np.repeat(starts_key_major - out_starts, lengths_key_major) + np.arange(ids.shape[0])
+    valid = np.zeros(batch_size, dtype=bool)
+    valid[:n] = True
+    sparse = KeyedJaggedTensor(
+        keys=list(spec.sparse_keys),
+        values=torch.from_numpy(ids[gather]),
+        lengths=torch.from_numpy(lengths_key_major.astype(np.int32)),
+        stride=batch_size,
+        length_per_key=lengths.sum(0).tolist(),
+    )
+    return Batch(torch.from_numpy(dense), sparse, torch.from_numpy(labels), torch.from_numpy(valid))
+
+
+def _raise_shape_mismatch(elements: list[RecElement], spec: ElementSpec, first_index: int) -> None:
+    """Name the first element whose dense or sparse_lengths shape differs from ``spec``."""
+    expected_dense, expected_lengths = (spec.dense_dim,), (len(spec.sparse_keys),)
+    for i, e in enumerate(elements):
+        if np.shape(e.dense) != expected_dense or np.shape(e.sparse_lengths) != expected_lengths:
+            raise ValueError(
+                f"element {first_index + i} has dense shape {np.shape(e.dense)} and sparse_lengths shape "
+                f"{np.shape(e.sparse_lengths)}; the element spec expects {expected_dense} and {expected_lengths}"
+            )

@@ -1,0 +1,227 @@
+"""Synthetic recsys stream: seeded, endless (or of fixed length), learnable, and generated in seekable chunks.
+
+Each sample has ``num_dense`` standard-normal dense features and one bag per sparse feature. A bag's length follows
+the chosen pooling-factor distribution; its ids follow a bounded Zipf law over ``[0, num_embeddings)`` (rank ``r`` has
+probability proportional to ``(r + 1) ** -zipf_alpha``), with ranks scattered over the table by a fixed permutation so
+the hot rows are not all at the front (as with hashed ids).
+
+Labels come from a hidden logistic model: ``logit = bias + dense @ v + sum_f mean_{id in bag f} w_f[id]``, label ~
+Bernoulli(sigmoid(logit)). The weights are drawn once from ``seed`` and scaled so the logit's standard deviation is
+about ``signal_std`` (split between dense and sparse by ``dense_share``); a model that learns the hot ids' weights
+reaches an AUROC well above 0.5. ``stream`` picks an independent sample sequence under the same hidden model, so
+stream 0 trains and stream 1 evaluates.
+
+Samples are generated in chunks of ``chunk_size``; chunk ``c`` is drawn from its own generator seeded by
+``(seed, stream, c)``, so ``iter_from(position)`` starts anywhere without replaying earlier samples and yields exactly
+the samples an uninterrupted pass would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from tritonrec.data.elements import ElementSpec, RecElement, check_position
+
+POOLING_DISTRIBUTIONS = ("fixed", "poisson", "uniform")
+_HIDDEN_MODEL_STREAM = 2**31 - 1  # generator stream of the hidden weights, disjoint from any sample stream
+
+
+def _positive_int(value: object, name: str) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+    return int(value)
+
+
+def _per_feature(value: float | Sequence[float], num_features: int, name: str) -> list[float]:
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * num_features
+    if len(values) != num_features:
+        raise ValueError(f"{name} must be one number or one per sparse feature ({num_features}), got {value!r}")
+    for v in values:
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not np.isfinite(v) or v < 0:
+            raise ValueError(f"{name} entries must be non-negative finite numbers, got {name}={value!r}")
+    return [float(v) for v in values]
+
+
+class SyntheticRecSource:
+    """Seeded synthetic samples with Zipf ids and labels from a hidden logistic model (see module docstring).
+
+    Args:
+        num_embeddings: id range of each sparse feature (one table row per id); its length is the number of features.
+        num_dense: dense features per sample (``Dd``).
+        keys: sparse feature names; ``cat_0, cat_1, ...`` by default (Criteo's names).
+        zipf_alpha: Zipf exponent of the id distribution (> 0; larger is more skewed).
+        pooling: ``"fixed"`` (every bag has ``pooling_factor`` ids), ``"poisson"`` (Poisson with mean
+            ``pooling_factor``, truncated to ``[min_pooling, max_pooling]``) or ``"uniform"`` (uniform on
+            ``[min_pooling, max_pooling]``).
+        pooling_factor: mean bag length, one value or one per feature (an integer for ``"fixed"``).
+        min_pooling, max_pooling: bag length bounds of ``"poisson"`` and ``"uniform"`` (0 allows empty bags).
+        num_samples: length of the stream; ``None`` streams forever.
+        seed: fixes the hidden model and, with ``stream``, the samples.
+        stream: independent sample sequence under the same hidden model (e.g. 0 train, 1 eval).
+        signal_std: standard deviation of the hidden logit (larger is easier to learn).
+        dense_share: fraction of the logit's variance carried by the dense features.
+        bias: constant of the hidden logit (sets the positive rate; -1 gives about 30% positives).
+        chunk_size: samples generated per vectorised draw.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: Sequence[int],
+        num_dense: int = 13,
+        keys: Sequence[str] | None = None,
+        zipf_alpha: float = 1.1,
+        pooling: str = "poisson",
+        pooling_factor: float | Sequence[float] = 1.0,
+        min_pooling: int = 0,
+        max_pooling: int = 8,
+        num_samples: int | None = None,
+        seed: int = 0,
+        stream: int = 0,
+        signal_std: float = 2.0,
+        dense_share: float = 0.25,
+        bias: float = -1.0,
+        chunk_size: int = 4096,
+    ) -> None:
+        if not isinstance(num_embeddings, (list, tuple)) or not num_embeddings:
+            raise ValueError(f"num_embeddings must be a non-empty list of positive ints, got {num_embeddings!r}")
+        self._num_rows = [_positive_int(n, "num_embeddings[i]") for n in num_embeddings]
+        num_features = len(self._num_rows)
+        keys = [f"cat_{i}" for i in range(num_features)] if keys is None else list(keys)
+        if len(keys) != num_features:
+            raise ValueError(f"keys must name the {num_features} sparse features, got keys={keys!r}")
+        if not isinstance(num_dense, int) or isinstance(num_dense, bool) or num_dense < 0:
+            raise ValueError(f"num_dense must be a non-negative int, got num_dense={num_dense!r}")
+        self.element_spec = ElementSpec(num_dense, tuple(keys))
+        for name, value in (("zipf_alpha", zipf_alpha), ("signal_std", signal_std)):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"{name} must be a positive number, got {name}={value!r}")
+        if not isinstance(dense_share, (int, float)) or not 0 <= dense_share <= 1:
+            raise ValueError(f"dense_share must be in [0, 1], got dense_share={dense_share!r}")
+        if not isinstance(bias, (int, float)) or isinstance(bias, bool):
+            raise TypeError(f"bias must be a number, got bias={bias!r}")
+        self._pooling_factors = _per_feature(pooling_factor, num_features, "pooling_factor")
+        self._check_pooling(pooling, min_pooling, max_pooling)
+        self.pooling, self.min_pooling, self.max_pooling = pooling, min_pooling, max_pooling
+        if num_samples is not None and (
+            not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 0
+        ):
+            raise ValueError(f"num_samples must be a non-negative int or None, got num_samples={num_samples!r}")
+        self.num_samples = num_samples
+        for name, value in (("seed", seed), ("stream", stream)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {name}={value!r}")
+        self.seed, self.stream = seed, stream
+        self.chunk_size = _positive_int(chunk_size, "chunk_size")
+        self._build_hidden_model(float(zipf_alpha), float(signal_std), float(dense_share), float(bias))
+
+    def _check_pooling(self, pooling: object, min_pooling: object, max_pooling: object) -> None:
+        if pooling not in POOLING_DISTRIBUTIONS:
+            raise ValueError(f"pooling must be one of {POOLING_DISTRIBUTIONS}, got pooling={pooling!r}")
+        for name, value in (("min_pooling", min_pooling), ("max_pooling", max_pooling)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {name}={value!r}")
+        if max_pooling < min_pooling:  # type: ignore[operator]
+            raise ValueError(f"max_pooling ({max_pooling}) must be >= min_pooling ({min_pooling})")
+        if pooling == "fixed" and any(p != int(p) for p in self._pooling_factors):
+            raise ValueError(f"pooling='fixed' needs integer pooling_factor, got {self._pooling_factors}")
+
+    def _build_hidden_model(self, zipf_alpha: float, signal_std: float, dense_share: float, bias: float) -> None:
+        rng = np.random.default_rng([self.seed, _HIDDEN_MODEL_STREAM])
+        num_features, num_dense = len(self._num_rows), self.element_spec.dense_dim
+        self._cdfs, self._rank_to_id, self._id_weights = [], [], []
+        sparse_std = signal_std * np.sqrt((1.0 - dense_share) / num_features)
+        for rows in self._num_rows:
+            probs = np.arange(1, rows + 1, dtype=np.float64) ** -zipf_alpha
+            cdf = np.cumsum(probs)
+            self._cdfs.append(cdf / cdf[-1])
+            self._rank_to_id.append(rng.permutation(rows))
+            self._id_weights.append(rng.normal(0.0, sparse_std, rows).astype(np.float32))
+        dense_std = signal_std * np.sqrt(dense_share / max(num_dense, 1))
+        self._dense_weights = rng.normal(0.0, dense_std, num_dense).astype(np.float32)
+        self._bias = bias
+
+    # --------------------------------------------------------------------------------------------------- protocol
+    @property
+    def num_embeddings(self) -> dict[str, int]:
+        return dict(zip(self.element_spec.sparse_keys, self._num_rows, strict=True))
+
+    def __len__(self) -> int:
+        if self.num_samples is None:
+            raise TypeError("this SyntheticRecSource streams forever (num_samples=None) and has no length")
+        return self.num_samples
+
+    def __iter__(self) -> Iterator[RecElement]:
+        return self.iter_from(0)
+
+    def iter_from(self, position: int = 0, epoch: int = 0) -> Iterator[RecElement]:
+        """Samples from ``position`` on (the stream is the same every epoch; ``epoch`` is accepted and ignored)."""
+        check_position(position, epoch)
+        if self.num_samples is not None and position > self.num_samples:
+            raise ValueError(f"position={position} is past the end of the stream ({self.num_samples} samples)")
+        return self._iterate(position)
+
+    def _iterate(self, position: int) -> Iterator[RecElement]:
+        chunk_index, skip = divmod(position, self.chunk_size)
+        while True:
+            start = chunk_index * self.chunk_size
+            count = self.chunk_size
+            if self.num_samples is not None:
+                count = min(count, self.num_samples - start)
+                if count <= 0:
+                    return
+            dense, ids, lengths, offsets, labels = self.generate_chunk(chunk_index, count)
+            for i in range(skip, count):
+                yield RecElement(dense[i], ids[offsets[i] : offsets[i + 1]], lengths[i], float(labels[i]))
+            chunk_index, skip = chunk_index + 1, 0
+
+    # ------------------------------------------------------------------------------------------------- generation
+    def generate_chunk(
+        self, chunk_index: int, count: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The first ``count`` samples of chunk ``chunk_index``, sample-major: ``dense [C, Dd]``, ``ids [N]``,
+        ``lengths [C, F]``, ``offsets [C + 1]`` (sample ``i``'s ids are ``ids[offsets[i]:offsets[i + 1]]``) and
+        ``labels [C]`` (0.0 / 1.0)."""
+        rng = np.random.default_rng([self.seed, self.stream, chunk_index])
+        size = self.chunk_size  # always draw a full chunk, so a short last chunk matches the full one's prefix
+        dense = rng.standard_normal((size, self.element_spec.dense_dim), dtype=np.float32)
+        logit = self._bias + dense @ self._dense_weights
+        lengths = np.empty((size, len(self._num_rows)), dtype=np.int64)
+        feature_ids = []
+        for f, rows in enumerate(self._num_rows):
+            bag_lengths = self._draw_lengths(rng, f, size)
+            ranks = np.searchsorted(self._cdfs[f], rng.random(int(bag_lengths.sum())), side="right")
+            ids = self._rank_to_id[f][np.minimum(ranks, rows - 1)]  # u == 1.0 exactly would land one past the end
+            bag = np.repeat(np.arange(size), bag_lengths)
+            sums = np.bincount(bag, weights=self._id_weights[f][ids], minlength=size)
+            logit += sums / np.maximum(bag_lengths, 1)
+            lengths[:, f] = bag_lengths
+            feature_ids.append(ids)
+        labels = (rng.random(size) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
+        ids, offsets = _feature_major_to_sample_major(feature_ids, lengths)
+        return dense[:count], ids[: offsets[count]], lengths[:count], offsets[: count + 1], labels[:count]
+
+    def _draw_lengths(self, rng: np.random.Generator, feature: int, size: int) -> np.ndarray:
+        mean = self._pooling_factors[feature]
+        if self.pooling == "fixed":
+            return np.full(size, int(mean), dtype=np.int64)
+        if self.pooling == "uniform":
+            return rng.integers(self.min_pooling, self.max_pooling + 1, size)
+        # Truncating the Poisson to the configured bounds is the distribution's definition here, not a data fix-up.
+        return np.clip(rng.poisson(mean, size), self.min_pooling, self.max_pooling)
+
+
+def _feature_major_to_sample_major(feature_ids: list[np.ndarray], lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-feature id arrays (bags in sample order) and ``lengths [C, F]`` -> sample-major flat ids and ``[C + 1]``
+    sample offsets. Bag ``(i, f)`` moves from its feature-major start to its sample-major start in one gather."""
+    size, num_features = lengths.shape
+    flat_feature_major = np.concatenate(feature_ids)
+    lengths_fm = lengths.T.reshape(-1)  # bag order (f, i)
+    starts_fm = (np.cumsum(lengths_fm) - lengths_fm).reshape(num_features, size).T.reshape(-1)  # in (i, f) order
+    lengths_sm = lengths.reshape(-1)
+    starts_sm = np.cumsum(lengths_sm) - lengths_sm
+    gather = np.repeat(starts_fm - starts_sm, lengths_sm) + np.arange(flat_feature_major.shape[0])
+    offsets = np.zeros(size + 1, dtype=np.int64)
+    np.cumsum(lengths.sum(1), out=offsets[1:])
+    return flat_feature_major[gather], offsets

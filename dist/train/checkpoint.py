@@ -1,0 +1,76 @@
+"""Checkpoints of a training job: everything a resumed job needs to continue bit for bit.
+
+One ``torch.save`` file holds the step, the model's state dict (dense layers and embedding tables), the fused
+optimizer's state (per-row / per-element moments, next to the tables), the dense optimizer's state, the data position
+(the Batcher's state), the history so far and the torch RNG state. Files are written to a temporary name and renamed,
+so a job killed mid-write never leaves a truncated checkpoint behind.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tritonrec.data.batcher import Batcher
+from tritonrec.dist.train.builders import embedding_collection
+from tritonrec.dist.train.loop import TrainHistory
+from tritonrec.modules.dlrm import DLRMTrain
+
+CHECKPOINT_FORMAT = 1
+_KEYS = {"format", "step", "model", "fused_optimizer", "dense_optimizer", "data", "history", "rng"}
+
+
+def save_checkpoint(
+    path: str | Path,
+    step: int,
+    model: DLRMTrain,
+    dense_optimizer: torch.optim.Optimizer,
+    batcher: Batcher,
+    history: TrainHistory,
+) -> Path:
+    """Write the job's state after ``step`` steps to ``path`` (atomically); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "format": CHECKPOINT_FORMAT,
+        "step": step,
+        "model": model.state_dict(),
+        "fused_optimizer": embedding_collection(model).fused_optimizer.state_dict(),
+        "dense_optimizer": dense_optimizer.state_dict(),
+        "data": {"batcher": batcher.get_state()},
+        "history": history.state_dict(),
+        "rng": {"torch": torch.get_rng_state()},
+    }
+    partial = path.with_name(path.name + ".partial")
+    torch.save(payload, partial)
+    os.replace(partial, path)
+    return path
+
+
+def load_checkpoint(
+    path: str | Path,
+    model: DLRMTrain,
+    dense_optimizer: torch.optim.Optimizer,
+    batcher: Batcher,
+    history: TrainHistory,
+) -> int:
+    """Restore a :func:`save_checkpoint` file into freshly built objects; returns the step it was taken at."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"resume: no checkpoint file at {str(path)!r}")
+    payload: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(payload, dict) or set(payload) != _KEYS or payload["format"] != CHECKPOINT_FORMAT:
+        raise ValueError(f"resume: {str(path)!r} is not a tritonrec training checkpoint (format {CHECKPOINT_FORMAT})")
+    try:
+        model.load_state_dict(payload["model"])
+    except RuntimeError as error:  # torch reports shape and key mismatches as RuntimeError
+        raise ValueError(f"resume: {str(path)!r} does not fit this model (was the config changed?): {error}") from None
+    embedding_collection(model).fused_optimizer.load_state_dict(payload["fused_optimizer"])
+    dense_optimizer.load_state_dict(payload["dense_optimizer"])
+    batcher.set_state(payload["data"]["batcher"])
+    history.load_state_dict(payload["history"])
+    torch.set_rng_state(payload["rng"]["torch"])
+    return int(payload["step"])

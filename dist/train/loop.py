@@ -1,0 +1,151 @@
+"""The pieces of one training job, kept apart so the staged pipeline (later) can take them over one by one:
+batch production (:func:`iterate_batches`), the train step (:func:`train_step`), held-out evaluation
+(:func:`evaluate`) and the record of what happened (:class:`TrainHistory`). The device copy is ``Batch.to``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from tritonrec.data.batch import Batch
+from tritonrec.data.batcher import Batcher
+from tritonrec.data.elements import ElementSource
+from tritonrec.dist.train.metrics import AUROCMetric
+from tritonrec.modules.dlrm import DLRMTrain, masked_bce_with_logits
+
+
+def iterate_batches(
+    batcher: Batcher, source: ElementSource, batch_size: int, drop_remainder: bool = False
+) -> Iterator[Batch]:
+    """Endless batches: pass after pass over ``source``, continuing from the Batcher's state."""
+    while True:
+        started_fresh = batcher.get_state()["position"] == 0
+        produced = False
+        for batch in batcher.process(source, batch_size, drop_remainder):
+            produced = True
+            yield batch
+        if started_fresh and not produced:
+            raise ValueError(
+                f"the training data yields no batch of batch_size={batch_size} (drop_remainder={drop_remainder}); "
+                "it is empty or shorter than one batch"
+            )
+
+
+def train_step(
+    model: DLRMTrain, dense_optimizer: torch.optim.Optimizer, batch: Batch
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step on ``batch`` (already on the model's device) -> detached ``(loss, logits [B])``.
+
+    The embedding tables update inside ``backward`` (fused optimizer); ``dense_optimizer`` updates the rest.
+    """
+    model.train()
+    dense_optimizer.zero_grad(set_to_none=True)
+    loss, (loss_value, logits, _) = model(batch)
+    loss.backward()
+    dense_optimizer.step()
+    return loss_value, logits
+
+
+@torch.no_grad()
+def evaluate(
+    model: DLRMTrain, source: ElementSource, batch_size: int, device: torch.device | str = "cpu"
+) -> dict[str, float]:
+    """One pass over ``source``: ``{"auroc", "logloss", "samples"}`` over its (unpadded) samples."""
+    model.eval()
+    metric = AUROCMetric()
+    loss_sum, count = 0.0, 0
+    for batch in Batcher(source.element_spec).process(source, batch_size):
+        batch = batch.to(device)
+        logits = model.model(batch.dense_features, batch.sparse_features).squeeze(-1)
+        valid = int(batch.valid_mask.sum())
+        loss_sum += float(masked_bce_with_logits(logits, batch.labels, batch.valid_mask)) * valid
+        count += valid
+        metric.update(logits.float(), batch.labels, batch.valid_mask)
+    model.train()
+    return {"auroc": metric.compute(), "logloss": loss_sum / count if count else math.nan, "samples": float(count)}
+
+
+def _finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None  # JSON has no NaN
+
+
+class TrainHistory:
+    """Per-step losses, running training AUROC, held-out evaluations and throughput of one job (checkpointable)."""
+
+    def __init__(self, train_auroc_window: int) -> None:
+        self.train_auroc = AUROCMetric(window=train_auroc_window)
+        self.steps: list[int] = []
+        self.losses: list[float] = []
+        self._pending: list[torch.Tensor] = []  # losses not yet read back (one sync per log interval, not per step)
+        self.train_auroc_points: dict[str, list] = {"step": [], "auroc": []}
+        self.eval_points: dict[str, list] = {"step": [], "auroc": [], "logloss": []}
+        self.train_seconds = 0.0
+        self.train_samples = 0
+
+    def record_step(
+        self, step: int, loss: torch.Tensor, logits: torch.Tensor, batch: Batch, num_valid: int, seconds: float
+    ) -> None:
+        """Step ``step`` trained on ``batch`` (``num_valid`` real rows, counted on the host) in ``seconds``."""
+        self.steps.append(step)
+        self._pending.append(loss)
+        self.train_auroc.update(logits.float(), batch.labels, batch.valid_mask)
+        self.train_seconds += seconds
+        self.train_samples += num_valid
+
+    def flush(self) -> None:
+        """Read pending losses back to the host."""
+        if self._pending:
+            self.losses += torch.stack(self._pending).tolist()
+            self._pending = []
+
+    def log_point(self, step: int) -> dict[str, float]:
+        """Record the running training AUROC at ``step``; return the progress-bar summary."""
+        self.flush()
+        auroc = self.train_auroc.compute()
+        self.train_auroc_points["step"].append(step)
+        self.train_auroc_points["auroc"].append(_finite_or_none(auroc))
+        return {
+            "loss": self.recent_loss(),
+            "auroc": auroc,
+            "samples_per_s": self.samples_per_second(),
+        }
+
+    def recent_loss(self, steps: int = 20) -> float:
+        """Mean loss of the last ``steps`` steps (NaN before the first)."""
+        self.flush()
+        recent = self.losses[-steps:]
+        return sum(recent) / len(recent) if recent else math.nan
+
+    def record_eval(self, step: int, result: dict[str, float]) -> None:
+        self.eval_points["step"].append(step)
+        self.eval_points["auroc"].append(_finite_or_none(result["auroc"]))
+        self.eval_points["logloss"].append(_finite_or_none(result["logloss"]))
+
+    def samples_per_second(self) -> float:
+        return self.train_samples / self.train_seconds if self.train_seconds > 0 else math.nan
+
+    def state_dict(self) -> dict[str, Any]:
+        self.flush()
+        return {
+            "steps": list(self.steps),
+            "losses": list(self.losses),
+            "train_auroc": self.train_auroc.state_dict(),
+            "train_auroc_points": {k: list(v) for k, v in self.train_auroc_points.items()},
+            "eval_points": {k: list(v) for k, v in self.eval_points.items()},
+            "train_seconds": self.train_seconds,
+            "train_samples": self.train_samples,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        expected = {"steps", "losses", "train_auroc", "train_auroc_points", "eval_points", "train_seconds"}
+        if not isinstance(state, dict) or not expected | {"train_samples"} == set(state):
+            raise ValueError(f"history state must have the keys {sorted(expected | {'train_samples'})}")
+        self.steps, self.losses, self._pending = list(state["steps"]), list(state["losses"]), []
+        self.train_auroc.load_state_dict(state["train_auroc"])
+        self.train_auroc_points = {k: list(v) for k, v in state["train_auroc_points"].items()}
+        self.eval_points = {k: list(v) for k, v in state["eval_points"].items()}
+        self.train_seconds, self.train_samples = float(state["train_seconds"]), int(state["train_samples"])

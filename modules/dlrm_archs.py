@@ -1,0 +1,172 @@
+"""The parts of DLRM (torchrec names, argument order and state-dict keys): MLP, SparseArch, DenseArch, the dot
+product InteractionArch, the DCNv2 InteractionDCNArch with its LowRankCrossNet, and OverArch.
+
+Notation: ``B`` batch size, ``F`` sparse features, ``D`` embedding dim (shared by all tables), ``Dd`` dense inputs.
+Only the SparseArch touches embeddings; every other arch is plain torch, so sharding can swap the embedding module
+without touching them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from tritonrec.data import KeyedJaggedTensor, KeyedTensor
+
+
+def _check_layer_sizes(layer_sizes: object, name: str, min_layers: int = 1) -> list[int]:
+    if not isinstance(layer_sizes, Sequence) or isinstance(layer_sizes, str) or len(layer_sizes) < min_layers:
+        raise ValueError(f"{name} must list at least {min_layers} layer size(s), got {name}={layer_sizes!r}")
+    for size in layer_sizes:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"{name} must hold positive ints, got {name}={list(layer_sizes)!r}")
+    return list(layer_sizes)
+
+
+def _check_positive(value: object, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+    return value
+
+
+class Perceptron(nn.Module):
+    """``Linear`` then ReLU (torchrec's Perceptron, keys ``_linear.weight`` / ``_linear.bias``)."""
+
+    def __init__(self, in_size: int, out_size: int, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self._linear = nn.Linear(in_size, out_size, bias=True, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self._linear(x))
+
+
+class MLP(nn.Module):
+    """Stack of :class:`Perceptron` s: ``[B, in_size] -> [B, layer_sizes[-1]]`` (torchrec's MLP with ReLU)."""
+
+    def __init__(self, in_size: int, layer_sizes: Sequence[int], device: torch.device | str | None = None) -> None:
+        super().__init__()
+        in_size = _check_positive(in_size, "in_size")
+        sizes = _check_layer_sizes(layer_sizes, "layer_sizes")
+        self._mlp = nn.Sequential(
+            *(Perceptron(a, b, device) for a, b in zip([in_size, *sizes[:-1]], sizes, strict=True))
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._mlp(x)
+
+
+class SparseArch(nn.Module):
+    """Pooled embeddings of every sparse feature: KJT -> ``[B, F, D]`` (features in the tables' order)."""
+
+    def __init__(self, embedding_bag_collection: nn.Module) -> None:
+        super().__init__()
+        configs = getattr(embedding_bag_collection, "embedding_bag_configs", None)
+        if configs is None or not configs():
+            raise ValueError("embedding_bag_collection must be an EmbeddingBagCollection with at least one table")
+        self.embedding_bag_collection = embedding_bag_collection
+        self.D: int = configs()[0].embedding_dim
+        self._sparse_feature_names: list[str] = [name for c in configs() for name in c.feature_names]
+        self.F: int = len(self._sparse_feature_names)
+
+    @property
+    def sparse_feature_names(self) -> list[str]:
+        return self._sparse_feature_names
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        """``features`` -> ``[B, F, D]``."""
+        pooled: KeyedTensor = self.embedding_bag_collection(features)
+        if pooled.keys() == self._sparse_feature_names:  # the collection's output order: no regrouping copy needed
+            values = pooled.values()
+        else:
+            by_name = pooled.to_dict()
+            values = torch.cat([by_name[name] for name in self._sparse_feature_names], dim=1)
+        return values.reshape(-1, self.F, self.D)
+
+
+class DenseArch(nn.Module):
+    """MLP over the dense features: ``[B, in_features] -> [B, layer_sizes[-1]]`` (the last size must be ``D``)."""
+
+    def __init__(self, in_features: int, layer_sizes: Sequence[int], device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.model = MLP(in_features, layer_sizes, device)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.model(features)
+
+
+class InteractionArch(nn.Module):
+    """Dot-product interaction: ``[B, D]`` dense and ``[B, F, D]`` sparse -> ``[B, D + F + F choose 2]``: the
+    dense vector followed by the pairwise dot products of all ``F + 1`` vectors (upper triangle, no diagonal)."""
+
+    def __init__(self, num_sparse_features: int) -> None:
+        super().__init__()
+        if not isinstance(num_sparse_features, int) or isinstance(num_sparse_features, bool) or num_sparse_features < 0:
+            raise ValueError(f"num_sparse_features must be a non-negative int, got {num_sparse_features!r}")
+        self.F = num_sparse_features
+        self.register_buffer("triu_indices", torch.triu_indices(self.F + 1, self.F + 1, offset=1), persistent=False)
+
+    def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
+        if self.F <= 0:
+            return dense_features
+        combined = torch.cat((dense_features.unsqueeze(1), sparse_features), dim=1)  # [B, F + 1, D]
+        interactions = torch.bmm(combined, combined.transpose(1, 2))  # [B, F + 1, F + 1]
+        flat = interactions[:, self.triu_indices[0], self.triu_indices[1]]
+        return torch.cat((dense_features, flat), dim=1)
+
+
+class LowRankCrossNet(nn.Module):
+    """DCNv2 cross layers with low-rank weights: ``x_{l+1} = x_0 * (W_l (V_l x_l) + b_l) + x_l``, ``[B, N] ->
+    [B, N]`` with ``W_l [N, r]``, ``V_l [r, N]`` (torchrec's parameter names and initialisation)."""
+
+    def __init__(self, in_features: int, num_layers: int, low_rank: int = 1) -> None:
+        super().__init__()
+        in_features = _check_positive(in_features, "in_features")
+        self._num_layers = _check_positive(num_layers, "num_layers")
+        self._low_rank = _check_positive(low_rank, "low_rank")
+        self.W_kernels = nn.ParameterList(
+            [nn.Parameter(nn.init.xavier_normal_(torch.empty(in_features, low_rank))) for _ in range(num_layers)]
+        )
+        self.V_kernels = nn.ParameterList(
+            [nn.Parameter(nn.init.xavier_normal_(torch.empty(low_rank, in_features))) for _ in range(num_layers)]
+        )
+        self.bias = nn.ParameterList([nn.Parameter(torch.zeros(in_features)) for _ in range(num_layers)])
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        x_0 = x_l = input
+        for layer in range(self._num_layers):
+            projected = nn.functional.linear(nn.functional.linear(x_l, self.V_kernels[layer]), self.W_kernels[layer])
+            x_l = x_0 * (projected + self.bias[layer]) + x_l
+        return x_l
+
+
+class InteractionDCNArch(nn.Module):
+    """DCNv2 interaction: ``[B, D]`` dense and ``[B, F, D]`` sparse -> ``crossnet`` over their concatenation,
+    ``[B, (F + 1) * D]``."""
+
+    def __init__(self, num_sparse_features: int, crossnet: nn.Module) -> None:
+        super().__init__()
+        self.F = num_sparse_features
+        self.crossnet = crossnet
+
+    def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
+        if self.F <= 0:
+            return dense_features
+        combined = torch.cat((dense_features.unsqueeze(1), sparse_features), dim=1)
+        return self.crossnet(combined.reshape(dense_features.shape[0], -1))
+
+
+class OverArch(nn.Module):
+    """MLP with ReLU on all but the last layer, which is a plain Linear: ``[B, in_features] -> [B,
+    layer_sizes[-1]]`` (the logits)."""
+
+    def __init__(self, in_features: int, layer_sizes: Sequence[int], device: torch.device | str | None = None) -> None:
+        super().__init__()
+        sizes = _check_layer_sizes(layer_sizes, "over_arch_layer_sizes", min_layers=2)
+        self.model = nn.Sequential(
+            MLP(in_features, sizes[:-1], device), nn.Linear(sizes[-2], sizes[-1], bias=True, device=device)
+        )
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.model(features)
