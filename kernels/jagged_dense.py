@@ -228,6 +228,9 @@ def jagged_to_padded_dense(
         raise ValueError(f"max_len must be a non-negative int, got max_len={max_len!r}")
     check_offsets(offsets, "offsets", capacity=values.shape[0])
     use_triton = resolve_backend(backend, values, offsets) == "triton"
+    if not (values.requires_grad and torch.is_grad_enabled()):  # no graph to record: skip the Function's overhead
+        run = _jagged_to_padded_dense_triton if use_triton else jagged_to_padded_dense_reference
+        return run(values, offsets, max_len, float(padding_value))
     return _JaggedToPaddedDense.apply(values, offsets, max_len, float(padding_value), use_triton)
 
 
@@ -252,4 +255,7 @@ def dense_to_jagged(
     check_offsets(offsets, "offsets", total=total_len)
     total = int(offsets[-1].item()) if total_len is None else total_len
     use_triton = resolve_backend(backend, dense, offsets) == "triton"
+    if not (dense.requires_grad and torch.is_grad_enabled()):  # no graph to record: skip the Function's overhead
+        run = _dense_to_jagged_triton if use_triton else dense_to_jagged_reference
+        return run(dense, offsets, total)
     return _DenseToJagged.apply(dense, offsets, total, use_triton)
