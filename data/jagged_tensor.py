@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import torch
 
+from tritonrec.data._jagged_parts import JaggedParts
 from tritonrec.data._validation import check_jagged_parts, normalise_index_tensor
-from tritonrec.kernels import jagged_to_padded_dense, lengths_to_offsets, offsets_to_lengths
+from tritonrec.kernels import jagged_to_padded_dense
 
 
-class JaggedTensor:
+class JaggedTensor(JaggedParts):
     """An (optionally weighted) jagged tensor: ``values [N, *]``, ``lengths [B]`` / ``offsets [B + 1]``."""
 
     def __init__(
@@ -85,39 +86,6 @@ class JaggedTensor:
             raise ValueError(f"lengths may not exceed the padded length {values.shape[1]}, got {bad}")
         return JaggedTensor(values=values[keep], weights=None if weights is None else weights[keep], lengths=lengths)
 
-    # -------------------------------------------------------------------------------------------------- accessors
-    def values(self) -> torch.Tensor:
-        return self._values
-
-    def weights(self) -> torch.Tensor:
-        if self._weights is None:
-            raise ValueError("this JaggedTensor has no weights; use weights_or_none()")
-        return self._weights
-
-    def weights_or_none(self) -> torch.Tensor | None:
-        return self._weights
-
-    def lengths(self) -> torch.Tensor:
-        """``[B]``; computed from offsets (and cached) if only offsets were given."""
-        if self._lengths is None:
-            self._lengths = offsets_to_lengths(self._offsets) if self._offsets.numel() else self._offsets
-        return self._lengths
-
-    def lengths_or_none(self) -> torch.Tensor | None:
-        return self._lengths
-
-    def offsets(self) -> torch.Tensor:
-        """``[B + 1]``; computed from lengths (and cached) if only lengths were given."""
-        if self._offsets is None:
-            self._offsets = lengths_to_offsets(self._lengths)
-        return self._offsets
-
-    def offsets_or_none(self) -> torch.Tensor | None:
-        return self._offsets
-
-    def device(self) -> torch.device:
-        return self._values.device
-
     # ------------------------------------------------------------------------------------------------ conversions
     def to_dense(self) -> list[torch.Tensor]:
         """One tensor per bag (views into ``values``)."""
@@ -163,11 +131,6 @@ class JaggedTensor:
         out._values, out._weights = pin(self._values), pin(self._weights)
         out._lengths, out._offsets = pin(self._lengths), pin(self._offsets)
         return out
-
-    def record_stream(self, stream: torch.cuda.Stream) -> None:
-        for t in (self._values, self._weights, self._lengths, self._offsets):
-            if t is not None:
-                t.record_stream(stream)
 
     def __repr__(self) -> str:
         bags = [b.tolist() for b in self.to_dense()]

@@ -23,20 +23,14 @@ valid by construction); user-built tensors are checked (see :mod:`tritonrec.data
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 
 import torch
 
 from tritonrec.data import _kjt_ops
+from tritonrec.data._jagged_parts import JaggedParts
 from tritonrec.data._validation import UnknownKeyError, check_jagged_parts, normalise_index_tensor
 from tritonrec.data.jagged_tensor import JaggedTensor
-from tritonrec.kernels import lengths_to_offsets, offsets_to_lengths
-
-
-def _cumsum(sizes: Sequence[int]) -> list[int]:
-    out = [0]
-    for size in sizes:
-        out.append(out[-1] + size)
-    return out
 
 
 def _as_strides(stride_per_key_per_rank: Sequence[Sequence[int]] | torch.Tensor | None) -> list[list[int]] | None:
@@ -52,7 +46,7 @@ def _as_strides(stride_per_key_per_rank: Sequence[Sequence[int]] | torch.Tensor 
     return rows
 
 
-class KeyedJaggedTensor:
+class KeyedJaggedTensor(JaggedParts):
     """Keyed, optionally weighted, jagged batch. See the module docstring for the layout."""
 
     def __init__(
@@ -277,38 +271,6 @@ class KeyedJaggedTensor:
     def keys(self) -> list[str]:
         return self._keys
 
-    def values(self) -> torch.Tensor:
-        return self._values
-
-    def weights(self) -> torch.Tensor:
-        if self._weights is None:
-            raise ValueError("this KeyedJaggedTensor has no weights; use weights_or_none()")
-        return self._weights
-
-    def weights_or_none(self) -> torch.Tensor | None:
-        return self._weights
-
-    def lengths(self) -> torch.Tensor:
-        """``[sum(stride_per_key)]`` bag lengths, key-major."""
-        if self._lengths is None:
-            self._lengths = offsets_to_lengths(self._offsets) if self._offsets.numel() else self._offsets
-        return self._lengths
-
-    def lengths_or_none(self) -> torch.Tensor | None:
-        return self._lengths
-
-    def offsets(self) -> torch.Tensor:
-        """``[sum(stride_per_key) + 1]`` bag offsets into values."""
-        if self._offsets is None:
-            self._offsets = lengths_to_offsets(self._lengths)
-        return self._offsets
-
-    def offsets_or_none(self) -> torch.Tensor | None:
-        return self._offsets
-
-    def device(self) -> torch.device:
-        return self._values.device
-
     def stride(self) -> int:
         """Batch size: bags per key (the largest per-key batch for VBE)."""
         return self._stride
@@ -338,7 +300,7 @@ class KeyedJaggedTensor:
 
     def lengths_offset_per_key(self) -> list[int]:
         """Where each key's bags start in ``lengths`` (and the end): ``[T + 1]``."""
-        return _cumsum(self.stride_per_key())
+        return list(accumulate(self.stride_per_key(), initial=0))
 
     def length_per_key(self) -> list[int]:
         """Number of values per key (one host sync on first call, then cached)."""
@@ -357,7 +319,7 @@ class KeyedJaggedTensor:
     def offset_per_key(self) -> list[int]:
         """Where each key's values start (and the end): ``[T + 1]``."""
         if self._offset_per_key is None:
-            self._offset_per_key = _cumsum(self.length_per_key())
+            self._offset_per_key = list(accumulate(self.length_per_key(), initial=0))
         return self._offset_per_key
 
     def offset_per_key_or_none(self) -> list[int] | None:
@@ -420,11 +382,6 @@ class KeyedJaggedTensor:
 
     def pin_memory(self) -> KeyedJaggedTensor:
         return _kjt_ops.apply_to_tensors(self, lambda t: t.pin_memory())
-
-    def record_stream(self, stream: torch.cuda.Stream) -> None:
-        for t in (self._values, self._weights, self._lengths, self._offsets):
-            if t is not None:
-                t.record_stream(stream)
 
     def __repr__(self) -> str:
         return _kjt_ops.describe(self)

@@ -11,16 +11,11 @@ Example (torchrec's)::
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 from tritonrec.data._validation import UnknownKeyError
-
-
-def _cumsum(sizes: list[int]) -> list[int]:
-    out = [0]
-    for size in sizes:
-        out.append(out[-1] + size)
-    return out
 
 
 class KeyedTensor:
@@ -90,7 +85,7 @@ class KeyedTensor:
 
     def offset_per_key(self) -> list[int]:
         if self._offset_per_key is None:
-            self._offset_per_key = _cumsum(self._length_per_key)
+            self._offset_per_key = list(accumulate(self._length_per_key, initial=0))
         return self._offset_per_key
 
     def _key_indices(self) -> dict[str, int]:

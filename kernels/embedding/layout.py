@@ -21,6 +21,7 @@ import itertools
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -89,10 +90,8 @@ class LayoutTensors:
 
 
 def _cumsum(sizes: Sequence[int]) -> list[int]:
-    out = [0]
-    for size in sizes:
-        out.append(out[-1] + size)
-    return out
+    """``[0, s0, s0 + s1, ...]``: complete cumulative sum of host ints."""
+    return list(accumulate(sizes, initial=0))
 
 
 class TableBatchedLayout:
