@@ -63,9 +63,11 @@ def _load_grad_block(
 
 
 @triton.jit
-def _elementwise_update(
+def _update_and_store(
     w,
     g,
+    multiplier,
+    weights_ptr,
     mom1_ptr,
     mom2_ptr,
     element,
@@ -78,18 +80,25 @@ def _elementwise_update(
     one_minus_beta2,
     bias1,
     bias2,
+    seed,
     OPTIM: tl.constexpr,
+    WEIGHT_DTYPE: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
 ):
-    """SGD or Adam on one column block; returns the new fp32 weights."""
+    """Apply the rule to one column block (rowwise Adagrad uses the row's ``multiplier``), round the new fp32
+    weights to storage and store them."""
     if OPTIM == 0:
         new = w - lr * g
+    elif OPTIM == 1:
+        new = w - multiplier * g
     else:
         m1 = beta1 * tl.load(mom1_ptr + element, mask=col_ok, other=0.0) + one_minus_beta1 * g
         m2 = beta2 * tl.load(mom2_ptr + element, mask=col_ok, other=0.0) + one_minus_beta2 * (g * g)
         tl.store(mom1_ptr + element, m1, mask=col_ok)
         tl.store(mom2_ptr + element, m2, mask=col_ok)
         new = w - lr * tl.div_rn(tl.div_rn(m1, bias1), tl.sqrt_rn(tl.div_rn(m2, bias2)) + eps)
-    return new
+    stored = round_fp32_to_storage(new, element, seed, WEIGHT_DTYPE, STOCHASTIC)
+    tl.store(weights_ptr + element, stored, mask=col_ok)
 
 
 @triton.jit
@@ -173,28 +182,31 @@ def _fused_update_kernel(
             BLOCK_N,
             BLOCK_D,
         )
+        multiplier = 0.0
         if OPTIM == 1:
-            new = w - _rowwise_multiplier(mom1_ptr, state_row, tl.sum(g * g, axis=0), dim, lr, eps) * g
-        else:
-            new = _elementwise_update(
-                w,
-                g,
-                mom1_ptr,
-                mom2_ptr,
-                row_start + cols,
-                col_ok,
-                lr,
-                eps,
-                beta1,
-                one_minus_beta1,
-                beta2,
-                one_minus_beta2,
-                bias1,
-                bias2,
-                OPTIM,
-            )
-        stored = round_fp32_to_storage(new, row_start + cols, seed, WEIGHT_DTYPE, STOCHASTIC)
-        tl.store(weights_ptr + row_start + cols, stored, mask=col_ok)
+            multiplier = _rowwise_multiplier(mom1_ptr, state_row, tl.sum(g * g, axis=0), dim, lr, eps)
+        _update_and_store(
+            w,
+            g,
+            multiplier,
+            weights_ptr,
+            mom1_ptr,
+            mom2_ptr,
+            row_start + cols,
+            col_ok,
+            lr,
+            eps,
+            beta1,
+            one_minus_beta1,
+            beta2,
+            one_minus_beta2,
+            bias1,
+            bias2,
+            seed,
+            OPTIM,
+            WEIGHT_DTYPE,
+            STOCHASTIC,
+        )
     else:
         multiplier = 0.0
         if OPTIM == 1:
@@ -238,28 +250,28 @@ def _fused_update_kernel(
                 BLOCK_N,
                 BLOCK_D,
             )
-            if OPTIM == 1:
-                new = w - multiplier * g
-            else:
-                new = _elementwise_update(
-                    w,
-                    g,
-                    mom1_ptr,
-                    mom2_ptr,
-                    row_start + cols,
-                    col_ok,
-                    lr,
-                    eps,
-                    beta1,
-                    one_minus_beta1,
-                    beta2,
-                    one_minus_beta2,
-                    bias1,
-                    bias2,
-                    OPTIM,
-                )
-            stored = round_fp32_to_storage(new, row_start + cols, seed, WEIGHT_DTYPE, STOCHASTIC)
-            tl.store(weights_ptr + row_start + cols, stored, mask=col_ok)
+            _update_and_store(
+                w,
+                g,
+                multiplier,
+                weights_ptr,
+                mom1_ptr,
+                mom2_ptr,
+                row_start + cols,
+                col_ok,
+                lr,
+                eps,
+                beta1,
+                one_minus_beta1,
+                beta2,
+                one_minus_beta2,
+                bias1,
+                bias2,
+                seed,
+                OPTIM,
+                WEIGHT_DTYPE,
+                STOCHASTIC,
+            )
 
 
 def fused_update_triton(
