@@ -5,8 +5,13 @@ calls ``fn(rank, world_size, *args)`` and returns the per-rank results in rank o
 call raise with that rank's traceback; ranks that do not finish within ``timeout`` are killed and the call raises
 ``TimeoutError`` naming them, so a hung collective fails a test instead of hanging the suite.
 
-``fn`` must be a module-level function (spawned processes import it by name). Spawning costs ~2-4 s (each child
-imports torch), so put several cases in one spawned function rather than one spawn per case.
+``fn`` must be a module-level function: a spawned rank unpickles it by its module's name, which pytest's importlib
+mode makes ``tests.<folder>.<module>``, so ``run_ranks`` puts the repository root on ``sys.path`` before spawning
+(children inherit it; ``python -m pytest`` has it already, the bare ``pytest`` script does not). Spawning costs
+~2-4 s (each child imports torch), so put several cases in one spawned function rather than one spawn per case.
+
+(The multi-process test folder is ``tests/distributed``, not ``tests/dist``: ``dist`` is in pytest's default
+``norecursedirs``, so pytest would silently skip it.)
 """
 
 from __future__ import annotations
@@ -15,12 +20,16 @@ import datetime
 import os
 import queue
 import socket
+import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+_REPO_ROOT = str(Path(__file__).resolve().parents[1])
 
 
 def free_port() -> int:
@@ -53,6 +62,8 @@ def run_ranks(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, pg_timeout_s: float = 60.0
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results in rank order."""
+    if _REPO_ROOT not in sys.path:  # see the module docstring
+        sys.path.append(_REPO_ROOT)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()

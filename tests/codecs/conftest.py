@@ -7,19 +7,11 @@ stdlib module's), which hypothesis tests may use too.
 
 from __future__ import annotations
 
-import sys
 import warnings
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 import torch
-
-# Processes spawned by run_ranks unpickle their function as ``tests.codecs.<module>``: the repository root must be on
-# sys.path in the parent when it spawns (children inherit it), also under the bare ``pytest`` script.
-_REPO_ROOT = str(Path(__file__).resolve().parents[2])
-if _REPO_ROOT not in sys.path:
-    sys.path.append(_REPO_ROOT)
 
 FP32_MAX = 3.4028234663852886e38
 
