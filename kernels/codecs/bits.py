@@ -3,7 +3,7 @@
 Every rounding in the codecs (to FP16, BF16, FP8, E2M1) goes through these helpers instead of Triton's float casts:
 the interpreter's ``.to(tl.bfloat16)`` truncates and its FP8 casts are wrong (triton 3.9), GPUs canonicalise NaNs
 differently from the CPU, and only integer operations are exact everywhere. :mod:`.bits_reference` holds the torch
-twin of each helper, line for line.
+twin of each helper, line for line. Stochastic rounding draws its random bits from :mod:`tritonrec.kernels.random_bits`.
 
 Conventions: fp32 magnitudes are ``uint32`` bit patterns with the sign cleared; a finite magnitude is split into a
 24-bit significand ``sig`` (leading one at bit 23, fp32 subnormals normalised) and the unbiased exponent ``e`` of
@@ -18,27 +18,6 @@ from tritonrec.kernels._triton import tl, triton
 
 # Exponent given to zero: far below every format's smallest subnormal, so zero rounds to code 0.
 ZERO_EXP = tl.constexpr(-512)
-
-
-@triton.jit
-def mix32(x):
-    """32-bit avalanche hash of a uint32 tensor (xorshift-multiply, constants < 2**31 so the torch twin's int64
-    products never overflow)."""
-    x ^= x >> 16
-    x *= 0x21F0AAAD
-    x ^= x >> 15
-    x *= 0x735A2D97
-    x ^= x >> 15
-    return x
-
-
-@triton.jit
-def random_bits(index, k1, k2):
-    """uint32 random bits of int64 element ``index`` in the stream keyed by ``(k1, k2)`` (see ``stream_keys``):
-    ``mix32(lo32(index) ^ k1 ^ mix32(hi32(index) + k2))``."""
-    lo = (index & 0xFFFFFFFF).to(tl.uint32)
-    hi = (index >> 32).to(tl.uint32)
-    return mix32(lo ^ k1.to(tl.uint32) ^ mix32(hi + k2.to(tl.uint32)))
 
 
 @triton.jit

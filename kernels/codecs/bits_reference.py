@@ -1,7 +1,7 @@
 """Torch twins of :mod:`.bits`: the same integer algorithms on int32/int64 tensors, vectorised, CPU or GPU.
 
-Magnitudes, significands, exponents and codes are int32 (every value here is below 2**31); random bits are int64
-holding an unsigned 32-bit value, because torch has no unsigned 32-bit arithmetic and 32x31-bit products fit int64.
+Magnitudes, significands, exponents and codes are int32 (every value here is below 2**31); random bits (from
+:mod:`tritonrec.kernels.random_bits`) are int64 tensors holding unsigned 32-bit values.
 """
 
 from __future__ import annotations
@@ -10,36 +10,9 @@ from collections.abc import Callable
 
 import torch
 
-from tritonrec.kernels.codecs.formats import MiniFloat, stream_keys
+from tritonrec.kernels.codecs.formats import MiniFloat
 
 ZERO_EXP = -512
-_MASK32 = 0xFFFFFFFF
-
-
-def mix32_(x: torch.Tensor) -> torch.Tensor:
-    """Twin of ``bits.mix32``, in place on an int64 tensor holding values in [0, 2**32)."""
-    x ^= x >> 16
-    x.mul_(0x21F0AAAD).bitwise_and_(_MASK32)
-    x ^= x >> 15
-    x.mul_(0x735A2D97).bitwise_and_(_MASK32)
-    x ^= x >> 15
-    return x
-
-
-def random_bits_at(index: torch.Tensor, seed: int) -> torch.Tensor:
-    """int64 random bits in [0, 2**32) of int64 element indices ``index`` in the stream of ``seed``."""
-    k1, k2 = stream_keys(seed)
-    high = mix32_((index >> 32).add_(k2).bitwise_and_(_MASK32))
-    return mix32_((index & _MASK32).bitwise_xor_(high).bitwise_xor_(k1))
-
-
-def random_bits(num_elements: int, seed: int, device: torch.device) -> torch.Tensor:
-    """:func:`random_bits_at` of ``0 .. num_elements - 1``; below 2**32 elements the high word's mix is one constant."""
-    index = torch.arange(num_elements, device=device, dtype=torch.int64)
-    if num_elements > 1 << 32:
-        return random_bits_at(index, seed)
-    k1, k2 = stream_keys(seed)
-    return mix32_(index.bitwise_xor_(k1 ^ mix32_(torch.tensor([k2], dtype=torch.int64)).item()))
 
 
 def magnitude_bits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

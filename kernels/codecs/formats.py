@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 
 from tritonrec.kernels.checks import check_tensor
+from tritonrec.kernels.random_bits import mix32_int, stream_keys  # stream_keys: re-exported, it used to live here
 
 NonFinitePolicy = Literal["propagate", "raise"]
 NONFINITE_POLICIES: tuple[str, ...] = ("propagate", "raise")
@@ -28,7 +29,6 @@ OUTPUT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bf
 
 # Largest row (or MX group) a row-wise kernel holds in registers as one tile.
 MAX_ROW_DIM = 8192
-_MASK32 = 0xFFFFFFFF
 
 
 @dataclass(frozen=True)
@@ -131,30 +131,11 @@ def mx4_group_bytes(group_size: int) -> int:
     return group_size // 2 + 1
 
 
-def mix32(x: int) -> int:
-    """The 32-bit integer hash the stochastic-rounding streams are built from (same constants as the kernels)."""
-    x &= _MASK32
-    x ^= x >> 16
-    x = (x * 0x21F0AAAD) & _MASK32
-    x ^= x >> 15
-    x = (x * 0x735A2D97) & _MASK32
-    x ^= x >> 15
-    return x
-
-
-def stream_keys(seed: int) -> tuple[int, int]:
-    """Two 32-bit keys of the random stream for ``seed``; element ``i`` draws
-    ``mix32(lo32(i) ^ k1 ^ mix32(hi32(i) + k2))`` (one hash per element below 2**32 elements)."""
-    k1 = mix32(mix32(seed & _MASK32) ^ ((seed >> 32) & _MASK32) ^ 0x9E3779B9)
-    k2 = mix32(k1 ^ 0x85EBCA6B)
-    return k1, k2
-
-
 def derive_seed(*parts: int) -> int:
     """Fold several non-negative ints (a base seed, a call counter, a rank...) into one 63-bit seed."""
     acc = 0x2545F491
     for part in parts:
-        acc = ((acc << 32) | mix32(acc ^ mix32(part) ^ mix32(part >> 32))) & ((1 << 63) - 1)
+        acc = ((acc << 32) | mix32_int(acc ^ mix32_int(part) ^ mix32_int(part >> 32))) & ((1 << 63) - 1)
     return acc
 
 
@@ -253,7 +234,6 @@ __all__ = [
     "derive_seed",
     "fp8_row_bytes",
     "int8_row_bytes",
-    "mix32",
     "mx4_group_bytes",
     "stream_keys",
 ]

@@ -30,7 +30,6 @@ from tritonrec.kernels.codecs.bits import (
     minifloat_value,
     output_view,
     pow2_exponent_bits,
-    random_bits,
     row_scale_exponent,
     split_magnitude,
     store_output,
@@ -50,7 +49,6 @@ from tritonrec.kernels.codecs.formats import (
     check_seed,
     fp8_row_bytes,
     raise_if_nonfinite,
-    stream_keys,
 )
 from tritonrec.kernels.codecs.rowwise import (
     decoded_shape,
@@ -64,6 +62,7 @@ from tritonrec.kernels.codecs.rowwise import (
     row_p2,
     tile_configs,
 )
+from tritonrec.kernels.random_bits import random_bits, random_bits_range, stream_key_args
 
 
 @autotune(configs=tile_configs(), key=["G_BUCKET", "ROW_P2", "MBITS", "STOCHASTIC"])
@@ -171,7 +170,7 @@ def _quantize_fp8_triton(
     row_bytes = fp8_row_bytes(row_dim)
     out = torch.empty(encoded_shape(input, row_dim, row_bytes), dtype=torch.uint8, device=input.device)
     if num_groups:
-        k1, k2 = stream_keys(seed)
+        k1, k2 = stream_key_args(seed)
         _fp8_encode_kernel[lambda meta: (triton.cdiv(num_groups, meta["BLOCK_G"]),)](
             matrix,
             out.view(torch.int32),
@@ -245,7 +244,7 @@ def quantize_fp8_rowwise_reference(
         if groups.shape[0] == 0 or (int(scale_exp.min()) >= -127 and not bool(capped.any())):
             codes = ref.scale_by_pow2(groups, -scale_exp).to(_TORCH_FP8[fmt]).view(torch.uint8)
             return _assemble_rows(input, row_dim, codes, scale_exp)
-    rand = ref.random_bits(groups.numel(), seed, input.device) if stochastic_rounding else None
+    rand = random_bits_range(groups.numel(), seed, input.device) if stochastic_rounding else None
     codes, scale_exp = _encode_fp8_bits(groups, spec, rand)
     return _assemble_rows(input, row_dim, codes, scale_exp)
 

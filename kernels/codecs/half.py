@@ -17,7 +17,7 @@ from tritonrec.kernels._triton import tl, triton
 from tritonrec.kernels.backend import Backend, autotune, pow2_bucket, resolve_backend
 from tritonrec.kernels.checks import check_tensor
 from tritonrec.kernels.codecs import bits_reference as ref
-from tritonrec.kernels.codecs.bits import minifloat_code, minifloat_value, output_view, random_bits, split_magnitude
+from tritonrec.kernels.codecs.bits import minifloat_code, minifloat_value, output_view, split_magnitude
 from tritonrec.kernels.codecs.bits import store_output as _store_output
 from tritonrec.kernels.codecs.formats import (
     HALF_DTYPES,
@@ -30,8 +30,8 @@ from tritonrec.kernels.codecs.formats import (
     check_output_dtype,
     check_seed,
     raise_if_nonfinite,
-    stream_keys,
 )
+from tritonrec.kernels.random_bits import random_bits, random_bits_range, stream_key_args
 
 
 def _elementwise_configs() -> list:
@@ -133,7 +133,7 @@ def _quantize_half_triton(
     out = torch.empty(input.shape, dtype=HALF_DTYPES[fmt], device=input.device)
     n = flat.numel()
     if n:
-        k1, k2 = stream_keys(seed)
+        k1, k2 = stream_key_args(seed)
         _half_encode_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](
             flat,
             out.view(torch.int16).reshape(-1),
@@ -191,7 +191,7 @@ def quantize_half_reference(
         if not ref.all_finite(input):
             clamped = torch.where(torch.isinf(input), scaled, clamped)
         return ref.cast_with_canonical_nan(clamped, dtype)
-    return _quantize_half_bits(input, scaled, spec, ref.random_bits(input.numel(), seed, input.device))
+    return _quantize_half_bits(input, scaled, spec, random_bits_range(input.numel(), seed, input.device))
 
 
 def _quantize_half_bits(

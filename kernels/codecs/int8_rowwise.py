@@ -24,7 +24,7 @@ import torch
 from tritonrec.kernels._triton import tl, triton
 from tritonrec.kernels.backend import Backend, autotune, pow2_bucket, resolve_backend
 from tritonrec.kernels.codecs import bits_reference as ref
-from tritonrec.kernels.codecs.bits import output_view, random_bits, store_output
+from tritonrec.kernels.codecs.bits import output_view, store_output
 from tritonrec.kernels.codecs.formats import (
     NonFinitePolicy,
     ceil4,
@@ -35,7 +35,6 @@ from tritonrec.kernels.codecs.formats import (
     check_row_dim,
     check_seed,
     int8_row_bytes,
-    stream_keys,
 )
 from tritonrec.kernels.codecs.rowwise import (
     decoded_shape,
@@ -49,6 +48,7 @@ from tritonrec.kernels.codecs.rowwise import (
     row_p2,
     tile_configs,
 )
+from tritonrec.kernels.random_bits import random_bits, random_bits_range, stream_key_args
 
 _INV_2_POW_24 = 5.9604644775390625e-08  # 2**-24: turns 24 random bits into a uniform fp32 in [0, 1), exactly
 
@@ -144,7 +144,7 @@ def _quantize_int8_triton(input: torch.Tensor, row_dim: int, stochastic_rounding
     row_bytes = int8_row_bytes(row_dim)
     out = torch.empty(encoded_shape(input, row_dim, row_bytes), dtype=torch.uint8, device=input.device)
     if num_groups:
-        k1, k2 = stream_keys(seed)
+        k1, k2 = stream_key_args(seed)
         _int8_encode_kernel[lambda meta: (triton.cdiv(num_groups, meta["BLOCK_G"]),)](
             matrix,
             out.view(torch.int32),
@@ -197,7 +197,7 @@ def quantize_int8_rowwise_reference(
     has_scale = (scale > 0) & ~poisoned
     safe_scale = torch.where(has_scale, scale, 1.0)
     if stochastic_rounding or bool(poisoned.any()):
-        rand = ref.random_bits(groups.numel(), seed, input.device).view(groups.shape) if stochastic_rounding else None
+        rand = random_bits_range(groups.numel(), seed, input.device).view(groups.shape) if stochastic_rounding else None
         code = _round_codes(groups, low, safe_scale, has_scale, poisoned, rand)
     else:
         # Finite groups with nearest-even rounding: torch.round is half-to-even, the same as the floor/fraction rule

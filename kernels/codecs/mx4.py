@@ -33,7 +33,6 @@ from tritonrec.kernels.codecs.bits import (
     minifloat_value,
     output_view,
     pow2,
-    random_bits,
     row_scale_exponent,
     split_magnitude,
     store_output,
@@ -51,7 +50,6 @@ from tritonrec.kernels.codecs.formats import (
     check_seed,
     mx4_group_bytes,
     raise_if_nonfinite,
-    stream_keys,
 )
 from tritonrec.kernels.codecs.rowwise import (
     decoded_shape,
@@ -63,6 +61,7 @@ from tritonrec.kernels.codecs.rowwise import (
     row_p2,
     tile_configs,
 )
+from tritonrec.kernels.random_bits import random_bits, random_bits_range, stream_key_args
 
 _E2M1 = FP4_E2M1
 _MIN_SCALE_EXP = -E8M0_BIAS
@@ -156,7 +155,7 @@ def _quantize_mx4_triton(input: torch.Tensor, group_size: int, stochastic_roundi
         encoded_shape(input, group_size, mx4_group_bytes(group_size)), dtype=torch.uint8, device=input.device
     )
     if num_groups:
-        k1, k2 = stream_keys(seed)
+        k1, k2 = stream_key_args(seed)
         _mx4_encode_kernel[lambda meta: (triton.cdiv(num_groups, meta["BLOCK_G"]),)](
             matrix,
             out,
@@ -213,7 +212,7 @@ def quantize_mx4_reference(
             table = ref.lookup_table("e2m1_codes", input.device, _e2m1_code_table)
             code = table.index_select(0, key.view(-1)).view(key.shape)
             return _pack(input, group_size, code, scale_exp + E8M0_BIAS)
-    rand = ref.random_bits(groups.numel(), seed, input.device).view(groups.shape) if stochastic_rounding else None
+    rand = random_bits_range(groups.numel(), seed, input.device).view(groups.shape) if stochastic_rounding else None
     mag, sign = ref.magnitude_bits(groups.contiguous())
     nonfinite = mag >= 0x7F800000
     poisoned = nonfinite.any(dim=1, keepdim=True)

@@ -30,6 +30,7 @@ from tritonrec.kernels.embedding.layout import TableBatchedLayout
 from tritonrec.kernels.embedding.optim_state import FusedOptimizerState, OptimType, begin_step, optim_code
 from tritonrec.kernels.embedding.rounding import WEIGHT_CODES, round_fp32_to_storage, round_fp32_to_storage_reference
 from tritonrec.kernels.embedding.row_gradients import iter_row_sums, segment_grad
+from tritonrec.kernels.random_bits import stream_key_args
 
 # Columns per program above which rows are processed in several column blocks.
 MAX_ONE_BLOCK_D = 1024
@@ -80,7 +81,8 @@ def _update_and_store(
     one_minus_beta2,
     bias1,
     bias2,
-    seed,
+    k1,
+    k2,
     OPTIM: tl.constexpr,
     WEIGHT_DTYPE: tl.constexpr,
     STOCHASTIC: tl.constexpr,
@@ -97,7 +99,7 @@ def _update_and_store(
         tl.store(mom1_ptr + element, m1, mask=col_ok)
         tl.store(mom2_ptr + element, m2, mask=col_ok)
         new = w - lr * tl.div_rn(tl.div_rn(m1, bias1), tl.sqrt_rn(tl.div_rn(m2, bias2)) + eps)
-    stored = round_fp32_to_storage(new, element, seed, WEIGHT_DTYPE, STOCHASTIC)
+    stored = round_fp32_to_storage(new, element, k1, k2, WEIGHT_DTYPE, STOCHASTIC)
     tl.store(weights_ptr + element, stored, mask=col_ok)
 
 
@@ -119,7 +121,7 @@ def _update_configs() -> list:
     key=["BLOCK_D", "OPTIM", "WEIGHT_DTYPE", "HAS_SCALE"],
     restore_value=["weights_ptr", "mom1_ptr", "mom2_ptr"],
 )
-@triton.jit
+@triton.jit(do_not_specialize=["k1", "k2"])  # the stream keys change every update: one compiled variant for all
 def _fused_update_kernel(
     weights_ptr,
     mom1_ptr,
@@ -142,7 +144,8 @@ def _fused_update_kernel(
     beta2,
     one_minus_beta2,
     weight_decay,
-    seed,
+    k1,
+    k2,
     OPTIM: tl.constexpr,
     WEIGHT_DTYPE: tl.constexpr,
     STOCHASTIC: tl.constexpr,
@@ -202,7 +205,8 @@ def _fused_update_kernel(
             one_minus_beta2,
             bias1,
             bias2,
-            seed,
+            k1,
+            k2,
             OPTIM,
             WEIGHT_DTYPE,
             STOCHASTIC,
@@ -267,7 +271,8 @@ def _fused_update_kernel(
                 one_minus_beta2,
                 bias1,
                 bias2,
-                seed,
+                k1,
+                k2,
                 OPTIM,
                 WEIGHT_DTYPE,
                 STOCHASTIC,
@@ -314,7 +319,7 @@ def fused_update_triton(
         scalars.beta2,
         scalars.one_minus_beta2,
         scalars.weight_decay,
-        scalars.seed,
+        *stream_key_args(scalars.seed),
         OPTIM=optim_code(state.optim),
         WEIGHT_DTYPE=WEIGHT_CODES[weights.dtype],
         STOCHASTIC=state.stochastic_rounding,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from tritonrec.kernels.embedding.layout import PoolingMode, TableBatchedLayout, value_features
-from tritonrec.kernels.embedding.rounding import fmix32_reference
+from tritonrec.kernels.random_bits import mix32_
 
 # Odd 64-bit multipliers (as signed int64) that spread the feature id and the scale bits over the fingerprint.
 _MIX_FEATURE = 0x2545F4914F6CDD1D
@@ -93,10 +93,11 @@ class RowGradientPlan:
 
 @functools.lru_cache(maxsize=64)
 def _column_keys(width: int, device: torch.device) -> torch.Tensor:
-    """``[width]`` odd int64 multipliers, one per column, from two 32-bit hashes of the column number."""
+    """``[width]`` odd int64 multipliers, one per column, from two 32-bit hashes of the column number (any
+    well-mixed values do: they only make fingerprint collisions unlikely)."""
     cols = torch.arange(width, dtype=torch.int64, device=device)
-    hi = fmix32_reference(cols ^ 0x5BD1E995)
-    lo = fmix32_reference(cols + 0x1B873593)
+    hi = mix32_(cols ^ 0x5BD1E995)  # mix32_ hashes in place: both operands are fresh tensors
+    lo = mix32_(cols + 0x1B873593)
     return (hi << 32) | lo | 1
 
 

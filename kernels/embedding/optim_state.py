@@ -117,7 +117,7 @@ def begin_step(state: FusedOptimizerState) -> StepScalars:
         bias2 = (1.0 - beta2**steps).float()
     else:
         bias1 = bias2 = torch.ones_like(state.step, dtype=torch.float32)
-    # 31 bits, so the kernel argument is an int32 on every launch
+    # this update's stochastic-rounding stream (kernels get its keys, random_bits.stream_key_args(seed))
     seed = (state.seed * 0x9E3779B1 + state.updates * 0x85EBCA77 + 1) & 0x7FFFFFFF
     state.updates += 1
     return StepScalars(

@@ -14,8 +14,9 @@ exactly representable in the target dtype, so the final conversion is exact ever
   stochastic fp16 rounding of magnitudes below 2**-24 (fp16's smallest subnormal) also rounds to nearest.
 * Infinities and NaNs pass through (NaN stays NaN).
 
-Random bits: ``fmix32`` (MurmurHash3's finaliser) of the element's global index in the flat weight buffer and a
-per-step seed, so every element of every step gets an independent, reproducible draw.
+Random bits: :func:`tritonrec.kernels.random_bits.random_bits` of the element's global index in the flat weight
+buffer, in the stream of the update's seed (the kernel takes its keys, ``stream_key_args(seed)``), so every element
+of every step gets an independent, reproducible draw.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from tritonrec.kernels._triton import tl, triton
+from tritonrec.kernels.random_bits import random_bits, random_bits_reference
 
 # Weight storage codes shared by launchers and kernels (a tl.constexpr cannot hold a torch.dtype).
 WEIGHT_FP32, WEIGHT_FP16, WEIGHT_BF16 = 0, 1, 2
@@ -32,33 +34,13 @@ WEIGHT_CODES: dict[torch.dtype, int] = {
     torch.bfloat16: WEIGHT_BF16,
 }
 
-_MASK32 = 0xFFFFFFFF
-_GOLDEN = 0x9E3779B1
-_MIX_HI = 0x85EBCA77
-
 
 @triton.jit
-def fmix32(h):
-    """MurmurHash3 finaliser on uint32 (wrapping multiplies)."""
-    h ^= h >> 16
-    h *= 0x85EBCA6B
-    h ^= h >> 13
-    h *= 0xC2B2AE35
-    h ^= h >> 16
-    return h
+def round_fp32_to_storage(x, element_index, k1, k2, WEIGHT_DTYPE: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """fp32 ``x`` -> the same shape in the storage dtype (WEIGHT_FP32 / FP16 / BF16), see the module docstring.
 
-
-@triton.jit
-def random_bits(element_index, seed):
-    """uint32 random bits for an int64 element index under a uint32 seed."""
-    lo = (element_index & 0xFFFFFFFF).to(tl.uint32)
-    hi = (element_index >> 32).to(tl.uint32)
-    return fmix32((lo * 0x9E3779B1) ^ (hi * 0x85EBCA77) ^ seed.to(tl.uint32))
-
-
-@triton.jit
-def round_fp32_to_storage(x, element_index, seed, WEIGHT_DTYPE: tl.constexpr, STOCHASTIC: tl.constexpr):
-    """fp32 ``x`` -> the same shape in the storage dtype (WEIGHT_FP32 / FP16 / BF16), see the module docstring."""
+    ``element_index`` (int64, ``x``'s shape) keys each element's draw in the stream of keys ``(k1, k2)``
+    (``stream_key_args(seed)``); both are ignored unless ``STOCHASTIC``."""
     if WEIGHT_DTYPE == 0:
         return x
     elif WEIGHT_DTYPE == 1 and not STOCHASTIC:
@@ -73,7 +55,7 @@ def round_fp32_to_storage(x, element_index, seed, WEIGHT_DTYPE: tl.constexpr, ST
             dropped = (13 + tl.minimum(extra, 10)).to(tl.uint32)
         low_mask = (tl.full(x.shape, 1, tl.uint32) << dropped) - 1
         if STOCHASTIC:
-            bias = random_bits(element_index, seed) & low_mask
+            bias = random_bits(element_index, k1, k2) & low_mask
         else:
             bias = (low_mask >> 1) + ((bits >> dropped) & 1)
         rounded = (bits + bias) & ~low_mask
@@ -84,23 +66,6 @@ def round_fp32_to_storage(x, element_index, seed, WEIGHT_DTYPE: tl.constexpr, ST
         else:
             # below 2**-24 there are no bits left to randomise: round to nearest instead
             return tl.where(biased_exp < 103, x, rounded.to(tl.float32, bitcast=True)).to(tl.float16)
-
-
-def fmix32_reference(h: torch.Tensor) -> torch.Tensor:
-    """Twin of :func:`fmix32` on int64 tensors holding uint32 values."""
-    h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & _MASK32
-    h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & _MASK32
-    return h ^ (h >> 16)
-
-
-def random_bits_reference(element_index: torch.Tensor, seed: int) -> torch.Tensor:
-    """Twin of :func:`random_bits`: int64 element indices -> int64 tensor of uint32 values."""
-    lo = element_index & _MASK32
-    hi = (element_index >> 32) & _MASK32
-    mixed = ((lo * _GOLDEN) & _MASK32) ^ ((hi * _MIX_HI) & _MASK32) ^ (seed & _MASK32)
-    return fmix32_reference(mixed)
 
 
 def round_fp32_to_storage_reference(
@@ -121,7 +86,7 @@ def round_fp32_to_storage_reference(
         raise TypeError(f"dtype must be float32, float16 or bfloat16, got dtype={dtype}")
     if dtype == torch.float16 and not stochastic:
         return x.to(torch.float16)
-    bits = x.contiguous().view(torch.int32).to(torch.int64) & _MASK32
+    bits = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     biased_exp = (bits >> 23) & 0xFF
     if dtype == torch.bfloat16:
         dropped = torch.full_like(bits, 16)
@@ -134,7 +99,7 @@ def round_fp32_to_storage_reference(
         bias = random_bits_reference(torch.broadcast_to(element_index, x.shape), seed) & low_mask
     else:
         bias = (low_mask >> 1) + ((bits >> dropped) & 1)
-    rounded = ((bits + bias) & ~low_mask) & _MASK32
+    rounded = ((bits + bias) & ~low_mask) & 0xFFFFFFFF
     quieted = torch.where((bits & 0x7FFFFF) != 0, bits | 0x400000, bits)
     rounded = torch.where(biased_exp == 255, quieted, rounded)
     if dtype == torch.bfloat16:
@@ -153,10 +118,6 @@ __all__ = [
     "WEIGHT_CODES",
     "WEIGHT_FP16",
     "WEIGHT_FP32",
-    "fmix32",
-    "fmix32_reference",
-    "random_bits",
-    "random_bits_reference",
     "round_fp32_to_storage",
     "round_fp32_to_storage_reference",
 ]

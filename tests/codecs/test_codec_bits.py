@@ -1,14 +1,23 @@
 """The shared integer arithmetic (torch twins in bits_reference; the Triton helpers are covered through every kernel
-test): format constants, exact decoding of every code, rounding to quanta, fp32 splitting, the random streams."""
+test): format constants, exact decoding of every code, rounding to quanta, fp32 splitting, the random streams
+(host formula, Triton helper against its twin, uniformity)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tritonrec.kernels._triton import tl, triton
 from tritonrec.kernels.codecs import BF16, FP4_E2M1, FP8_E4M3, FP8_E5M2, FP16, derive_seed
 from tritonrec.kernels.codecs import bits_reference as ref
-from tritonrec.kernels.codecs.formats import mix32, stream_keys
+from tritonrec.kernels.random_bits import (
+    mix32_int,
+    random_bits,
+    random_bits_range,
+    random_bits_reference,
+    stream_key_args,
+    stream_keys,
+)
 
 TORCH_TYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
@@ -88,13 +97,34 @@ def test_random_streams_match_the_host_formula_and_high_words():
     seed = 123456789
     k1, k2 = stream_keys(seed)
     index = torch.tensor([0, 1, 2, 2**31, 2**32 - 1, 2**32, 2**32 + 5, 2**40 + 3], dtype=torch.int64)
-    expected = [mix32((int(i) & 0xFFFFFFFF) ^ k1 ^ mix32((int(i) >> 32) + k2)) for i in index]
-    assert ref.random_bits_at(index.clone(), seed).tolist() == expected
-    assert torch.equal(ref.random_bits(1000, seed, torch.device("cpu")), ref.random_bits_at(torch.arange(1000), seed))
+    expected = [mix32_int((int(i) & 0xFFFFFFFF) ^ k1 ^ mix32_int((int(i) >> 32) + k2)) for i in index]
+    assert random_bits_reference(index.clone(), seed).tolist() == expected
+    assert torch.equal(
+        random_bits_range(1000, seed, torch.device("cpu")), random_bits_reference(torch.arange(1000), seed)
+    )
+
+
+@triton.jit
+def _random_bits_kernel(index_ptr, out_ptr, k1, k2, N, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < N
+    bits = random_bits(tl.load(index_ptr + i, mask=ok, other=0), k1, k2)
+    tl.store(out_ptr + i, bits.to(tl.int64), mask=ok)
+
+
+def test_triton_random_bits_match_the_twin_for_keys_of_either_sign():
+    index = torch.tensor([0, 1, 77, 2**31 + 3, 2**32 - 1, 2**32, 2**40 + 3, 2**62 + 9], dtype=torch.int64)
+    # kernels take the keys as int32 values: cover both signs of each key
+    seeds = {(k1 < 0, k2 < 0): s for s in range(64) for k1, k2 in [stream_key_args(s)]}
+    assert len(seeds) == 4
+    for seed in seeds.values():
+        out = torch.empty_like(index)
+        _random_bits_kernel[(1,)](index, out, *stream_key_args(seed), index.numel(), BLOCK=8)
+        assert torch.equal(out, random_bits_reference(index, seed)), seed
 
 
 def test_random_bits_look_uniform():
-    bits = ref.random_bits(1 << 16, seed=3, device=torch.device("cpu"))
+    bits = random_bits_range(1 << 16, seed=3, device=torch.device("cpu"))
     for shift in (0, 8, 16, 24):  # every byte of the word: chi-square with 255 degrees of freedom
         counts = torch.bincount((bits >> shift) & 0xFF, minlength=256).double()
         chi2 = float(((counts - counts.mean()) ** 2 / counts.mean()).sum())
@@ -104,8 +134,8 @@ def test_random_bits_look_uniform():
 
 
 def test_streams_differ_by_seed_and_derive_seed_mixes_every_part():
-    a = ref.random_bits(64, 1, torch.device("cpu"))
-    assert not torch.equal(a, ref.random_bits(64, 2, torch.device("cpu")))
+    a = random_bits_range(64, 1, torch.device("cpu"))
+    assert not torch.equal(a, random_bits_range(64, 2, torch.device("cpu")))
     seeds = {derive_seed(base, call) for base in range(8) for call in range(64)}
     assert len(seeds) == 8 * 64 and derive_seed(5, 7) == derive_seed(5, 7)
     assert derive_seed(5, 7) != derive_seed(7, 5) and all(0 <= s < 2**63 for s in seeds)

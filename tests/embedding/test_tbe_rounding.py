@@ -8,23 +8,31 @@ import torch
 
 from tritonrec.kernels._triton import tl, triton
 from tritonrec.kernels.embedding.rounding import WEIGHT_CODES, round_fp32_to_storage, round_fp32_to_storage_reference
+from tritonrec.kernels.random_bits import stream_key_args
 
 
 @triton.jit
 def _round_kernel(
-    x_ptr, out_ptr, index_ptr, seed, N, WEIGHT_DTYPE: tl.constexpr, STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr
+    x_ptr, out_ptr, index_ptr, k1, k2, N, WEIGHT_DTYPE: tl.constexpr, STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr
 ):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < N
     x = tl.load(x_ptr + i, mask=ok, other=0.0)
     index = tl.load(index_ptr + i, mask=ok, other=0)
-    tl.store(out_ptr + i, round_fp32_to_storage(x, index, seed, WEIGHT_DTYPE, STOCHASTIC), mask=ok)
+    tl.store(out_ptr + i, round_fp32_to_storage(x, index, k1, k2, WEIGHT_DTYPE, STOCHASTIC), mask=ok)
 
 
 def _kernel_round(x: torch.Tensor, dtype: torch.dtype, stochastic: bool, index: torch.Tensor, seed: int):
     out = torch.empty(x.shape, dtype=dtype)
     _round_kernel[(triton.cdiv(x.numel(), 256),)](
-        x, out, index, seed, x.numel(), WEIGHT_DTYPE=WEIGHT_CODES[dtype], STOCHASTIC=stochastic, BLOCK=256
+        x,
+        out,
+        index,
+        *stream_key_args(seed),
+        x.numel(),
+        WEIGHT_DTYPE=WEIGHT_CODES[dtype],
+        STOCHASTIC=stochastic,
+        BLOCK=256,
     )
     return out
 
