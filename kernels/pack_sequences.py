@@ -28,7 +28,7 @@ import torch
 from tritonrec.kernels._triton import tl, triton
 from tritonrec.kernels.backend import Backend, autotune, pow2_bucket, resolve_backend
 from tritonrec.kernels.checks import check_same_device, check_tensor
-from tritonrec.kernels.packing_plan import PackingPlan, bin_assignment, make_packing_plan, segment_owner
+from tritonrec.kernels.packing_plan import PackingPlan, bin_assignment, make_packing_plan
 
 
 def _tile_configs() -> list:
@@ -227,11 +227,29 @@ def _unpack_triton(packed: torch.Tensor, plan: PackingPlan, padding_value: float
     return out.reshape(_source_shape(plan, feature))
 
 
-def _concatenated_index(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For every element of ``counts.numel()`` concatenated runs: the run it belongs to and its place in the run."""
-    total = int(counts.sum().item()) if counts.numel() else 0
-    owner = segment_owner(counts, total)
-    return owner, torch.arange(total, device=counts.device) - (torch.cumsum(counts, 0) - counts)[owner]
+class _Runs:
+    """Runs of ``counts [R]`` elements laid end to end (``total`` elements): per-element owner run and position in
+    it, computed once and shared by every per-token index of one call. Per-run values are spread with
+    ``index_select`` (several times faster on CPU than fancy indexing ``x[owner]``)."""
+
+    def __init__(self, counts: torch.Tensor, total: int) -> None:
+        self.owner = torch.repeat_interleave(
+            torch.arange(counts.numel(), device=counts.device), counts, output_size=total
+        )
+        first = torch.cumsum(counts, 0).sub_(counts)  # exclusive cumsum: where each run starts in the stream
+        self.position = torch.arange(total, device=counts.device).sub_(first.index_select(0, self.owner))
+
+    def spread(self, per_run: torch.Tensor) -> torch.Tensor:
+        """``[R]`` -> ``[total]``: each element gets its run's value."""
+        return per_run.index_select(0, self.owner)
+
+    def index(self, run_starts: torch.Tensor) -> torch.Tensor:
+        """``[total]``: ``run_starts[r] + j`` for the ``j``-th element of run ``r``."""
+        return self.spread(run_starts).add_(self.position)
+
+
+def _total(counts: torch.Tensor) -> int:
+    return int(counts.sum().item()) if counts.numel() else 0
 
 
 def pack_sequences_reference(
@@ -240,24 +258,25 @@ def pack_sequences_reference(
     """The specification: ``(tokens, position_ids, segment_ids)`` in the plan's packed layout (module docstring)."""
     feature = _feature_shape(plan, values)
     source = values.flatten(0, 1) if plan.padded_len is not None else values
-    owner, within = _concatenated_index(plan.source_lengths[plan.sequence_order])  # every real token
-    real = source.index_select(0, plan.source_starts[plan.sequence_order][owner] + within)
+    order, device = plan.sequence_order, values.device
+    counts = plan.source_lengths.index_select(0, order)  # real tokens per packed position
+    tokens_of = _Runs(counts, _total(counts))
+    real = source.index_select(0, tokens_of.index(plan.source_starts.index_select(0, order)))
     if plan.pad_to_multiple == 1:  # slots are exactly the real tokens
-        slot_owner, slot_position = owner, within
+        slots_of = tokens_of
     else:
-        slot_owner, slot_position = _concatenated_index(plan.cu_seqlens[1:].long() - plan.cu_seqlens[:-1].long())
-    segment_of_sequence = torch.arange(plan.num_sequences, device=values.device) - plan.bin_offsets[plan.bin_ids]
-    slot_segments = segment_of_sequence[slot_owner].to(torch.int32)
+        slots_of = _Runs((plan.cu_seqlens[1:] - plan.cu_seqlens[:-1]).long(), plan.num_slot_tokens)
+    segment_of_sequence = (torch.arange(plan.num_sequences, device=device) - plan.bin_offsets[plan.bin_ids]).int()
+    slot_segments = slots_of.spread(segment_of_sequence)
     if plan.capacity is None and plan.pad_to_multiple == 1:  # slots are the real tokens, already in packed order
-        tokens, positions, segments = real, slot_position, slot_segments
+        tokens, positions, segments = real, slots_of.position, slot_segments
     else:
         rows = plan.num_packed_rows
         tokens = values.new_full((rows, *feature), padding_value)
-        tokens.index_copy_(0, plan.packed_starts[owner] + within, real)
-        slot_rows = plan.packed_starts[slot_owner] + slot_position
-        positions = torch.zeros(rows, dtype=torch.int64, device=values.device).index_copy_(0, slot_rows, slot_position)
-        segments = torch.full((rows,), -1, dtype=torch.int32, device=values.device)
-        segments.index_copy_(0, slot_rows, slot_segments)
+        tokens.index_copy_(0, tokens_of.index(plan.packed_starts), real)
+        slot_rows = slots_of.index(plan.packed_starts)
+        positions = torch.zeros(rows, dtype=torch.int64, device=device).index_copy_(0, slot_rows, slots_of.position)
+        segments = torch.full((rows,), -1, dtype=torch.int32, device=device).index_copy_(0, slot_rows, slot_segments)
     shape = _packed_shape(plan, feature)
     id_shape = shape[: len(shape) - len(feature)]
     return tokens.reshape(shape), positions.reshape(id_shape), segments.reshape(id_shape)
@@ -267,10 +286,12 @@ def unpack_sequences_reference(packed: torch.Tensor, plan: PackingPlan, padding_
     """The specification: packed per-token values back to the source layout, ``padding_value`` past each length."""
     feature = tuple(packed.shape[2:] if plan.capacity is not None else packed.shape[1:])
     flat = packed.flatten(0, 1) if plan.capacity is not None else packed
-    owner, within = _concatenated_index(plan.source_lengths[plan.sequence_order])
+    order = plan.sequence_order
+    counts = plan.source_lengths.index_select(0, order)
+    tokens_of = _Runs(counts, _total(counts))
     out = packed.new_full((plan.num_source_rows, *feature), padding_value)
-    real = flat.index_select(0, plan.packed_starts[owner] + within)
-    out.index_copy_(0, plan.source_starts[plan.sequence_order][owner] + within, real)
+    real = flat.index_select(0, tokens_of.index(plan.packed_starts))
+    out.index_copy_(0, tokens_of.index(plan.source_starts.index_select(0, order)), real)
     return out.reshape(_source_shape(plan, feature))
 
 
