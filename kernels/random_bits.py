@@ -29,6 +29,11 @@ bijection applied to ``i ^ k1 ^ c``, i.e. two seeds' streams are the same values
 the seed makes that shift pseudo-random even for neighbouring seeds (0, 1, 2, ...) and lets callers pass raw
 counters; all 64 bits of the seed count.
 
+The codec twins draw through :func:`random_bits_range_int32`: the same uint32 bits held in int32 tensors, hashed
+with :func:`mix32_int32_`. int32 is what CPUs vectorise (torch's int64 ``>>`` and ``arange`` are scalar loops, about
+15x slower than the int32 ones); torch's int32 multiply wraps modulo 2**32 like the kernels' uint32 one, and the
+arithmetic ``>>`` is made logical by masking off the copied sign bits.
+
 Kernel arguments: pass :func:`stream_key_args` (the keys as signed int32 values), not :func:`stream_keys`. Triton
 types a Python int argument as i32 below 2**31 and u32 above, so raw keys would compile up to four variants of
 every kernel depending on the seed; ``random_bits`` reinterprets either type as uint32 bits.
@@ -84,7 +89,8 @@ def stream_keys(seed: int) -> tuple[int, int]:
 def stream_key_args(seed: int) -> tuple[int, int]:
     """:func:`stream_keys` as signed int32 values with the same bits: what kernels take, so that every launch has
     the same argument types whatever the seed."""
-    return tuple(k - (1 << 32) if k >= 1 << 31 else k for k in stream_keys(seed))
+    k1, k2 = stream_keys(seed)
+    return _as_int32(k1), _as_int32(k2)
 
 
 def mix32_(x: torch.Tensor) -> torch.Tensor:
@@ -94,6 +100,25 @@ def mix32_(x: torch.Tensor) -> torch.Tensor:
     x ^= x >> 15
     x.mul_(0x735A2D97).bitwise_and_(_MASK32)
     x ^= x >> 15
+    return x
+
+
+def _as_int32(k: int) -> int:
+    """A uint32 Python int as the int32 value with the same bits."""
+    return k - (1 << 32) if k >= 1 << 31 else k
+
+
+def mix32_int32_(x: torch.Tensor) -> torch.Tensor:
+    """Twin of :func:`mix32`, in place on an int32 tensor holding uint32 bits (two's complement); returns ``x``.
+
+    Bit for bit :func:`mix32_` on the same bits: int32 multiplies wrap modulo 2**32, and the masks turn torch's
+    arithmetic shifts into the kernels' logical ones. One scratch tensor serves every shift."""
+    tmp = torch.bitwise_right_shift(x, 16)
+    x ^= tmp.bitwise_and_(0xFFFF)
+    x.mul_(0x21F0AAAD)
+    x ^= torch.bitwise_right_shift(x, 15, out=tmp).bitwise_and_(0x1FFFF)
+    x.mul_(0x735A2D97)
+    x ^= torch.bitwise_right_shift(x, 15, out=tmp).bitwise_and_(0x1FFFF)
     return x
 
 
@@ -115,12 +140,25 @@ def random_bits_range(num_elements: int, seed: int, device: torch.device) -> tor
     return mix32_(index.bitwise_xor_(k1 ^ mix32_int(k2)))
 
 
+def random_bits_range_int32(num_elements: int, seed: int, device: torch.device) -> torch.Tensor:
+    """:func:`random_bits_range` as an int32 tensor with the same 32 bits per draw (negative where bit 31 is set),
+    computed in int32 below 2**31 elements (``mix32`` of ``index ^ key`` for one key per stream)."""
+    if num_elements >= 1 << 31:
+        wide = random_bits_range(num_elements, seed, device)
+        return (wide - ((wide & 0x80000000) << 1)).to(torch.int32)
+    k1, k2 = stream_keys(seed)
+    index = torch.arange(num_elements, device=device, dtype=torch.int32)
+    return mix32_int32_(index.bitwise_xor_(_as_int32(k1 ^ mix32_int(k2))))
+
+
 __all__ = [
     "mix32",
     "mix32_",
     "mix32_int",
+    "mix32_int32_",
     "random_bits",
     "random_bits_range",
+    "random_bits_range_int32",
     "random_bits_reference",
     "stream_key_args",
     "stream_keys",

@@ -23,13 +23,13 @@ def magnitude_bits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def split_magnitude(mag: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Finite fp32 magnitude bits (int32) -> ``(sig, e)`` with ``|x| = sig * 2**(e - 23)``; zero -> (0, ZERO_EXP)."""
-    biased = mag >> 23
-    mant = mag & 0x7FFFFF
-    sig = mant | 0x800000
-    e = biased - 127
-    is_sub = biased == 0
-    if bool(is_sub.any()):  # fp32 subnormals and zeros are rare: normalise them only when present
-        norm = mant.to(torch.float32).view(torch.int32)
+    # Two fresh tensors, updated in place: every extra temporary of the input's size costs as much as the arithmetic.
+    e = torch.bitwise_right_shift(mag, 23).sub_(127)
+    sig = (mag & 0x7FFFFF).bitwise_or_(0x800000)
+    # fp32 subnormals and zeros are rare: normalise them only when present (a min is cheaper than a mask and any()).
+    if mag.numel() and int(mag.amin()) < 1 << 23:
+        is_sub = mag < 1 << 23
+        norm = (mag & 0x7FFFFF).to(torch.float32).view(torch.int32)
         sig = torch.where(is_sub, (norm & 0x7FFFFF) | 0x800000, sig)
         e = torch.where(is_sub, (norm >> 23) - 276, e)
         is_zero = mag == 0
@@ -40,22 +40,30 @@ def split_magnitude(mag: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def round_to_quanta(sig: torch.Tensor, shift: torch.Tensor, rand: torch.Tensor | None) -> torch.Tensor:
     """``sig * 2**-shift`` rounded to an int32: nearest-even (``rand is None``) or stochastically with the low
-    ``shift`` bits of ``rand`` (int64 random bits, or int32 holding their low 30 bits: at most 30 are used)."""
-    sig = sig >> (shift - 30).clamp(0, 31)
-    shift = shift.clamp(max=30)
+    ``shift`` bits of ``rand`` (int64 random bits, or int32 holding at least their low 30 bits: at most 30 are
+    used). Inputs are not modified; the temporaries are updated in place."""
+    if shift.numel() and int(shift.amax()) > 30:  # values 2**30 quanta below their group's top: mostly zeros
+        sig = sig >> (shift - 30).clamp_(0, 31)
+        shift = shift.clamp(max=30)
     if rand is None:
-        return (sig + ((1 << (shift - 1)) - 1) + ((sig >> shift) & 1)) >> shift
-    if rand.dtype != torch.int32:
-        rand = (rand & 0x3FFFFFFF).to(torch.int32)
-    return (sig + (rand & ((1 << shift) - 1))) >> shift
+        # (sig + 2**(shift - 1) - 1 + lowest kept bit) >> shift
+        code = (sig >> shift).bitwise_and_(1).sub_(1).add_(sig)
+        code += torch.ones_like(code).bitwise_left_shift_(shift - 1)
+    else:
+        if rand.dtype != torch.int32:
+            rand = (rand & 0x3FFFFFFF).to(torch.int32)
+        ones = torch.ones(torch.broadcast_shapes(sig.shape, shift.shape), dtype=torch.int32, device=sig.device)
+        code = ones.bitwise_left_shift_(shift).sub_(1)
+        code = (code & rand).add_(sig)
+    return torch.bitwise_right_shift(code, shift, out=code)
 
 
 def minifloat_code(sig: torch.Tensor, e: torch.Tensor, rand: torch.Tensor | None, fmt: MiniFloat) -> torch.Tensor:
     """Magnitude code (int32) of ``sig * 2**(e - 23)`` in ``fmt``, overflowing to ``fmt.overflow_code``."""
     e_target = e.clamp(min=fmt.emin)
-    quanta = round_to_quanta(sig, e_target - e + (23 - fmt.mbits), rand)
-    code = ((e_target + (fmt.bias - 1)) << fmt.mbits) + quanta
-    return code.clamp(max=fmt.overflow_code)
+    quanta = round_to_quanta(sig, (e_target - e).add_(23 - fmt.mbits), rand)
+    code = e_target.add_(fmt.bias - 1).bitwise_left_shift_(fmt.mbits).add_(quanta)
+    return code.clamp_(max=fmt.overflow_code)
 
 
 def pow2(k: torch.Tensor) -> torch.Tensor:

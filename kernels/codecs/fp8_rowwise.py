@@ -62,7 +62,7 @@ from tritonrec.kernels.codecs.rowwise import (
     row_p2,
     tile_configs,
 )
-from tritonrec.kernels.random_bits import random_bits, random_bits_range, stream_key_args
+from tritonrec.kernels.random_bits import random_bits, random_bits_range_int32, stream_key_args
 
 
 @autotune(configs=tile_configs(), key=["G_BUCKET", "ROW_P2", "MBITS", "STOCHASTIC"])
@@ -244,7 +244,7 @@ def quantize_fp8_rowwise_reference(
         if groups.shape[0] == 0 or (int(scale_exp.min()) >= -127 and not bool(capped.any())):
             codes = ref.scale_by_pow2(groups, -scale_exp).to(_TORCH_FP8[fmt]).view(torch.uint8)
             return _assemble_rows(input, row_dim, codes, scale_exp)
-    rand = random_bits_range(groups.numel(), seed, input.device) if stochastic_rounding else None
+    rand = random_bits_range_int32(groups.numel(), seed, input.device) if stochastic_rounding else None
     codes, scale_exp = _encode_fp8_bits(groups, spec, rand)
     return _assemble_rows(input, row_dim, codes, scale_exp)
 

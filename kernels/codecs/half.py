@@ -31,7 +31,7 @@ from tritonrec.kernels.codecs.formats import (
     check_seed,
     raise_if_nonfinite,
 )
-from tritonrec.kernels.random_bits import random_bits, random_bits_range, stream_key_args
+from tritonrec.kernels.random_bits import random_bits, random_bits_range_int32, stream_key_args
 
 
 def _elementwise_configs() -> list:
@@ -191,7 +191,44 @@ def quantize_half_reference(
         if not ref.all_finite(input):
             clamped = torch.where(torch.isinf(input), scaled, clamped)
         return ref.cast_with_canonical_nan(clamped, dtype)
-    return _quantize_half_bits(input, scaled, spec, random_bits_range(input.numel(), seed, input.device))
+    return _stochastic_half(input, scaled, spec, random_bits_range_int32(input.numel(), seed, input.device))
+
+
+def _stochastic_half(input: torch.Tensor, scaled: torch.Tensor, spec: MiniFloat, rand: torch.Tensor) -> torch.Tensor:
+    """Stochastic rounding of :func:`_quantize_half_bits`, computed on the fp32 bits in a few in-place int32 passes.
+
+    For a normal fp32 magnitude ``mag`` whose value is normal in the target too, the integer algorithm reduces to
+    ``(mag - rebias + (rand & low_mask)) >> shift`` with constant ``shift = 23 - mbits`` (the carry of the added
+    bits runs into the exponent field by itself), and zeros give 0 after a clamp at 0. The rest, fp32 subnormals,
+    values below the target's normal range and NaN/Inf inputs, is rare in practice and re-run through the full
+    algorithm, on those elements only.
+    """
+    flat_in = input.reshape(-1)
+    # Clamping in fp32 is the integer clamp of the magnitude bits (monotone for finite values), sign kept.
+    bits = scaled.reshape(-1).clamp(-spec.max_value, spec.max_value).view(torch.int32)
+    mag = bits & 0x7FFFFFFF
+    shift = 23 - spec.mbits
+    min_normal = (spec.emin + 127) << 23  # magnitude bits of the target's smallest normal
+    # Unsigned compare of mag - 1: zero (handled by the fast path) wraps to the top and does not count as rare.
+    rare = (mag - 1).bitwise_and_(0x7FFFFFFF) < min_normal - 1
+    if not ref.all_finite(flat_in):
+        rare |= ~torch.isfinite(flat_in)
+    index = rare.nonzero().squeeze(1)  # one scan and one sync, like an any() would cost
+    index = index if index.numel() else None
+    rand = rand.reshape(-1)
+    rand_rare = None if index is None else rand.index_select(0, index)
+    code = mag.add_(rand.bitwise_and_((1 << shift) - 1)).sub_((127 - spec.bias) << 23)
+    code = torch.bitwise_right_shift(code, shift, out=code).clamp_(min=0)
+    # Sign: the arithmetic shift of the fp32 bits gives 0xFFFF8... for negatives; keep bits 15 and up, so that the
+    # signed codes land in int16's range and the cast is exact.
+    code |= torch.bitwise_right_shift(bits, 16, out=bits).bitwise_and_(-0x8000)
+    out = code.to(torch.int16)
+    if index is not None:
+        fixed = _quantize_half_bits(
+            flat_in.index_select(0, index), scaled.reshape(-1).index_select(0, index), spec, rand_rare
+        )
+        out.index_copy_(0, index, fixed.view(torch.int16))
+    return out.view(HALF_DTYPES[spec.name]).view(input.shape)
 
 
 def _quantize_half_bits(

@@ -48,7 +48,7 @@ from tritonrec.kernels.codecs.rowwise import (
     row_p2,
     tile_configs,
 )
-from tritonrec.kernels.random_bits import random_bits, random_bits_range, stream_key_args
+from tritonrec.kernels.random_bits import random_bits, random_bits_range_int32, stream_key_args
 
 _INV_2_POW_24 = 5.9604644775390625e-08  # 2**-24: turns 24 random bits into a uniform fp32 in [0, 1), exactly
 
@@ -196,19 +196,39 @@ def quantize_int8_rowwise_reference(
     scale = span / span.new_tensor(255.0)
     has_scale = (scale > 0) & ~poisoned
     safe_scale = torch.where(has_scale, scale, 1.0)
-    if stochastic_rounding or bool(poisoned.any()):
-        rand = random_bits_range(groups.numel(), seed, input.device).view(groups.shape) if stochastic_rounding else None
-        code = _round_codes(groups, low, safe_scale, has_scale, poisoned, rand)
-    else:
-        # Finite groups with nearest-even rounding: torch.round is half-to-even, the same as the floor/fraction rule
-        # of _round_codes for 0 <= q < 2**23, and a group without a scale has q <= span < 2**-140, which rounds to 0.
-        code = ((groups - low) / safe_scale).round_().clamp_(0, 255).to(torch.uint8)
     out = torch.empty((groups.shape[0], int8_row_bytes(row_dim)), dtype=torch.uint8, device=input.device)
-    out[:, :row_dim] = code
+    rand = None
+    if stochastic_rounding:
+        rand = random_bits_range_int32(groups.numel(), seed, input.device).view(groups.shape)
+    if bool(poisoned.any()):
+        out[:, :row_dim] = _round_codes(groups, low, safe_scale, has_scale, poisoned, rand)
+    else:
+        # Finite groups: q = (x - low) / scale in place, rounded in fp32 and written straight into the uint8 codes
+        # (copy_ of integers in [0, 255] is exact). Nearest-even: torch.round is half-to-even, the same as the
+        # floor/fraction rule of _round_codes for 0 <= q < 2**23, and a group without a scale has
+        # q <= span < 2**-140, which rounds to 0.
+        q = torch.sub(groups, low).div_(safe_scale)
+        if rand is None:
+            q.round_()
+        else:
+            q = _round_up_stochastic_(q, rand, has_scale)
+        out[:, :row_dim] = q.clamp_(0, 255)
     out[:, row_dim : ceil4(row_dim)] = 0
     meta = torch.cat([scale, low], dim=1).masked_fill(poisoned, torch.nan)
     out[:, ceil4(row_dim) :] = ref.cast_with_canonical_nan(meta, torch.float32).view(torch.uint8)
     return out.reshape(encoded_shape(input, row_dim, out.shape[1]))
+
+
+def _round_up_stochastic_(q: torch.Tensor, rand: torch.Tensor, has_scale: torch.Tensor) -> torch.Tensor:
+    """:func:`_round_codes`' stochastic rule on finite groups, in fp32 and in place on ``q`` and ``rand``:
+    ``trunc(q)`` (the int32 truncation, exact for 0 <= q < 2**24) plus one when the 24-bit uniform is below the
+    fraction; groups without a scale get 0 (their tiny q could otherwise round up on a zero draw)."""
+    if not bool(has_scale.all()):
+        q.masked_fill_(~has_scale, 0.0)
+    base = q.trunc()
+    frac = q.sub_(base)
+    uniform = torch.bitwise_right_shift(rand, 8, out=rand).bitwise_and_(0xFFFFFF).to(torch.float32)
+    return base.add_(uniform.mul_(_INV_2_POW_24) < frac)
 
 
 def _round_codes(
@@ -228,7 +248,7 @@ def _round_codes(
     if rand is None:
         up = (frac > 0.5) | ((frac == 0.5) & ((base & 1) == 1))
     else:
-        up = (rand >> 8).to(torch.float32) * _INV_2_POW_24 < frac
+        up = ((rand >> 8) & 0xFFFFFF).to(torch.float32) * _INV_2_POW_24 < frac  # the top 24 of the uint32 bits
     return (base + up.to(torch.int32)).clamp(0, 255).masked_fill(poisoned, 0).to(torch.uint8)
 
 

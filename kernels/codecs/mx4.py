@@ -61,7 +61,7 @@ from tritonrec.kernels.codecs.rowwise import (
     row_p2,
     tile_configs,
 )
-from tritonrec.kernels.random_bits import random_bits, random_bits_range, stream_key_args
+from tritonrec.kernels.random_bits import random_bits, random_bits_range_int32, stream_key_args
 
 _E2M1 = FP4_E2M1
 _MIN_SCALE_EXP = -E8M0_BIAS
@@ -212,7 +212,9 @@ def quantize_mx4_reference(
             table = ref.lookup_table("e2m1_codes", input.device, _e2m1_code_table)
             code = table.index_select(0, key.view(-1)).view(key.shape)
             return _pack(input, group_size, code, scale_exp + E8M0_BIAS)
-    rand = random_bits_range(groups.numel(), seed, input.device).view(groups.shape) if stochastic_rounding else None
+    rand = None
+    if stochastic_rounding:
+        rand = random_bits_range_int32(groups.numel(), seed, input.device).view(groups.shape)
     mag, sign = ref.magnitude_bits(groups.contiguous())
     nonfinite = mag >= 0x7F800000
     poisoned = nonfinite.any(dim=1, keepdim=True)

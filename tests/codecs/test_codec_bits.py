@@ -11,9 +11,12 @@ from tritonrec.kernels._triton import tl, triton
 from tritonrec.kernels.codecs import BF16, FP4_E2M1, FP8_E4M3, FP8_E5M2, FP16, derive_seed
 from tritonrec.kernels.codecs import bits_reference as ref
 from tritonrec.kernels.random_bits import (
+    mix32_,
     mix32_int,
+    mix32_int32_,
     random_bits,
     random_bits_range,
+    random_bits_range_int32,
     random_bits_reference,
     stream_key_args,
     stream_keys,
@@ -146,3 +149,16 @@ def test_cast_with_canonical_nan_overrides_torch_nan_bits():
     assert (ref.cast_with_canonical_nan(x, torch.bfloat16).view(torch.int16)[:2] == 0x7FC0).all()
     assert (ref.cast_with_canonical_nan(x, torch.float16).view(torch.int16)[:2] == 0x7E00).all()
     assert (ref.cast_with_canonical_nan(-x, torch.float32).view(torch.int32)[:2] == 0x7FC00000).all()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2**31 + 5, 2**63 + 11])
+def test_int32_random_bits_hold_the_same_words_as_the_int64_twin(seed):
+    """The codec twins draw in int32 (CPU-vectorised); every word must equal the int64 twin's, bit for bit."""
+    wide = random_bits_range(5000, seed, torch.device("cpu"))
+    narrow = random_bits_range_int32(5000, seed, torch.device("cpu"))
+    assert narrow.dtype == torch.int32
+    assert torch.equal(narrow.to(torch.int64) & 0xFFFFFFFF, wide)
+    words = torch.tensor([0, 1, 0x7FFFFFFF, -0x80000000, -1, 0x12345678], dtype=torch.int32)
+    assert torch.equal(
+        mix32_int32_(words.clone()).to(torch.int64) & 0xFFFFFFFF, mix32_(words.to(torch.int64) & 0xFFFFFFFF)
+    )
