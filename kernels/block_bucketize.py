@@ -181,12 +181,32 @@ def _block_bucketize_triton(
     return new_lengths, new_indices, new_weights, new_pos, unbucketize
 
 
+# torch's stable CPU sort is a merge sort below 32768 elements (fastest on int64 there) and a radix sort from there
+# on (several times faster on int8 keys); between these sizes, padding up to the radix size wins.
+_RADIX_SORT_MIN = 32768
+_PAD_TO_RADIX_MIN = 6144
+
+
 def _smallest_int_dtype(upper: int) -> torch.dtype:
-    """Narrowest signed dtype holding ``[0, upper)``: the stable sort by bucket is several times faster on int8."""
+    """Narrowest signed dtype holding ``[0, upper]``."""
     for dtype in (torch.int8, torch.int16, torch.int32):
         if upper <= torch.iinfo(dtype).max:
             return dtype
     return torch.int64
+
+
+def _stable_sort_buckets(bucket: torch.Tensor, num_buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``bucket [N]`` in ``[0, num_buckets)`` -> ``(sorted buckets [N], order [N] int64)``, ties kept in input order."""
+    n, on_cpu = bucket.numel(), bucket.device.type == "cpu"
+    if on_cpu and n < _PAD_TO_RADIX_MIN:
+        return torch.sort(bucket, stable=True)
+    keys = bucket.to(_smallest_int_dtype(num_buckets))
+    if n >= _RADIX_SORT_MIN or not on_cpu:
+        return torch.sort(keys, stable=True)
+    # Pad with num_buckets, which sorts after every real key, so the first n of the order are the real one.
+    padded = torch.cat([keys, keys.new_full((_RADIX_SORT_MIN - n,), num_buckets)])
+    sorted_keys, order = torch.sort(padded, stable=True)
+    return sorted_keys[:n], order[:n]
 
 
 def block_bucketize_sparse_features_reference(
@@ -202,35 +222,59 @@ def block_bucketize_sparse_features_reference(
     """The specification (module docstring), vectorised.
 
     Indices arrive ordered by bag, so a *stable* sort by bucket alone yields the output order (bucket, feature,
-    sample, position in bag); one integer division serves both the bucket and the local index.
+    sample, position in bag); the counts and in-bag positions are then read off the sorted side. All elementwise
+    steps keep operands of one dtype (mixed-dtype in-place ops take torch's slow casting path, ~10x slower).
     """
     num_bags, n, device = lengths.numel(), indices.numel(), indices.device
     num_features = block_sizes.numel()
-    lengths64 = lengths.to(torch.int64)
-    bag = torch.repeat_interleave(torch.arange(num_bags, device=device), lengths64, output_size=n)
-    values_per_feature = lengths64.view(num_features, -1).sum(dim=1) if num_features else lengths64
-    block_size = torch.repeat_interleave(block_sizes.to(torch.int64), values_per_feature, output_size=n)
-    idx = indices.to(torch.int64)
+    idx, block_size = _index_and_block_size(lengths, indices, block_sizes, num_features, n)
     bucket = torch.div(idx, block_size, rounding_mode="floor")
-    local = idx if keep_orig_idx else idx - bucket * block_size
-    in_blocks = bucket < num_buckets
-    if n and not bool(in_blocks.all()):  # ids past block_size * num_buckets are spread round-robin
+    if keep_orig_idx:
+        local = idx
+    elif isinstance(block_size, int):
+        local = torch.sub(idx, bucket, alpha=block_size)  # one pass instead of a mul and a sub
+    else:
+        local = idx - bucket * block_size
+    if n and int(bucket.max()) >= num_buckets:  # ids past block_size * num_buckets are spread round-robin
+        in_blocks = bucket < num_buckets
         bucket = torch.where(in_blocks, bucket, idx % num_buckets)
         if not keep_orig_idx:
             local = torch.where(in_blocks, local, torch.div(idx, num_buckets, rounding_mode="floor"))
-    new_lengths = torch.bincount(bucket * num_bags + bag, minlength=num_buckets * num_bags).to(lengths.dtype)
-    order = torch.argsort(bucket.to(_smallest_int_dtype(num_buckets)), stable=True)  # output position -> input
+    sorted_bucket, order = _stable_sort_buckets(bucket, num_buckets)  # order: output position -> input
+    # Counts per (bucket, bag) from the sorted side: there the bucket-major key bucket * num_bags + bag never
+    # decreases, so the bincount writes its counters in order (scattering the unsorted key costs ~5x more).
+    key_dtype = lengths.dtype if num_bags * num_buckets <= torch.iinfo(lengths.dtype).max else torch.int64
+    sorted_bag = torch.repeat_interleave(lengths.to(key_dtype), output_size=n).index_select(0, order)
+    key = torch.add(sorted_bag, sorted_bucket, alpha=num_bags)
+    new_lengths = torch.bincount(key, minlength=num_buckets * num_bags).to(lengths.dtype)
     new_indices = local.index_select(0, order).to(indices.dtype)
     new_weights = None if weights is None else weights.index_select(0, order)
     new_pos = None
     if bucketize_pos:
-        bag_start = lengths_to_offsets(lengths64, backend="torch")[:-1].index_select(0, bag)
-        new_pos = (torch.arange(n, device=device) - bag_start).index_select(0, order).to(indices.dtype)
+        # Input j = order[k] sits at output k and has position j - start(bag of j) in its bag.
+        bag_start = torch.cumsum(lengths, 0, dtype=torch.int64).sub_(lengths).index_select(0, sorted_bag)
+        new_pos = torch.sub(order, bag_start, out=bag_start).to(indices.dtype)
     unbucketize = None
     if sequence:
         positions = torch.arange(n, device=device, dtype=indices.dtype)
         unbucketize = torch.empty_like(indices).scatter_(0, order, positions)
     return new_lengths, new_indices, new_weights, new_pos, unbucketize
+
+
+def _index_and_block_size(
+    lengths: torch.Tensor, indices: torch.Tensor, block_sizes: torch.Tensor, num_features: int, n: int
+) -> tuple[torch.Tensor, torch.Tensor | int]:
+    """``(idx [N], block size)`` for the bucket arithmetic. The block size is a Python int when every feature shares
+    one (the usual row-wise sharding plan: no per-value tensor to build), else ``[N]`` int64. ``idx`` stays int32
+    when the indices are int32 and the shared block size fits (exact: bucket and local index never exceed idx)."""
+    sizes = block_sizes.tolist()
+    if sizes and min(sizes) == max(sizes):
+        if indices.dtype == torch.int32 and sizes[0] <= torch.iinfo(torch.int32).max:
+            return indices, sizes[0]
+        return indices.to(torch.int64), sizes[0]
+    values_per_feature = lengths.view(num_features, -1).sum(dim=1) if num_features else lengths.to(torch.int64)
+    block_size = torch.repeat_interleave(block_sizes.to(torch.int64), values_per_feature, output_size=n)
+    return indices.to(torch.int64), block_size
 
 
 def _check_bucketize_inputs(

@@ -139,16 +139,19 @@ def jagged_to_padded_dense_reference(
 ) -> torch.Tensor:
     """The specification: ``[N, *]`` values + ``[B + 1]`` offsets -> ``[B, max_len, *]``, padded, truncated.
 
-    One gather: every output cell reads its value, or a padding row appended after the values.
+    One gather: every output cell reads its value, or a padding row appended after the values. (index_select is
+    torch's only row-wise memcpy gather on CPU; filling the padded cells afterwards with index_fill_/masked_fill_
+    or scattering into a pre-filled output runs element by element and costs more than the one extra copy.)
     """
     batch = offsets.numel() - 1
-    starts = offsets[:-1].to(torch.int64)
-    lengths = offsets[1:].to(torch.int64) - starts
-    cols = torch.arange(max_len, device=offsets.device)
     pad_row = int(offsets[-1].item())
-    src = torch.where(cols < lengths[:, None], starts[:, None] + cols, pad_row)
+    # src[b, j] = offsets[b] + j, or the padding row once that reaches the next bag: three passes over [B, max_len],
+    # kept in the offsets' dtype (index_select takes int32 indices as they are).
+    index_dtype = offsets.dtype if pad_row + max_len <= torch.iinfo(offsets.dtype).max else torch.int64
+    src = offsets[:-1, None].to(index_dtype) + torch.arange(max_len, device=offsets.device, dtype=index_dtype)
+    src.masked_fill_(src >= offsets[1:, None].to(index_dtype), pad_row)
     source = torch.cat([values[:pad_row], values.new_full((1, *values.shape[1:]), padding_value)])
-    return source.index_select(0, src.reshape(-1)).reshape(batch, max_len, *values.shape[1:])
+    return source.index_select(0, src.view(-1)).view(batch, max_len, *values.shape[1:])
 
 
 def dense_to_jagged_reference(dense: torch.Tensor, offsets: torch.Tensor, total_len: int | None = None) -> torch.Tensor:
@@ -160,16 +163,20 @@ def dense_to_jagged_reference(dense: torch.Tensor, offsets: torch.Tensor, total_
     batch, dense_len = dense.shape[0], dense.shape[1]
     starts = offsets[:-1].to(torch.int64)
     lengths = offsets[1:].to(torch.int64) - starts
-    bag = torch.repeat_interleave(torch.arange(batch, device=dense.device), lengths, output_size=total)
-    position = torch.arange(total, device=dense.device) - starts.index_select(0, bag)
     rows = dense.reshape(batch * dense_len, *dense.shape[2:])
-    beyond = position >= dense_len
-    if total and bool(beyond.any()):  # bags longer than the dense length: those rows are zeros
+    # Value i of bag b reads dense row b * S + (i - offsets[b]): one per-bag shift repeated over the bag, plus i.
+    shift = torch.arange(batch, device=dense.device).mul_(dense_len).sub_(starts)
+    src = torch.repeat_interleave(shift, lengths, output_size=total)
+    src.add_(torch.arange(total, device=dense.device))
+    if total and bool((lengths > dense_len).any()):  # bags longer than the dense length: those rows are zeros
         if not rows.shape[0]:
             return dense.new_zeros((total, *dense.shape[2:]))
-        out = rows.index_select(0, torch.where(beyond, 0, bag * dense_len + position))
-        return out.masked_fill_(beyond.reshape(-1, *([1] * (dense.dim() - 2))), 0)
-    return rows.index_select(0, bag * dense_len + position)
+        bag_end = torch.arange(1, batch + 1, device=dense.device).mul_(dense_len)
+        beyond = src >= torch.repeat_interleave(bag_end, lengths, output_size=total)  # position >= S
+        out = rows.index_select(0, src.masked_fill_(beyond, 0))
+        # index_fill_ on the cut rows: ~5x faster than masked_fill_ with a mask broadcast over the feature dims.
+        return out.index_fill_(0, beyond.nonzero().view(-1), 0)
+    return rows.index_select(0, src)
 
 
 class _JaggedToPaddedDense(torch.autograd.Function):

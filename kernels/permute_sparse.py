@@ -154,7 +154,7 @@ def permute_2d_sparse_data_reference(
     ``permuted_lengths_sum`` is accepted for FBGEMM compatibility and checked against the result.
     """
     permute_list = permute.tolist()
-    out_lengths = lengths.index_select(0, permute.to(device=lengths.device, dtype=torch.int64))
+    out_lengths = lengths.index_select(0, permute.to(device=lengths.device))  # int32 indices are taken as they are
     key_sizes = lengths.sum(dim=1).tolist() if lengths.numel() else [0] * lengths.shape[0]
     used = sum(key_sizes)  # values may carry a slack tail past the last bag
     value_spans = values[:used].split(key_sizes)

@@ -202,3 +202,24 @@ def test_bucketize_bad_input() -> None:
         block_bucketize_sparse_features(lengths, indices, block_sizes, 2, weights=torch.rand(2))
     with pytest.raises(TypeError, match="indices must be int32 or int64"):
         block_bucketize_sparse_features(lengths, indices.float(), block_sizes, 2)
+
+
+@pytest.mark.parametrize("num_values", [7000, 40000])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_bucketize_twin_sort_paths_match_fbgemm(num_values: int, index_dtype: torch.dtype) -> None:
+    """Sizes where the twin pads its sort up to torch's radix path (7000) or sorts int8 keys directly (40000), with
+    ids past the sharded range (round-robin) and per-feature block sizes."""
+    pytest.importorskip("fbgemm_gpu")
+    gen = torch.Generator().manual_seed(num_values)
+    lengths = torch.randint(0, 9, (2 * (num_values // 8),), generator=gen, dtype=torch.int32)
+    indices = torch.randint(0, 5000, (int(lengths.sum()),), generator=gen, dtype=index_dtype)
+    weights = torch.rand(indices.numel(), generator=gen)
+    for block_sizes in (torch.tensor([400, 400]), torch.tensor([300, 700])):
+        block_sizes = block_sizes.to(index_dtype)
+        ours = block_bucketize_sparse_features(
+            lengths, indices, block_sizes, 11, weights, bucketize_pos=True, sequence=True, backend="torch"
+        )
+        theirs = torch.ops.fbgemm.block_bucketize_sparse_features(
+            lengths, indices, True, True, block_sizes, 11, weights
+        )
+        _assert_all_equal(ours, tuple(theirs))
