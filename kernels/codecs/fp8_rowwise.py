@@ -22,13 +22,12 @@ from __future__ import annotations
 import torch
 
 from tritonrec.kernels._triton import tl, triton
-from tritonrec.kernels.backend import Backend, autotune, pow2_bucket, resolve_backend
+from tritonrec.kernels.backend import Backend, autotune, resolve_backend
 from tritonrec.kernels.codecs import bits_reference as ref
 from tritonrec.kernels.codecs.bits import (
     finite_code_cap,
     minifloat_code,
     minifloat_value,
-    output_view,
     pow2_exponent_bits,
     row_scale_exponent,
     split_magnitude,
@@ -54,15 +53,16 @@ from tritonrec.kernels.codecs.rowwise import (
     decoded_shape,
     encoded_shape,
     groups_per_program,
+    launch_decode,
+    launch_encode,
     launch_geometry,
     load_group_tile,
     load_le_word,
     pack_bytes_le,
     padded_groups,
-    row_p2,
     tile_configs,
 )
-from tritonrec.kernels.random_bits import random_bits, random_bits_range_int32, stream_key_args
+from tritonrec.kernels.random_bits import random_bits, random_bits_range_int32
 
 
 @autotune(configs=tile_configs(), key=["G_BUCKET", "ROW_P2", "MBITS", "STOCHASTIC"])
@@ -166,60 +166,30 @@ def _fp8_decode_kernel(
 def _quantize_fp8_triton(
     input: torch.Tensor, row_dim: int, spec: MiniFloat, stochastic_rounding: bool, seed: int
 ) -> torch.Tensor:
-    matrix, _, cols, per_row, num_groups = launch_geometry(input, row_dim)
     row_bytes = fp8_row_bytes(row_dim)
-    out = torch.empty(encoded_shape(input, row_dim, row_bytes), dtype=torch.uint8, device=input.device)
-    if num_groups:
-        k1, k2 = stream_key_args(seed)
-        _fp8_encode_kernel[lambda meta: (triton.cdiv(num_groups, meta["BLOCK_G"]),)](
-            matrix,
-            out.view(torch.int32),
-            num_groups,
-            cols,
-            per_row,
-            matrix.stride(0),
-            row_dim,
-            row_bytes // 4,
-            k1,
-            k2,
-            pow2_bucket(num_groups),
-            MBITS=spec.mbits,
-            BIAS=spec.bias,
-            EMAX=spec.emax,
-            SIG_LIMIT=spec.scale_sig_limit(stochastic_rounding),
-            OVERFLOW_CODE=spec.overflow_code,
-            NAN_CODE=spec.nan_code,
-            INF_CODE=-1 if spec.inf_code is None else spec.inf_code,
-            STOCHASTIC=stochastic_rounding,
-            ROW_P2=row_p2(row_dim),
-            enable_fp_fusion=False,
-        )
-    return out
+    return launch_encode(
+        _fp8_encode_kernel, input, row_dim, row_bytes, stochastic_rounding, seed, as_words=True,
+        extra_args=(row_bytes // 4,),
+        MBITS=spec.mbits,
+        BIAS=spec.bias,
+        EMAX=spec.emax,
+        SIG_LIMIT=spec.scale_sig_limit(stochastic_rounding),
+        OVERFLOW_CODE=spec.overflow_code,
+        NAN_CODE=spec.nan_code,
+        INF_CODE=-1 if spec.inf_code is None else spec.inf_code,
+    )  # fmt: skip
 
 
 def _dequantize_fp8_triton(
     input: torch.Tensor, row_dim: int, spec: MiniFloat, units: int, output_dtype: torch.dtype
 ) -> torch.Tensor:
-    out = torch.empty(decoded_shape(input, units, row_dim), dtype=output_dtype, device=input.device)
-    num_groups = out.numel() // row_dim
-    if num_groups:
-        out_arg, kind = output_view(out)
-        _fp8_decode_kernel[lambda meta: (triton.cdiv(num_groups, meta["BLOCK_G"]),)](
-            input.contiguous(),
-            out_arg,
-            num_groups,
-            row_dim,
-            fp8_row_bytes(row_dim),
-            pow2_bucket(num_groups),
-            MBITS=spec.mbits,
-            BIAS=spec.bias,
-            INF_CODE=-1 if spec.inf_code is None else spec.inf_code,
-            NAN_ABOVE=max(spec.max_code, spec.inf_code or 0),
-            OUT_KIND=kind,
-            ROW_P2=row_p2(row_dim),
-            enable_fp_fusion=False,
-        )
-    return out
+    return launch_decode(
+        _fp8_decode_kernel, input, row_dim, units, output_dtype, extra_args=(fp8_row_bytes(row_dim),),
+        MBITS=spec.mbits,
+        BIAS=spec.bias,
+        INF_CODE=-1 if spec.inf_code is None else spec.inf_code,
+        NAN_ABOVE=max(spec.max_code, spec.inf_code or 0),
+    )  # fmt: skip
 
 
 _TORCH_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}

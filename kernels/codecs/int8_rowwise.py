@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 
 from tritonrec.kernels._triton import tl, triton
-from tritonrec.kernels.backend import Backend, autotune, pow2_bucket, resolve_backend
+from tritonrec.kernels.backend import Backend, autotune, resolve_backend
 from tritonrec.kernels.codecs import bits_reference as ref
-from tritonrec.kernels.codecs.bits import output_view, store_output
+from tritonrec.kernels.codecs.bits import store_output
 from tritonrec.kernels.codecs.formats import (
     NonFinitePolicy,
     ceil4,
@@ -40,15 +40,16 @@ from tritonrec.kernels.codecs.rowwise import (
     decoded_shape,
     encoded_shape,
     groups_per_program,
+    launch_decode,
+    launch_encode,
     launch_geometry,
     load_group_tile,
     load_le_word,
     pack_bytes_le,
     padded_groups,
-    row_p2,
     tile_configs,
 )
-from tritonrec.kernels.random_bits import random_bits, random_bits_range_int32, stream_key_args
+from tritonrec.kernels.random_bits import random_bits, random_bits_range_int32
 
 _INV_2_POW_24 = 5.9604644775390625e-08  # 2**-24: turns 24 random bits into a uniform fp32 in [0, 1), exactly
 
@@ -140,47 +141,17 @@ def _int8_decode_kernel(
 
 
 def _quantize_int8_triton(input: torch.Tensor, row_dim: int, stochastic_rounding: bool, seed: int) -> torch.Tensor:
-    matrix, _, cols, per_row, num_groups = launch_geometry(input, row_dim)
     row_bytes = int8_row_bytes(row_dim)
-    out = torch.empty(encoded_shape(input, row_dim, row_bytes), dtype=torch.uint8, device=input.device)
-    if num_groups:
-        k1, k2 = stream_key_args(seed)
-        _int8_encode_kernel[lambda meta: (triton.cdiv(num_groups, meta["BLOCK_G"]),)](
-            matrix,
-            out.view(torch.int32),
-            num_groups,
-            cols,
-            per_row,
-            matrix.stride(0),
-            row_dim,
-            row_bytes // 4,
-            k1,
-            k2,
-            pow2_bucket(num_groups),
-            STOCHASTIC=stochastic_rounding,
-            ROW_P2=row_p2(row_dim),
-            enable_fp_fusion=False,
-        )
-    return out
+    return launch_encode(
+        _int8_encode_kernel, input, row_dim, row_bytes, stochastic_rounding, seed, as_words=True,
+        extra_args=(row_bytes // 4,),
+    )  # fmt: skip
 
 
 def _dequantize_int8_triton(input: torch.Tensor, row_dim: int, units: int, output_dtype: torch.dtype) -> torch.Tensor:
-    out = torch.empty(decoded_shape(input, units, row_dim), dtype=output_dtype, device=input.device)
-    num_groups = out.numel() // row_dim
-    if num_groups:
-        out_arg, kind = output_view(out)
-        _int8_decode_kernel[lambda meta: (triton.cdiv(num_groups, meta["BLOCK_G"]),)](
-            input.contiguous(),
-            out_arg,
-            num_groups,
-            row_dim,
-            int8_row_bytes(row_dim),
-            pow2_bucket(num_groups),
-            OUT_KIND=kind,
-            ROW_P2=row_p2(row_dim),
-            enable_fp_fusion=False,
-        )
-    return out
+    return launch_decode(
+        _int8_decode_kernel, input, row_dim, units, output_dtype, extra_args=(int8_row_bytes(row_dim),)
+    )
 
 
 def quantize_int8_rowwise_reference(

@@ -25,13 +25,12 @@ from __future__ import annotations
 import torch
 
 from tritonrec.kernels._triton import tl, triton
-from tritonrec.kernels.backend import Backend, autotune, pow2_bucket, resolve_backend
+from tritonrec.kernels.backend import Backend, autotune, resolve_backend
 from tritonrec.kernels.codecs import bits_reference as ref
 from tritonrec.kernels.codecs.bits import (
     finite_code_cap,
     minifloat_code,
     minifloat_value,
-    output_view,
     pow2,
     row_scale_exponent,
     split_magnitude,
@@ -55,13 +54,14 @@ from tritonrec.kernels.codecs.rowwise import (
     decoded_shape,
     encoded_shape,
     groups_per_program,
+    launch_decode,
+    launch_encode,
     launch_geometry,
     load_group_tile,
     padded_groups,
-    row_p2,
     tile_configs,
 )
-from tritonrec.kernels.random_bits import random_bits, random_bits_range_int32, stream_key_args
+from tritonrec.kernels.random_bits import random_bits, random_bits_range_int32
 
 _E2M1 = FP4_E2M1
 _MIN_SCALE_EXP = -E8M0_BIAS
@@ -150,47 +150,14 @@ def _mx4_decode_kernel(
 
 
 def _quantize_mx4_triton(input: torch.Tensor, group_size: int, stochastic_rounding: bool, seed: int) -> torch.Tensor:
-    matrix, _, cols, per_row, num_groups = launch_geometry(input, group_size)
-    out = torch.empty(
-        encoded_shape(input, group_size, mx4_group_bytes(group_size)), dtype=torch.uint8, device=input.device
-    )
-    if num_groups:
-        k1, k2 = stream_key_args(seed)
-        _mx4_encode_kernel[lambda meta: (triton.cdiv(num_groups, meta["BLOCK_G"]),)](
-            matrix,
-            out,
-            num_groups,
-            cols,
-            per_row,
-            matrix.stride(0),
-            group_size,
-            k1,
-            k2,
-            pow2_bucket(num_groups),
-            SIG_LIMIT=_E2M1.scale_sig_limit(stochastic_rounding),
-            STOCHASTIC=stochastic_rounding,
-            ROW_P2=row_p2(group_size),
-            enable_fp_fusion=False,
-        )
-    return out
+    return launch_encode(
+        _mx4_encode_kernel, input, group_size, mx4_group_bytes(group_size), stochastic_rounding, seed, as_words=False,
+        SIG_LIMIT=_E2M1.scale_sig_limit(stochastic_rounding),
+    )  # fmt: skip
 
 
 def _dequantize_mx4_triton(input: torch.Tensor, group_size: int, units: int, output_dtype: torch.dtype) -> torch.Tensor:
-    out = torch.empty(decoded_shape(input, units, group_size), dtype=output_dtype, device=input.device)
-    num_groups = out.numel() // group_size
-    if num_groups:
-        out_arg, kind = output_view(out)
-        _mx4_decode_kernel[lambda meta: (triton.cdiv(num_groups, meta["BLOCK_G"]),)](
-            input.contiguous(),
-            out_arg,
-            num_groups,
-            group_size,
-            pow2_bucket(num_groups),
-            OUT_KIND=kind,
-            ROW_P2=row_p2(group_size),
-            enable_fp_fusion=False,
-        )
-    return out
+    return launch_decode(_mx4_decode_kernel, input, group_size, units, output_dtype)
 
 
 def quantize_mx4_reference(

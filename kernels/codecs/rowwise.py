@@ -1,5 +1,5 @@
 """Shared plumbing of the row-wise codecs (FP8, INT8, MX4): how an input splits into groups of ``row_dim`` values,
-the tile each Triton program loads, and the encoded / decoded shapes.
+the tile each Triton program loads, the encoded / decoded shapes, and the launchers every codec shares.
 
 Group ``g`` of an input viewed as ``[R, C]`` (a 1-D ``[N]`` input is ``[N / row_dim, row_dim]``) is row
 ``g // K``, columns ``(g % K) * row_dim ...`` with ``K = ceil(C / row_dim)``; columns past ``C`` read as zeros. Its
@@ -13,7 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from tritonrec.kernels._triton import tl, triton
+from tritonrec.kernels.backend import pow2_bucket
+from tritonrec.kernels.codecs.bits import output_view
 from tritonrec.kernels.codecs.formats import rowwise_groups
+from tritonrec.kernels.random_bits import stream_key_args
 
 
 def tile_configs() -> list:
@@ -92,3 +95,60 @@ def encoded_shape(input: torch.Tensor, row_dim: int, unit_bytes: int) -> tuple[i
 def decoded_shape(encoded: torch.Tensor, units_per_row: int, row_dim: int) -> tuple[int, ...]:
     """Inverse of :func:`encoded_shape` up to the padding: ``[..., units * row_dim]``."""
     return (*encoded.shape[:-1], units_per_row * row_dim)
+
+
+def launch_encode(
+    kernel, input: torch.Tensor, row_dim: int, unit_bytes: int, stochastic: bool, seed: int, *, as_words: bool,
+    extra_args: tuple = (), **constexprs,
+) -> torch.Tensor:  # fmt: skip
+    """Allocate the encoded bytes and run a row-wise encode ``kernel`` over every group, one launch.
+
+    Every encode kernel takes ``(input [R, C], out, num_groups, C, K, row stride, row_dim, *extra_args, k1, k2,
+    G_BUCKET)`` plus its constexprs; ``as_words`` passes ``out`` as int32 words (kernels that store whole packed
+    words) instead of bytes.
+    """
+    matrix, _, cols, per_row, num_groups = launch_geometry(input, row_dim)
+    out = torch.empty(encoded_shape(input, row_dim, unit_bytes), dtype=torch.uint8, device=input.device)
+    if num_groups:
+        kernel[lambda meta: (triton.cdiv(num_groups, meta["BLOCK_G"]),)](
+            matrix,
+            out.view(torch.int32) if as_words else out,
+            num_groups,
+            cols,
+            per_row,
+            matrix.stride(0),
+            row_dim,
+            *extra_args,
+            *stream_key_args(seed),
+            pow2_bucket(num_groups),
+            STOCHASTIC=stochastic,
+            ROW_P2=row_p2(row_dim),
+            enable_fp_fusion=False,
+            **constexprs,
+        )
+    return out
+
+
+def launch_decode(
+    kernel, input: torch.Tensor, row_dim: int, units: int, output_dtype: torch.dtype, *, extra_args: tuple = (),
+    **constexprs,
+) -> torch.Tensor:  # fmt: skip
+    """Allocate the decoded values and run a row-wise decode ``kernel``: ``(encoded bytes, out, num_groups, row_dim,
+    *extra_args, G_BUCKET)`` plus its constexprs and ``OUT_KIND`` (how ``out``'s dtype is stored)."""
+    out = torch.empty(decoded_shape(input, units, row_dim), dtype=output_dtype, device=input.device)
+    num_groups = out.numel() // row_dim
+    if num_groups:
+        out_arg, kind = output_view(out)
+        kernel[lambda meta: (triton.cdiv(num_groups, meta["BLOCK_G"]),)](
+            input.contiguous(),
+            out_arg,
+            num_groups,
+            row_dim,
+            *extra_args,
+            pow2_bucket(num_groups),
+            OUT_KIND=kind,
+            ROW_P2=row_p2(row_dim),
+            enable_fp_fusion=False,
+            **constexprs,
+        )
+    return out
