@@ -1,5 +1,6 @@
 """Model parallelism on torch.distributed: collectives with awaitables and autograd, quantized comm codecs,
-process-group helpers (sharding, planner and train pipelines build on these)."""
+process-group helpers, and the sharding vocabulary (types, plans) that sharded modules, the planner and the train
+pipelines build on."""
 
 from tritonrec.dist.all_to_one import EmbeddingsAllToOne, EmbeddingsAllToOneReduce, SeqEmbeddingsAllToOne
 from tritonrec.dist.awaitable import Awaitable, LazyAwaitable, LazyNoWait, NoWait
@@ -61,6 +62,27 @@ from tritonrec.dist.qcomm_protocol import (
     QuantizedCommCodecs,
     RoundingMode,
 )
+from tritonrec.dist.sharding_plan import (
+    calculate_shard_sizes_and_offsets,
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    grid_shard,
+    row_wise,
+    table_column_wise,
+    table_row_wise,
+    table_wise,
+)
+from tritonrec.dist.types import (
+    EmbeddingComputeKernel,
+    EmbeddingModuleShardingPlan,
+    ModuleSharder,
+    ParameterSharding,
+    ShardedModule,
+    ShardingEnv,
+    ShardingPlan,
+    ShardingType,
+)
 
 __all__ = [
     "Awaitable",
@@ -68,6 +90,8 @@ __all__ = [
     "CollectiveTimeoutError",
     "CommOp",
     "CommType",
+    "EmbeddingComputeKernel",
+    "EmbeddingModuleShardingPlan",
     "EmbeddingsAllToOne",
     "EmbeddingsAllToOneReduce",
     "ErrorFeedbackCodec",
@@ -77,8 +101,10 @@ __all__ = [
     "KJTOneToAll",
     "LazyAwaitable",
     "LazyNoWait",
+    "ModuleSharder",
     "NoOpQuantizedCommCodec",
     "NoWait",
+    "ParameterSharding",
     "PooledEmbeddingsAllGather",
     "PooledEmbeddingsAllToAll",
     "PooledEmbeddingsAwaitable",
@@ -92,6 +118,10 @@ __all__ = [
     "SeqEmbeddingsAllToOne",
     "SequenceEmbeddingsAllToAll",
     "SequenceEmbeddingsAwaitable",
+    "ShardedModule",
+    "ShardingEnv",
+    "ShardingPlan",
+    "ShardingType",
     "TritonQuantizedCommCodec",
     "VariableBatchPooledEmbeddingsAllToAll",
     "VariableBatchPooledEmbeddingsReduceScatter",
@@ -100,7 +130,11 @@ __all__ = [
     "alltoall_pooled",
     "alltoall_sequence",
     "alltoallv",
+    "calculate_shard_sizes_and_offsets",
     "collective_timeout",
+    "column_wise",
+    "construct_module_sharding_plan",
+    "data_parallel",
     "get_collective_timeout",
     "get_gradient_division",
     "get_group_rank",
@@ -110,6 +144,7 @@ __all__ = [
     "get_qcomm_codecs",
     "get_qcomm_codecs_registry",
     "get_recat",
+    "grid_shard",
     "intra_and_cross_node_pg",
     "invoke_on_rank_and_broadcast_result",
     "is_leader",
@@ -117,8 +152,12 @@ __all__ = [
     "reduce_scatter_pooled",
     "reduce_scatter_v_per_feature_pooled",
     "reduce_scatter_v_pooled",
+    "row_wise",
     "run_on_leader",
     "set_collective_timeout",
     "set_gradient_division",
+    "table_column_wise",
+    "table_row_wise",
+    "table_wise",
     "variable_batch_alltoall_pooled",
 ]

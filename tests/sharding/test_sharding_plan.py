@@ -1,0 +1,152 @@
+"""Plan types and hand-written plans: shard sizes/offsets per sharding type, plan tables, impossible plans."""
+
+from __future__ import annotations
+
+import pytest
+
+from tritonrec.dist.sharding_plan import (
+    calculate_shard_sizes_and_offsets,
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    grid_shard,
+    row_wise,
+    table_column_wise,
+    table_row_wise,
+    table_wise,
+)
+from tritonrec.dist.types import (
+    EmbeddingComputeKernel,
+    EmbeddingModuleShardingPlan,
+    ModuleSharder,
+    ParameterSharding,
+    ShardingEnv,
+    ShardingPlan,
+    ShardingType,
+)
+from tritonrec.modules import EmbeddingBagCollection, EmbeddingBagConfig
+
+
+class _PlanOnlySharder(ModuleSharder[EmbeddingBagCollection]):
+    """Enough of a sharder to build plans (the real sharders live in tritonrec.dist)."""
+
+    def __init__(self, types: list[str] | None = None) -> None:
+        super().__init__()
+        self._types = types or [t.value for t in ShardingType]
+
+    def shard(self, module, params, env, device=None, module_fqn=None):  # type: ignore[no-untyped-def]
+        raise NotImplementedError
+
+    @property
+    def module_type(self) -> type[EmbeddingBagCollection]:
+        return EmbeddingBagCollection
+
+    def shardable_parameters(self, module):  # type: ignore[no-untyped-def]
+        return {name: bag.weight for name, bag in module.embedding_bags.items()}
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        return self._types
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        return [EmbeddingComputeKernel.DENSE.value, EmbeddingComputeKernel.FUSED.value]
+
+
+def _ebc(rows: int = 10, dim: int = 4) -> EmbeddingBagCollection:
+    tables = [
+        EmbeddingBagConfig(num_embeddings=rows, embedding_dim=dim, name=f"t{i}", feature_names=[f"f{i}"])
+        for i in range(2)
+    ]
+    return EmbeddingBagCollection(tables, device="meta")
+
+
+@pytest.mark.parametrize(
+    ("rows", "parts", "expected"),
+    [(10, 4, [3, 3, 3, 1]), (5, 4, [2, 2, 1, 0]), (1, 2, [1, 0]), (0, 3, [0, 0, 0]), (8, 2, [4, 4])],
+)
+def test_row_wise_blocks_use_ceil_block_size(rows: int, parts: int, expected: list[int]) -> None:
+    sizes, offsets = calculate_shard_sizes_and_offsets(rows, 3, parts, parts, "row_wise")
+    assert [s[0] for s in sizes] == expected
+    assert [o[0] for o in offsets] == [sum(expected[:p]) for p in range(parts)]
+    assert all(s[1] == 3 for s in sizes) and all(o[1] == 0 for o in offsets)
+
+
+def test_grid_and_column_shapes() -> None:
+    sizes, offsets = calculate_shard_sizes_and_offsets(5, 8, 4, 2, "grid_shard", num_column_shards=2)
+    assert sizes == [[3, 4], [2, 4], [3, 4], [2, 4]]
+    assert offsets == [[0, 0], [3, 0], [0, 4], [3, 4]]
+    sizes, offsets = calculate_shard_sizes_and_offsets(5, 6, 2, 2, ShardingType.COLUMN_WISE, num_column_shards=3)
+    assert sizes == [[5, 2]] * 3 and offsets == [[0, 0], [0, 2], [0, 4]]
+    with pytest.raises(ValueError, match="do not divide the embedding dim 6"):
+        calculate_shard_sizes_and_offsets(5, 6, 2, 2, "column_wise", num_column_shards=4)
+
+
+def test_construct_plan_every_type_and_str() -> None:
+    sharder = _PlanOnlySharder()
+    plan = construct_module_sharding_plan(
+        _ebc(),
+        {"t0": table_wise(rank=3), "t1": grid_shard(host_indexes=[0, 1])},
+        sharder,
+        local_size=2,
+        world_size=4,
+        device_type="cpu",
+    )
+    assert plan["t0"].ranks == [3] and plan["t0"].compute_kernel == "fused"
+    assert [list(s.shard_sizes) for s in plan["t0"].shards] == [[10, 4]]
+    assert plan["t1"].ranks == [0, 1, 2, 3]
+    assert [str(s.placement) for s in plan["t1"].shards] == [f"rank:{r}/cpu" for r in range(4)]
+    for generators in (
+        {"t0": data_parallel(), "t1": row_wise()},
+        {"t0": table_row_wise(host_index=1), "t1": column_wise(ranks=[1, 1])},
+        {"t0": table_column_wise(ranks=[2, 3]), "t1": table_wise(rank=0)},
+    ):
+        built = construct_module_sharding_plan(
+            _ebc(), generators, sharder, local_size=2, world_size=4, device_type="cpu"
+        )
+        assert set(built) == {"t0", "t1"}
+    dp = construct_module_sharding_plan(
+        _ebc(), {"t0": data_parallel(), "t1": row_wise()}, sharder, local_size=2, world_size=4, device_type="cpu"
+    )
+    assert dp["t0"].sharding_spec is None and dp["t0"].ranks == [0, 1, 2, 3]
+    assert dp["t0"].compute_kernel == "dense"
+    text = str(ShardingPlan({"sparse.ebc": plan}))
+    assert "module: sparse.ebc" in text and "table_wise" in text and "rank:3/cpu" in text
+
+
+@pytest.mark.parametrize(
+    ("generators", "message"),
+    [
+        ({"t0": table_wise(rank=4), "t1": row_wise()}, r"table 't0': rank 4 is out of range for world_size 4"),
+        ({"t0": column_wise(ranks=[0, 1, 2]), "t1": row_wise()}, r"table 't0': 3 column shards do not divide"),
+        ({"t0": row_wise(), "t1": row_wise(), "t9": row_wise()}, r"unknown tables \['t9'\]"),
+        ({"t0": row_wise()}, r"tables \['t1'\] have no sharding"),
+        ({"t0": table_row_wise(host_index=2), "t1": row_wise()}, r"table 't0': host_index 2 is out of range"),
+        ({"t0": table_column_wise(ranks=[1, 2]), "t1": row_wise()}, r"table 't0': .* span hosts \[0, 1\]"),
+        ({"t0": row_wise(compute_kernel="quant"), "t1": row_wise()}, r"table 't0': compute kernel 'quant'"),
+    ],
+)
+def test_impossible_plans_name_table_and_reason(generators: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        construct_module_sharding_plan(
+            _ebc(), generators, _PlanOnlySharder(), local_size=2, world_size=4, device_type="cpu"
+        )
+
+
+def test_unsupported_sharding_type_on_device() -> None:
+    sharder = _PlanOnlySharder(types=["table_wise"])
+    with pytest.raises(ValueError, match=r"table 't1': _PlanOnlySharder does not support row_wise on cpu"):
+        construct_module_sharding_plan(
+            _ebc(), {"t0": table_wise(0), "t1": row_wise()}, sharder, local_size=2, world_size=2, device_type="cpu"
+        )
+
+
+def test_types_validate_their_fields() -> None:
+    with pytest.raises(ValueError, match="sharding_type must be one of"):
+        ParameterSharding("diagonal", "fused")
+    with pytest.raises(ValueError, match="compute_kernel must be one of"):
+        ParameterSharding("table_wise", "magic")
+    assert ParameterSharding(ShardingType.ROW_WISE, EmbeddingComputeKernel.FUSED).sharding_type == "row_wise"
+    with pytest.raises(ValueError, match=r"rank must be an int in \[0, 2\), got rank=2"):
+        ShardingEnv.from_local(2, 2)
+    env = ShardingEnv.from_local(4, 1)
+    assert (env.world_size, env.rank, env.process_group) == (4, 1, None)
+    assert isinstance(EmbeddingModuleShardingPlan(), dict)
