@@ -100,6 +100,11 @@ class EmbeddingFusedOptimizer(KeyedOptimizer):
             param._in_backward_optimizers = [_IN_BACKWARD]  # type: ignore[attr-defined]
         self.param_groups[0]["params"] = list(self.params.values())
 
+    @property
+    def optimizer_type(self) -> OptimType:
+        """The fused rule (what the planner counts optimizer state for)."""
+        return self._fused_states[0].optim
+
     def __call__(self) -> EmbeddingFusedOptimizer:
         return self
 
