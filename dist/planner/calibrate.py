@@ -5,8 +5,8 @@
 
 * Lookups: a ``FusedEmbeddingBagCollection`` (rowwise Adagrad, the training default) on tables of several widths
   and batches of several pooling factors, timed forward and backward (the fused update) through the module, i.e. the
-  ``tritonrec.kernels.embedding`` lookup the sharded modules run; ``call_s`` and ``bytes_per_s`` are the least-squares
-  fit of ``time = call_s + bytes / bytes_per_s`` (bytes: ids x dim x 4).
+  ``tritonrec.kernels.embedding`` lookup the sharded modules run; ``call_s``, ``id_s`` and ``bytes_per_s`` are the
+  non-negative least-squares fit of ``time = call_s + ids x id_s + bytes / bytes_per_s`` (bytes: ids x dim x 4).
 * Collectives: ``--world-size`` local processes (gloo on cpu; NCCL on cuda when there is one GPU per process, else
   gloo) time the comm ops the sharded modules use - pooled all-to-all, reduce-scatter, all-gather - and DDP's
   all-reduce at several message sizes; each gets ``latency_s`` and ``bytes_per_s`` per rank on the wire.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import os
 import platform
 import socket
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -44,9 +46,10 @@ from tritonrec.dist.planner.calibration import (
 FULL_LOOKUPS = (200_000, (16, 64, 256), 2048, (1, 8, 32))
 QUICK_LOOKUPS = (1_000, (8, 32), 64, (1, 4))
 FULL_MESSAGES = (64 * 1024, 1024**2, 8 * 1024**2)
+UNMEASURABLE_RATE = 1e15  # bytes/s written when the bytes explain none of a lookup's time
 QUICK_MESSAGES = (4 * 1024, 64 * 1024)
 
-__all__ = ["calibrate", "fit_latency_and_rate", "main", "measure_collectives", "measure_lookups"]
+__all__ = ["calibrate", "fit_latency_and_rate", "fit_nonnegative", "main", "measure_collectives", "measure_lookups"]
 
 
 def _median_s(fn: Callable[[int], Any], repeats: int, device: torch.device, barrier: bool = False) -> float:
@@ -66,22 +69,37 @@ def _median_s(fn: Callable[[int], Any], repeats: int, device: torch.device, barr
     return statistics.median(samples)
 
 
+def fit_nonnegative(features: list[list[float]], seconds: list[float]) -> list[float]:
+    """Least-squares ``seconds ~ sum_k coef_k features[k]`` with every ``coef_k >= 0``: the best fit over the subsets
+    of features whose unconstrained solution is non-negative (few features, so the subsets are few)."""
+    x, y = np.asarray(features, dtype=np.float64).T, np.asarray(seconds, dtype=np.float64)
+    if x.shape[0] != y.shape[0] or y.shape[0] < 2:
+        raise ValueError(f"need at least two (features, time) points, got {x.shape[0]} and {y.shape[0]}")
+    best: tuple[float, tuple[int, ...], np.ndarray] | None = None
+    for size in range(1, x.shape[1] + 1):
+        for subset in itertools.combinations(range(x.shape[1]), size):
+            coef = np.linalg.lstsq(x[:, subset], y, rcond=None)[0]
+            if (coef < 0).any():
+                continue
+            residual = float(((x[:, subset] @ coef - y) ** 2).sum())
+            if best is None or residual < best[0]:
+                best = (residual, subset, coef)
+    out = [0.0] * x.shape[1]
+    if best is not None:
+        for k, value in zip(best[1], best[2], strict=True):
+            out[k] = float(value)
+    return out
+
+
 def fit_latency_and_rate(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
-    """Least-squares ``seconds = latency + sizes / rate`` -> ``(latency >= 0, rate > 0)``. A non-positive slope (noise
-    on tiny inputs) falls back to the best observed rate with zero latency."""
-    n = len(sizes)
-    if n != len(seconds) or n < 2:
-        raise ValueError(f"need at least two (size, time) points, got {n} sizes and {len(seconds)} times")
-    mean_x, mean_y = sum(sizes) / n, sum(seconds) / n
-    var = sum((x - mean_x) ** 2 for x in sizes)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds, strict=True)) / var if var else 0.0
-    if slope <= 0:
+    """``seconds = latency + sizes / rate`` with ``latency >= 0``, ``rate > 0``. When the sizes explain nothing (noise
+    on tiny inputs) the whole time is put on the bandwidth: zero latency, the best observed rate."""
+    if len(sizes) != len(seconds) or len(sizes) < 2:
+        raise ValueError(f"need at least two (size, time) points, got {len(sizes)} sizes and {len(seconds)} times")
+    latency, per_byte = fit_nonnegative([[1.0] * len(sizes), list(sizes)], list(seconds))
+    if per_byte <= 0:
         return 0.0, max(x / y for x, y in zip(sizes, seconds, strict=True) if y > 0)
-    latency = mean_y - slope * mean_x
-    if latency < 0:  # refit through the origin
-        slope = sum(x * y for x, y in zip(sizes, seconds, strict=True)) / sum(x * x for x in sizes)
-        latency = 0.0
-    return latency, 1.0 / slope
+    return latency, 1.0 / per_byte
 
 
 def _lookup_times(
@@ -120,7 +138,7 @@ def measure_lookups(
     from tritonrec.data import KeyedJaggedTensor
     from tritonrec.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, OptimType
 
-    sizes, fwd_s, bwd_s = [], [], []
+    ids, sizes, fwd_s, bwd_s = [], [], [], []
     gen = torch.Generator().manual_seed(0)
     for dim in dims:
         config = EmbeddingBagConfig(num_embeddings=rows, embedding_dim=dim, name="t", feature_names=["f"])
@@ -137,12 +155,15 @@ def measure_lookups(
                 for _ in range(repeats + 1)
             ]
             fwd, bwd = _lookup_times(ebc, kjts, torch.ones(batch, dim, device=device), repeats, device)
+            ids.append(float(batch * pooling))
             sizes.append(float(batch * pooling * dim * 4))
             fwd_s.append(fwd)
             bwd_s.append(bwd)
-    fwd_call, fwd_rate = fit_latency_and_rate(sizes, fwd_s)
-    bwd_call, bwd_rate = fit_latency_and_rate(sizes, bwd_s)
-    return LookupCoefficients(fwd_rate, fwd_call, bwd_rate, bwd_call)
+    features = [[1.0] * len(ids), ids, sizes]
+    fwd_call, fwd_id, fwd_per_byte = fit_nonnegative(features, fwd_s)
+    bwd_call, bwd_id, bwd_per_byte = fit_nonnegative(features, bwd_s)
+    rate = lambda per_byte: 1.0 / per_byte if per_byte > 0 else UNMEASURABLE_RATE
+    return LookupCoefficients(rate(fwd_per_byte), fwd_call, rate(bwd_per_byte), bwd_call, fwd_id, bwd_id)
 
 
 def _collective_ops(
@@ -291,8 +312,9 @@ def main(argv: list[str] | None = None) -> Path:
     path = coefficients.save(args.out or default_calibration_path(args.device))
     lk = coefficients.lookup
     print(
-        f"lookup: fwd {lk.fwd_bytes_per_s / 1e9:.2f} GB/s + {lk.fwd_call_s * 1e6:.0f} us/call, "
-        f"bwd {lk.bwd_bytes_per_s / 1e9:.2f} GB/s + {lk.bwd_call_s * 1e6:.0f} us/call"
+        f"lookup: fwd {lk.fwd_bytes_per_s / 1e9:.2f} GB/s + {lk.fwd_id_s * 1e9:.1f} ns/id + "
+        f"{lk.fwd_call_s * 1e6:.0f} us/call, bwd {lk.bwd_bytes_per_s / 1e9:.2f} GB/s + {lk.bwd_id_s * 1e9:.1f} ns/id + "
+        f"{lk.bwd_call_s * 1e6:.0f} us/call"
     )
     for name, c in coefficients.comms.items():
         print(f"{name}: {c.bytes_per_s / 1e9:.2f} GB/s per rank + {c.latency_s * 1e6:.0f} us latency")

@@ -9,15 +9,17 @@ Where the planner looks (first found wins): the path given (``Topology(calibrati
 writes by default), then the defaults.
 
 The model (see :mod:`~tritonrec.dist.planner.shard_estimators`): a lookup costs
-``call_s + bytes / bytes_per_s`` forward and again backward (the fused update), where ``bytes`` is ids x shard columns
-x element size; a collective costs ``latency_s + wire bytes / (link bandwidth x efficiency)``, where the link
+``call_s + ids x id_s + bytes / bytes_per_s`` forward and again backward (the fused update), where ``bytes`` is ids x
+shard columns x element size (the per-id term is what a column split does not divide: every column shard handles
+every id); a collective costs ``latency_s + wire bytes / (link bandwidth x efficiency)``, where the link
 bandwidth is the topology's ``intra_host_bw`` or ``inter_host_bw`` and ``efficiency`` is that collective's measured
 bandwidth relative to all-to-all's (1.0 for all-to-all itself).
 
 JSON schema (version 1)::
 
     {"version": 1, "compute_device": "cpu",
-     "lookup": {"fwd_bytes_per_s": 2e9, "fwd_call_s": 5e-5, "bwd_bytes_per_s": 1e9, "bwd_call_s": 1e-4},
+     "lookup": {"fwd_bytes_per_s": 2e9, "fwd_call_s": 5e-5, "fwd_id_s": 2e-8,
+                "bwd_bytes_per_s": 1e9, "bwd_call_s": 1e-4, "bwd_id_s": 1e-7},
      "comms": {"all_to_all": {"latency_s": 1e-4, "bytes_per_s": 1e9}, "reduce_scatter": {...},
                "all_gather": {...}, "all_reduce": {...}},
      "inter_host_bw": 1.25e9,
@@ -65,12 +67,14 @@ def _non_negative(where: str, value: object) -> float:
 
 @dataclass(frozen=True)
 class LookupCoefficients:
-    """Table-batched lookup cost: a fixed cost per call plus bytes of embedding rows touched per second."""
+    """Table-batched lookup cost: a fixed cost per call, a cost per id, and bytes of embedding rows per second."""
 
     fwd_bytes_per_s: float
     fwd_call_s: float
     bwd_bytes_per_s: float
     bwd_call_s: float
+    fwd_id_s: float = 0.0
+    bwd_id_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,8 @@ class PerfCoefficients:
                 fwd_call_s=_non_negative(f"{source}: lookup.fwd_call_s", lookup_data["fwd_call_s"]),
                 bwd_bytes_per_s=_positive(f"{source}: lookup.bwd_bytes_per_s", lookup_data["bwd_bytes_per_s"]),
                 bwd_call_s=_non_negative(f"{source}: lookup.bwd_call_s", lookup_data["bwd_call_s"]),
+                fwd_id_s=_non_negative(f"{source}: lookup.fwd_id_s", lookup_data["fwd_id_s"]),
+                bwd_id_s=_non_negative(f"{source}: lookup.bwd_id_s", lookup_data["bwd_id_s"]),
             )
             comms = {
                 name: CommCoefficients(
@@ -154,7 +160,7 @@ DEFAULT_COEFFICIENTS: dict[str, PerfCoefficients] = {
     # a few-core CPU host, torch twins, gloo over loopback TCP
     "cpu": PerfCoefficients(
         "cpu",
-        LookupCoefficients(fwd_bytes_per_s=2e9, fwd_call_s=5e-5, bwd_bytes_per_s=1e9, bwd_call_s=1e-4),
+        LookupCoefficients(2e9, 5e-5, 1e9, 1e-4, fwd_id_s=2e-8, bwd_id_s=1e-7),
         _comms(1e-4, all_to_all=1e9, reduce_scatter=5e8, all_gather=1e9, all_reduce=5e8),
         inter_host_bw=1.25e9,  # 10 Gb/s Ethernet
         measured_on={"source": "documented defaults"},
@@ -162,7 +168,7 @@ DEFAULT_COEFFICIENTS: dict[str, PerfCoefficients] = {
     # one GPU per rank, Triton kernels, NCCL over NVLink inside a host
     "cuda": PerfCoefficients(
         "cuda",
-        LookupCoefficients(fwd_bytes_per_s=1e12, fwd_call_s=1e-5, bwd_bytes_per_s=5e11, bwd_call_s=2e-5),
+        LookupCoefficients(1e12, 1e-5, 5e11, 2e-5, fwd_id_s=1e-11, bwd_id_s=5e-11),
         _comms(2e-5, all_to_all=1.5e11, reduce_scatter=1.5e11, all_gather=1.5e11, all_reduce=1.5e11),
         inter_host_bw=1.25e10,  # 100 Gb/s RDMA
         measured_on={"source": "documented defaults"},

@@ -15,10 +15,10 @@ none), for the ``dense`` kernel the autograd gradient (``r c x element size``), 
 (8 bytes each, +4 with per-id weights) and lengths (8 bytes per bag), output (4 bytes per output element: ``bags x
 c`` pooled, ``ids x c`` sequence) counted twice (forward output and its gradient).
 
-**Perf** (seconds): lookup compute ``served ids x c x element size / bytes_per_s`` forward and backward (the dense
-kernel also touches its whole gradient: ``+ r c x element size / bwd bytes_per_s``); comms with the topology's link
-bandwidth (``intra_host_bw`` when all ranks share a host, else ``inter_host_bw``) times the collective's calibrated
-efficiency, on the bytes that cross ranks (a fraction ``(W-1)/W`` of what the rank exchanges):
+**Perf** (seconds): lookup compute ``served ids x id_s + served ids x c x element size / bytes_per_s`` forward and
+backward (the dense kernel also touches its whole gradient: ``+ r c x element size / bwd bytes_per_s``); comms with
+the topology's link bandwidth (``intra_host_bw`` when all ranks share a host, else ``inter_host_bw``) times the
+collective's calibrated efficiency, on the bytes that cross ranks (a fraction ``(W-1)/W`` of what the rank exchanges):
 
 * input dist (every type but DP): all-to-all of the served ids and lengths;
 * output dist of TW / CW / TWCW, and of sequence lookups: all-to-all of the output, its gradient back in backward;
@@ -147,8 +147,8 @@ class EmbeddingPerfEstimator:
         world, local = topo.world_size, topo.local_world_size
         elem = option.tensor.element_size()
         ids, bags = served_ids_and_bags(option, r, world)
-        fwd_compute = ids * c * elem / lookup.fwd_bytes_per_s
-        bwd_compute = ids * c * elem / lookup.bwd_bytes_per_s
+        fwd_compute = ids * lookup.fwd_id_s + ids * c * elem / lookup.fwd_bytes_per_s
+        bwd_compute = ids * lookup.bwd_id_s + ids * c * elem / lookup.bwd_bytes_per_s
         if option.compute_kernel == EmbeddingComputeKernel.DENSE.value:
             bwd_compute += r * c * elem / lookup.bwd_bytes_per_s
         link = topo.intra_host_bw if topo.num_hosts == 1 else topo.inter_host_bw

@@ -22,11 +22,12 @@ from tritonrec.modules import EmbeddingBagCollection, EmbeddingBagConfig, Embedd
 DENSE, FUSED = EmbeddingComputeKernel.DENSE.value, EmbeddingComputeKernel.FUSED.value
 ALL_TYPES = [t.value for t in ShardingType]
 
-# round numbers so the tests can write estimates by hand: lookups 1 GB/s forward, 0.5 GB/s backward; all-to-all is
-# the reference collective (efficiency 1), reduce-scatter 0.5, all-gather 1, all-reduce 0.25
+# round numbers so the tests can write estimates by hand: lookups 1 GB/s and 1 ns per id forward, 0.5 GB/s and 2 ns
+# per id backward; all-to-all is the reference collective (efficiency 1), reduce-scatter 0.5, all-gather 1,
+# all-reduce 0.25
 COEFFS = PerfCoefficients(
     "cpu",
-    LookupCoefficients(fwd_bytes_per_s=1e9, fwd_call_s=1e-4, bwd_bytes_per_s=5e8, bwd_call_s=2e-4),
+    LookupCoefficients(1e9, 1e-4, 5e8, 2e-4, fwd_id_s=1e-9, bwd_id_s=2e-9),
     {
         "all_to_all": CommCoefficients(1e-5, 1e9),
         "reduce_scatter": CommCoefficients(2e-5, 5e8),

@@ -24,7 +24,7 @@ from tritonrec.dist.planner import (
     Topology,
     load_perf_coefficients,
 )
-from tritonrec.dist.planner.calibrate import fit_latency_and_rate
+from tritonrec.dist.planner.calibrate import fit_latency_and_rate, fit_nonnegative
 from tritonrec.modules import OptimType
 
 
@@ -79,17 +79,17 @@ def test_storage_of_column_shards_adam_weights_and_sequences() -> None:
 def test_perf_models_compute_and_the_comms_of_each_sharding_type() -> None:
     options = _options(ebc([(100, 8)]), topology())
     tw = options["table_wise", FUSED, None].shards[0].perf
-    # compute: 80 ids * 8 cols * 4 B = 2560 B at 1 GB/s forward, 0.5 GB/s backward
-    assert tw.fwd_compute == pytest.approx(2.56e-6) and tw.bwd_compute == pytest.approx(5.12e-6)
+    # compute: 80 ids at 1 ns (2 ns backward) + 80 ids * 8 cols * 4 B = 2560 B at 1 GB/s forward, 0.5 GB/s backward
+    assert tw.fwd_compute == pytest.approx(80e-9 + 2.56e-6) and tw.bwd_compute == pytest.approx(160e-9 + 5.12e-6)
     # input all-to-all: half of 800 B crosses at 2 GB/s; pooled output all-to-all: half of 640 B, both directions
     assert tw.fwd_comms == pytest.approx((400 + 320) / 2e9) and tw.bwd_comms == pytest.approx(320 / 2e9)
     rw = options["row_wise", FUSED, None].shards[0].perf
-    assert rw.fwd_compute == pytest.approx(1.28e-6)
+    assert rw.fwd_compute == pytest.approx(40e-9 + 1.28e-6)
     # reduce-scatter at efficiency 0.5 forward, all-gather at 1.0 backward
     assert rw.fwd_comms == pytest.approx(240 / 2e9 + 320 / (2e9 * 0.5)) and rw.bwd_comms == pytest.approx(320 / 2e9)
     dp = options["data_parallel", DENSE, None].shards[0].perf
     # no forward comms; backward: lookup + whole-table gradient, then an all-reduce of 2*(1/2)*3200 B at 0.25
-    assert dp.fwd_comms == 0 and dp.bwd_compute == pytest.approx(1280 / 5e8 + 3200 / 5e8)
+    assert dp.fwd_comms == 0 and dp.bwd_compute == pytest.approx(80e-9 + 1280 / 5e8 + 3200 / 5e8)
     assert dp.bwd_comms == pytest.approx(3200 / (2e9 * 0.25))
 
 
@@ -180,6 +180,15 @@ def test_calibration_file_round_trip_and_errors(tmp_path, monkeypatch) -> None: 
     with pytest.raises(ValueError, match="is not valid JSON"):
         load_perf_coefficients(bad, "cpu")
     assert PerfCoefficients.from_json(COEFFS.to_json()) == COEFFS
+
+
+def test_nonnegative_fit_of_lookup_costs() -> None:
+    ids = [100.0, 1000.0, 100.0, 1000.0, 5000.0]
+    sizes = [3200.0, 32000.0, 51200.0, 512000.0, 160000.0]
+    seconds = [5e-5 + 2e-8 * i + b / 1e9 for i, b in zip(ids, sizes, strict=True)]
+    assert fit_nonnegative([[1.0] * 5, ids, sizes], seconds) == pytest.approx([5e-5, 2e-8, 1e-9])
+    # a cost that falls with size is noise: that feature gets 0, the others are refitted
+    assert fit_nonnegative([[1.0, 1.0], [1.0, 2.0]], [2.0, 1.0]) == pytest.approx([1.5, 0.0])
 
 
 def test_latency_and_rate_fit() -> None:
