@@ -97,7 +97,7 @@ class CriteoTSVSource:
         malformed: ``"error"`` raises on the first malformed line; ``"skip"`` drops it and counts it.
         rank, world_size: this process's shard of the lines.
         shuffle_buffer: shuffle each epoch within blocks of this many rows (0 or 1: file order).
-        seed: seeds the shuffle (with the epoch and the shard).
+        shuffle_seed: seeds the shuffle (with the epoch and the shard).
     """
 
     def __init__(
@@ -108,7 +108,7 @@ class CriteoTSVSource:
         rank: int = 0,
         world_size: int = 1,
         shuffle_buffer: int = 0,
-        seed: int = 0,
+        shuffle_seed: int = 0,
     ) -> None:
         path_list = [paths] if isinstance(paths, (str, Path)) else list(paths)
         if not path_list:
@@ -126,7 +126,7 @@ class CriteoTSVSource:
             raise ValueError(f"malformed must be one of {MALFORMED_POLICIES}, got malformed={malformed!r}")
         self.malformed = malformed
         self.shuffle_buffer = check_shuffle_buffer(shuffle_buffer)
-        self.seed = check_seed(seed)
+        self.shuffle_seed = check_seed(shuffle_seed, "shuffle_seed")
         self._set_shard(Shard.of(rank, world_size))
         self.element_spec = ElementSpec(INT_FEATURE_COUNT, tuple(DEFAULT_CAT_NAMES))
         self.num_skipped = 0
@@ -161,7 +161,9 @@ class CriteoTSVSource:
         """The rows of :meth:`iter_from` as chunks."""
         check_position(position, epoch)
         if self.shuffle_buffer > 1:
-            return block_shuffled(self._file_chunks, position, self.shuffle_buffer, self.seed, epoch, self.shard)
+            return block_shuffled(
+                self._file_chunks, position, self.shuffle_buffer, self.shuffle_seed, epoch, self.shard
+            )
         return self._file_chunks(position)
 
     def _file_chunks(self, position: int) -> Iterator[ElementChunk]:

@@ -116,18 +116,31 @@ class ShardLines:
         index, pending = 0, b""
         with gzip.open(self.path, "rb") as handle:
             while True:
-                try:
-                    data = handle.read(self.block_bytes)
-                except (EOFError, OSError, zlib.error) as error:
-                    raise TruncatedGzipError(self.path, index, error) from None
+                data, error = self._read_gzip(handle)
                 buffer = pending + data
-                if not buffer:
-                    return
-                cut = buffer.rfind(b"\n") + 1 if data else len(buffer)
+                end_of_file = not data and error is None
+                cut = len(buffer) if end_of_file else buffer.rfind(b"\n") + 1
                 lines = _split_lines(buffer[:cut])
                 first = (offset - index) % step
                 if first < len(lines):
                     yield lines[first::step], index + first, step
-                if not data:
-                    return
                 index, pending = index + len(lines), buffer[cut:]
+                if error is not None:  # the lines before the cut are delivered; the cut one is the error's
+                    raise TruncatedGzipError(self.path, index, error)
+                if end_of_file:
+                    return
+
+    def _read_gzip(self, handle: gzip.GzipFile) -> tuple[bytes, BaseException | None]:
+        """Up to ``block_bytes`` decompressed bytes and the error that stopped the stream (None while it is sound).
+        ``read1`` hands over what was decompressed before a truncation; ``read`` would drop it with the error."""
+        parts, size = [], 0
+        while size < self.block_bytes:
+            try:
+                data = handle.read1(self.block_bytes - size)
+            except (EOFError, OSError, zlib.error) as error:
+                return b"".join(parts), error
+            if not data:
+                break
+            parts.append(data)
+            size += len(data)
+        return b"".join(parts), None

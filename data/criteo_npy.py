@@ -66,7 +66,7 @@ class CriteoNPYSource:
         num_embeddings: hash size of every categorical feature, or one per feature.
         rank, world_size: this process's shard of the rows.
         shuffle_buffer: shuffle each epoch within blocks of this many rows (0 or 1: file order).
-        seed: seeds the shuffle (with the epoch and the shard).
+        shuffle_seed: seeds the shuffle (with the epoch and the shard).
     """
 
     def __init__(
@@ -76,7 +76,7 @@ class CriteoNPYSource:
         rank: int = 0,
         world_size: int = 1,
         shuffle_buffer: int = 0,
-        seed: int = 0,
+        shuffle_seed: int = 0,
     ) -> None:
         prefix_list = [prefixes] if isinstance(prefixes, (str, Path)) else list(prefixes)
         if not prefix_list:
@@ -95,7 +95,7 @@ class CriteoNPYSource:
         self.element_spec = ElementSpec(dense_dims.pop(), tuple(f"cat_{i}" for i in range(num_sparse)))
         self._day_starts = np.cumsum([0] + [labels.shape[0] for _, _, labels in self.days])
         self.shuffle_buffer = check_shuffle_buffer(shuffle_buffer)
-        self.seed = check_seed(seed)
+        self.shuffle_seed = check_seed(shuffle_seed, "shuffle_seed")
         self._set_shard(Shard.of(rank, world_size))
 
     def _set_shard(self, shard: Shard) -> None:
@@ -130,7 +130,7 @@ class CriteoNPYSource:
         if position > len(self):
             raise ValueError(f"position={position} is past the end of the data ({len(self)} rows)")
         if self.shuffle_buffer > 1:
-            return block_shuffled(self._row_chunks, position, self.shuffle_buffer, self.seed, epoch, self.shard)
+            return block_shuffled(self._row_chunks, position, self.shuffle_buffer, self.shuffle_seed, epoch, self.shard)
         return self._row_chunks(position)
 
     def _row_chunks(self, position: int) -> Iterator[ElementChunk]:

@@ -12,7 +12,7 @@ Sources apply a shard in one of two ways:
 
 The shuffle (:func:`block_shuffled`) keeps at most ``buffer_size`` rows in memory: the shard's rows are cut into
 consecutive blocks of ``buffer_size`` and each block is permuted by a generator seeded with
-``(seed, epoch, shard key, block)``. The order is therefore deterministic per (seed, epoch, rank), changes every
+``(shuffle_seed, epoch, shard key, block)``. The order is therefore deterministic per (seed, epoch, rank), changes every
 epoch, and position ``p`` is reached by reading one block from its start: resuming mid-epoch replays at most
 ``buffer_size - 1`` rows instead of the whole pass.
 """
@@ -88,9 +88,9 @@ def check_shuffle_buffer(shuffle_buffer: object) -> int:
     return int(shuffle_buffer)
 
 
-def check_seed(seed: object) -> int:
+def check_seed(seed: object, name: str = "seed") -> int:
     if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
-        raise ValueError(f"seed must be a non-negative int, got seed={seed!r}")
+        raise ValueError(f"{name} must be a non-negative int, got {name}={seed!r}")
     return int(seed)
 
 

@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from tritonrec.data.elements import ElementChunk, ElementSpec, RecElement, check_position
-from tritonrec.data.sharding import Shard, block_shuffled, check_shuffle_buffer, elements_of
+from tritonrec.data.sharding import Shard, block_shuffled, check_seed, check_shuffle_buffer, elements_of
 
 POOLING_DISTRIBUTIONS = ("fixed", "poisson", "uniform")
 _HIDDEN_MODEL_STREAM = 2**31 - 1  # generator stream of the hidden weights, disjoint from any sample stream
@@ -72,8 +72,8 @@ class SyntheticRecSource:
         bias: constant of the hidden logit (sets the positive rate; -1 gives about 30% positives).
         chunk_size: samples generated per vectorised draw.
         rank, world_size: this process's shard of the stream (see module docstring).
-        shuffle_buffer: shuffle each epoch within blocks of this many samples (0 or 1: stream order), seeded by
-            ``seed``, the epoch and the shard.
+        shuffle_buffer: shuffle each epoch within blocks of this many samples (0 or 1: stream order).
+        shuffle_seed: seeds the shuffle (with the epoch and the shard); ``seed`` fixes the samples themselves.
     """
 
     def __init__(
@@ -96,6 +96,7 @@ class SyntheticRecSource:
         rank: int = 0,
         world_size: int = 1,
         shuffle_buffer: int = 0,
+        shuffle_seed: int = 0,
     ) -> None:
         if not isinstance(num_embeddings, (list, tuple)) or not num_embeddings:
             raise ValueError(f"num_embeddings must be a non-empty list of positive ints, got {num_embeddings!r}")
@@ -128,6 +129,7 @@ class SyntheticRecSource:
         self.seed, self.stream = seed, stream
         self.chunk_size = _positive_int(chunk_size, "chunk_size")
         self.shuffle_buffer = check_shuffle_buffer(shuffle_buffer)
+        self.shuffle_seed = check_seed(shuffle_seed, "shuffle_seed")
         self._set_shard(Shard.of(rank, world_size))
         self._build_hidden_model(float(zipf_alpha), float(signal_std), float(dense_share), float(bias))
 
@@ -192,7 +194,9 @@ class SyntheticRecSource:
         if self._rows is not None and position > len(self):
             raise ValueError(f"position={position} is past the end of the stream ({len(self)} samples)")
         if self.shuffle_buffer > 1:
-            return block_shuffled(self._stream_chunks, position, self.shuffle_buffer, self.seed, epoch, self.shard)
+            return block_shuffled(
+                self._stream_chunks, position, self.shuffle_buffer, self.shuffle_seed, epoch, self.shard
+            )
         return self._stream_chunks(position)
 
     def _stream_chunks(self, position: int) -> Iterator[ElementChunk]:

@@ -81,8 +81,10 @@ def test_tsv_multiple_files_gzip_and_seeking(tmp_path: Path) -> None:
 BAD_LINES = [
     (_line()[:-9], "expected 40 tab-separated fields, got 39"),
     (_line("2"), "column 'label' must be 0 or 1, got '2'"),
-    (_line(ints=["x1", *[""] * 12]), "column 'int_0' must be an integer (ASCII digits with an optional leading '-', "
-     "at most 18 digits), got 'x1'"),
+    (
+        _line(ints=["x1", *[""] * 12]),
+        "column 'int_0' must be an integer (ASCII digits with an optional leading '-', at most 18 digits), got 'x1'",
+    ),
     (_line(cats=["zz", *[""] * 25]), "column 'cat_0' must be a hex id of at most 15 digits, got 'zz'"),
     ("", "expected 40 tab-separated fields, got 1"),
 ]
