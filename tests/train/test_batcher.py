@@ -3,6 +3,8 @@ API (statistics, copy, clone, __call__), bad input."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -279,6 +281,6 @@ def test_copy_and_clone() -> None:
         ),
     ],
 )
-def test_statistics_bad_input(make, error: type[Exception], pattern: str) -> None:
+def test_statistics_bad_input(make: Callable[[], object], error: type[Exception], pattern: str) -> None:
     with pytest.raises(error, match=pattern):
         make()
