@@ -121,14 +121,24 @@ def make_rank_loader(
     num_passes: int | None = 1,
     pin_memory: bool = False,
     prefetch_factor: int | None = None,
+    multiprocessing_context: str | None = None,
 ) -> StatefulDataLoader:
     """A ``StatefulDataLoader`` over :class:`ShardedBatchDataset` (``state_dict`` / ``load_state_dict`` resume it
-    exactly); ``num_workers`` processes collate in parallel, each on its part of ``source``'s shard."""
+    exactly); ``num_workers`` processes collate in parallel, each on its part of ``source``'s shard.
+
+    ``multiprocessing_context`` starts the workers (``"fork"``, ``"spawn"``, ...; ``None``: the process's default).
+    A process that was itself spawned (a rank started by ``torch.multiprocessing.spawn``) defaults to ``"spawn"``,
+    whose workers import torch anew: ``"fork"`` starts them in milliseconds where it is safe (CPU, no CUDA yet)."""
     dataset = ShardedBatchDataset(source, batch_size, drop_remainder, num_passes)
     _check_count(num_workers, "num_workers", minimum=0)
     options: dict[str, Any] = {"batch_size": None, "collate_fn": _no_collate, "pin_memory": pin_memory}
     if num_workers > 0:
-        options.update(num_workers=num_workers, persistent_workers=True, prefetch_factor=prefetch_factor)
+        options.update(
+            num_workers=num_workers,
+            persistent_workers=True,
+            prefetch_factor=prefetch_factor,
+            multiprocessing_context=multiprocessing_context,
+        )
     with warnings.catch_warnings():  # torchdata 0.11's constructor calls torch.set_vital, deprecated in torch 2.13
         warnings.filterwarnings("ignore", message=".*set_vital.* is deprecated")
         return StatefulDataLoader(dataset, **options)
