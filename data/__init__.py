@@ -18,15 +18,8 @@ from tritonrec.data.batched_data_dict import (
 from tritonrec.data.batcher import Batcher, BatcherConfig
 from tritonrec.data.criteo import CriteoTSVSource, MalformedLineError
 from tritonrec.data.criteo_npy import CriteoNPYSource, criteo_tsv_to_npy
-from tritonrec.data.elements import (
-    BatchSpec,
-    ChunkSource,
-    ElementChunk,
-    ElementSource,
-    ElementSpec,
-    RecElement,
-    TensorSpec,
-)
+from tritonrec.data.element_chunk import ChunkSource, ElementChunk
+from tritonrec.data.elements import BatchSpec, ElementSource, ElementSpec, RecElement, TensorSpec
 from tritonrec.data.group_loader import GroupLoader
 from tritonrec.data.jagged_tensor import JaggedTensor, jt_is_equal
 from tritonrec.data.keyed_jagged_tensor import KeyedJaggedTensor, kjt_is_equal

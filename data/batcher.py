@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from tritonrec.data.batch import Batch
-from tritonrec.data.elements import BatchSpec, ElementChunk, ElementSource, ElementSpec, RecElement, TensorSpec
+from tritonrec.data.element_chunk import ElementChunk
+from tritonrec.data.elements import BatchSpec, ElementSource, ElementSpec, RecElement, TensorSpec
 from tritonrec.data.keyed_jagged_tensor import KeyedJaggedTensor
 from tritonrec.data.sharding import ChunkReader
 
@@ -267,19 +268,25 @@ def collate_chunk(chunk: ElementChunk, spec: ElementSpec, batch_size: int) -> Ba
     n, num_keys = len(chunk), len(spec.sparse_keys)
     if n > batch_size:
         raise ValueError(f"a chunk of {n} samples does not fit batch_size={batch_size}")
-    if chunk.dense.shape != (n, spec.dense_dim) or chunk.lengths.shape != (n, num_keys):
+    sparse_shape = (chunk.id_matrix if chunk.id_matrix is not None else chunk.lengths).shape
+    if chunk.dense.shape != (n, spec.dense_dim) or sparse_shape != (n, num_keys):
         raise ValueError(
-            f"chunk arrays dense {chunk.dense.shape} and lengths {chunk.lengths.shape} do not fit the element spec "
-            f"(dense_dim={spec.dense_dim}, {num_keys} sparse keys)"
+            f"chunk arrays dense {chunk.dense.shape} and lengths/id matrix {sparse_shape} do not fit the element "
+            f"spec (dense_dim={spec.dense_dim}, {num_keys} sparse keys)"
         )
-    if not np.issubdtype(chunk.ids.dtype, np.integer):
-        raise TypeError(f"chunk ids must have an integer dtype, got {chunk.ids.dtype}")
     dense = np.zeros((batch_size, spec.dense_dim), dtype=np.float32)
-    lengths = np.zeros((batch_size, num_keys), dtype=np.int64)
     labels = np.zeros(batch_size, dtype=np.float32)
     dense[:n] = chunk.dense
-    lengths[:n] = chunk.lengths
     labels[:n] = chunk.labels
+    valid = np.zeros(batch_size, dtype=bool)
+    valid[:n] = True
+    if chunk.id_matrix is not None:
+        sparse = _kjt_from_id_matrix(chunk.id_matrix, spec.sparse_keys, batch_size)
+        return Batch(torch.from_numpy(dense), sparse, torch.from_numpy(labels), torch.from_numpy(valid))
+    if not np.issubdtype(chunk.ids.dtype, np.integer):
+        raise TypeError(f"chunk ids must have an integer dtype, got {chunk.ids.dtype}")
+    lengths = np.zeros((batch_size, num_keys), dtype=np.int64)
+    lengths[:n] = chunk.lengths
     ids = chunk.ids.astype(np.int64, copy=False)
     if ids.shape[0] != int(lengths.sum()) or (lengths < 0).any():
         raise ValueError(f"chunk holds {ids.shape[0]} ids but its lengths (some negative?) sum to {int(lengths.sum())}")
@@ -288,8 +295,6 @@ def collate_chunk(chunk: ElementChunk, spec: ElementSpec, batch_size: int) -> Ba
     starts_key_major = starts.reshape(batch_size, num_keys).T.reshape(-1)
     out_starts = np.cumsum(lengths_key_major) - lengths_key_major
     gather = np.repeat(starts_key_major - out_starts, lengths_key_major) + np.arange(ids.shape[0])
-    valid = np.zeros(batch_size, dtype=bool)
-    valid[:n] = True
     sparse = KeyedJaggedTensor(
         keys=list(spec.sparse_keys),
         values=torch.from_numpy(ids[gather]),
@@ -298,6 +303,24 @@ def collate_chunk(chunk: ElementChunk, spec: ElementSpec, batch_size: int) -> Ba
         length_per_key=lengths.sum(0).tolist(),
     )
     return Batch(torch.from_numpy(dense), sparse, torch.from_numpy(labels), torch.from_numpy(valid))
+
+
+def _kjt_from_id_matrix(id_matrix: np.ndarray, keys: tuple[str, ...], batch_size: int) -> KeyedJaggedTensor:
+    """``[n, F]`` ids (-1: empty bag), ``n <= batch_size`` -> a KJT of stride ``batch_size`` (padding rows empty):
+    key-major is the transpose, and the present ids are one mask away."""
+    if not np.issubdtype(id_matrix.dtype, np.integer):
+        raise TypeError(f"chunk id_matrix must have an integer dtype, got {id_matrix.dtype}")
+    n = id_matrix.shape[0]
+    key_major = np.full((len(keys), batch_size), -1, dtype=np.int64)
+    key_major[:, :n] = id_matrix.T
+    present = key_major >= 0
+    return KeyedJaggedTensor(
+        keys=list(keys),
+        values=torch.from_numpy(key_major[present]),
+        lengths=torch.from_numpy(present.reshape(-1).astype(np.int32)),
+        stride=batch_size,
+        length_per_key=present.sum(1).tolist(),
+    )
 
 
 def _raise_shape_mismatch(elements: list[RecElement], spec: ElementSpec, first_index: int) -> None:

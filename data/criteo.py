@@ -43,7 +43,8 @@ from tritonrec.data.criteo_parse import (
     parse_criteo_line,
     signed_log1p,
 )
-from tritonrec.data.elements import ElementChunk, ElementSpec, RecElement, check_position
+from tritonrec.data.element_chunk import ElementChunk
+from tritonrec.data.elements import ElementSpec, RecElement, check_position
 from tritonrec.data.sharding import Shard, block_shuffled, check_seed, check_shuffle_buffer, elements_of
 
 __all__ = [
@@ -55,7 +56,7 @@ __all__ = [
     "INT_FEATURE_COUNT",
     "CriteoTSVSource",
     "MalformedLineError",
-    "hash_ids",
+    "hash_id_matrix",
     "parse_criteo_line",
     "resolve_num_embeddings",
     "signed_log1p",
@@ -81,11 +82,9 @@ def resolve_num_embeddings(num_embeddings: int | Sequence[int], num_features: in
     return [int(s) for s in sizes]
 
 
-def hash_ids(raw_ids: np.ndarray, num_embeddings: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``raw_ids [..., 26]`` (-1 = missing) -> ``(ids, lengths [..., 26])``: present ids folded into their table by
-    modulo, in row-major (sample-major) order; a missing id is an empty bag."""
-    present = raw_ids >= 0
-    return (raw_ids % num_embeddings)[present], present.astype(np.int64)
+def hash_id_matrix(raw_ids: np.ndarray, num_embeddings: np.ndarray) -> np.ndarray:
+    """``raw_ids [n, F]`` (negative = missing) -> the same ids folded into their tables by modulo, -1 where missing."""
+    return np.where(raw_ids >= 0, raw_ids % num_embeddings, -1)
 
 
 class CriteoTSVSource:
@@ -168,8 +167,7 @@ class CriteoTSVSource:
 
     def _file_chunks(self, position: int) -> Iterator[ElementChunk]:
         for dense, raw_ids, labels in self.iter_parsed_chunks(position):
-            ids, lengths = hash_ids(raw_ids, self._hash_sizes)
-            yield ElementChunk(dense, ids, lengths, labels)
+            yield ElementChunk.from_id_matrix(dense, hash_id_matrix(raw_ids, self._hash_sizes), labels)
 
     def iter_parsed_chunks(self, position: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """``(dense [n, 13] float32, raw_ids [n, 26] int64 (-1 = empty), labels [n] float32)`` blocks of this shard's

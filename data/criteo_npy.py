@@ -22,8 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from tritonrec.data.criteo import CriteoTSVSource, hash_ids, resolve_num_embeddings
-from tritonrec.data.elements import ElementChunk, ElementSpec, RecElement, check_position
+from tritonrec.data.criteo import CriteoTSVSource, hash_id_matrix, resolve_num_embeddings
+from tritonrec.data.element_chunk import ElementChunk
+from tritonrec.data.elements import ElementSpec, RecElement, check_position
 from tritonrec.data.sharding import Shard, block_shuffled, check_seed, check_shuffle_buffer, elements_of
 
 _READ_ROWS = 4096  # rows converted per vectorised read
@@ -148,8 +149,8 @@ class CriteoNPYSource:
                     f"{self.prefixes[day]}_labels.npy row {begin + int(bad[0])}: labels must be 0 or 1, "
                     f"got {label_rows[bad[0]]}"
                 )
-            ids, lengths = hash_ids(np.asarray(sparse[begin:end], dtype=np.int64), self._hash_sizes)
-            yield ElementChunk(np.asarray(dense[begin:end], dtype=np.float32), ids, lengths, label_rows)
+            ids = hash_id_matrix(np.asarray(sparse[begin:end], dtype=np.int64), self._hash_sizes)
+            yield ElementChunk.from_id_matrix(np.asarray(dense[begin:end], dtype=np.float32), ids, label_rows)
             row += end - begin
 
 

@@ -31,10 +31,7 @@ MAX_HEX_DIGITS = 15  # 16**15 - 1 < 2**63
 _FIELD_WIDTH = MAX_COUNT_DIGITS + 1  # widest valid field: '-' and 18 digits
 _COUNT = re.compile(rb"-?[0-9]{1,%d}" % MAX_COUNT_DIGITS)
 _HEX = re.compile(rb"[0-9a-fA-F]{1,%d}" % MAX_HEX_DIGITS)
-_NIBBLE = np.full(256, -1, dtype=np.int64)  # ASCII byte -> hex digit value, -1 for any other byte
-_NIBBLE[np.frombuffer(b"0123456789", np.uint8)] = np.arange(10)
-_NIBBLE[np.frombuffer(b"abcdef", np.uint8)] = np.arange(10, 16)
-_NIBBLE[np.frombuffer(b"ABCDEF", np.uint8)] = np.arange(10, 16)
+_NARROW_WIDTH = 8  # first-pass field width: every Criteo id (8 hex digits) and nearly every count fits
 
 
 def _shown(field: bytes) -> str:
@@ -95,8 +92,8 @@ class ParsedBlock:
 def parse_criteo_block(lines: list[bytes]) -> ParsedBlock:
     """Parse many lines at once: the same results and the same malformed lines as :func:`parse_criteo_line`.
 
-    Every field is cut to 19 bytes in one fixed-width array; a line whose bytes do not all survive (a longer field,
-    or a NUL byte) is malformed, so every check after that sees whole fields.
+    The fields go into one fixed-width byte array, 8 bytes wide (every Criteo id and nearly every count fits); the
+    lines with a longer field are parsed again 19 bytes wide, and a line with a field longer than that is malformed.
     """
     n = len(lines)
     tabs = np.fromiter(map(bytes.count, lines, itertools.repeat(b"\t")), dtype=np.int64, count=n)
@@ -107,17 +104,20 @@ def parse_criteo_block(lines: list[bytes]) -> ParsedBlock:
     labels = np.zeros(0, np.float32)
     if shaped.size:
         kept = lines if shaped.size == n else [lines[i] for i in shaped]
-        fields = np.array(b"\t".join(kept).split(b"\t"), dtype=f"S{_FIELD_WIDTH}")
-        chars = fields.view(np.uint8).reshape(len(kept), NUM_FIELDS, _FIELD_WIDTH)
+        fields = b"\t".join(kept).split(b"\t")
         line_lengths = np.fromiter(map(len, kept), dtype=np.int64, count=len(kept))
-        whole = np.count_nonzero(chars, axis=(1, 2)) == line_lengths - (NUM_FIELDS - 1)
-        label_ok = ((chars[:, 0, 0] == ord("0")) | (chars[:, 0, 0] == ord("1"))) & (chars[:, 0, 1] == 0)
-        counts, counts_ok = _parse_counts(chars[:, 1 : 1 + INT_FEATURE_COUNT])
-        ids, ids_ok = _parse_hex(chars[:, 1 + INT_FEATURE_COUNT :])
-        good = whole & label_ok & counts_ok & ids_ok
+        good, counts, ids, label, whole = _parse_fields(fields, line_lengths, _NARROW_WIDTH)
+        if not whole.all():  # lines with a long field (or a NUL byte): once more, as wide as a valid field can be
+            redo = np.flatnonzero(~whole)
+            wide = [field for i in redo.tolist() for field in fields[i * NUM_FIELDS : (i + 1) * NUM_FIELDS]]
+            redo_good, counts[redo], ids[redo], label[redo], redo_whole = _parse_fields(
+                wide, line_lengths[redo], _FIELD_WIDTH
+            )
+            good[redo] = redo_good & redo_whole
+        if b"\x00" in b"".join(kept):  # a NUL byte would pass for the padding of a shorter field
+            good &= np.fromiter((b"\x00" not in line for line in kept), dtype=bool, count=len(kept))
         ok[shaped[good]] = True
-        dense, raw_ids = signed_log1p(counts[good]), ids[good]
-        labels = (chars[good, 0, 0] == ord("1")).astype(np.float32)
+        dense, raw_ids, labels = signed_log1p(counts[good]), ids[good], label[good]
     bad_rows = np.flatnonzero(~ok)
     reasons = [_reason(lines[i]) for i in bad_rows]
     return ParsedBlock(dense, raw_ids, labels, bad_rows, reasons)
@@ -131,28 +131,54 @@ def _reason(line: bytes) -> str:
     raise AssertionError(f"the block parser rejected a line the line parser accepts: {line!r}")
 
 
-def _parse_counts(chars: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``chars [m, 13, W]`` (NUL-padded fields) -> ``(values [m, 13] int64, row_ok [m])`` by Horner's rule."""
-    digit = (chars >= ord("0")) & (chars <= ord("9"))
+def _parse_fields(
+    fields: list[bytes], line_lengths: np.ndarray, width: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``40 * m`` fields of ``m`` lines, cut to ``width`` bytes -> ``(valid [m], counts [m, 13] int64, ids [m, 26]
+    int64 (-1 empty), labels [m] float32, whole [m])``; ``whole`` is False where a field was cut (its line must be
+    parsed wider)."""
+    m = line_lengths.shape[0]
+    array = np.array(fields, dtype=f"S{width}")
+    lengths = np.char.str_len(array).reshape(m, NUM_FIELDS)
+    chars = array.view(np.uint8).reshape(m, NUM_FIELDS, width)
+    whole = lengths.sum(1) == line_lengths - (NUM_FIELDS - 1)
+    label_ok = ((chars[:, 0, 0] | 1) == ord("1")) & (lengths[:, 0] == 1)  # '0' | 1 == '1'
+    counts, counts_ok = _parse_counts(chars[:, 1 : 1 + INT_FEATURE_COUNT], lengths[:, 1 : 1 + INT_FEATURE_COUNT])
+    ids, ids_ok = _parse_hex(chars[:, 1 + INT_FEATURE_COUNT :], lengths[:, 1 + INT_FEATURE_COUNT :])
+    labels = (chars[:, 0, 0] == ord("1")).astype(np.float32)
+    return label_ok & counts_ok & ids_ok, counts, ids, labels, whole
+
+
+def _parse_counts(chars: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``chars [m, 13, W]`` uint8 fields (NUL-padded) of ``lengths [m, 13]`` -> ``(values [m, 13], row_ok [m])``.
+
+    Every position's digit (0 outside the digits) times its power of ten gives the field's number times
+    ``10 ** (W - length)``, which one exact division removes."""
+    width = chars.shape[-1]
+    position = np.arange(width)
     minus = chars[..., 0] == ord("-")
-    length = np.count_nonzero(chars, axis=-1)
-    num_digits = length - minus
-    fields_ok = (digit[..., 1:] | (chars[..., 1:] == 0)).all(-1) & (digit[..., 0] | minus | (length == 0))
-    fields_ok &= (num_digits <= MAX_COUNT_DIGITS) & ~(minus & (num_digits == 0))
-    values = np.zeros(chars.shape[:2], dtype=np.int64)
-    for j in range(min(int(length.max(initial=0)), chars.shape[-1])):
-        values = np.where(digit[..., j], values * 10 + (chars[..., j].astype(np.int64) - ord("0")), values)
-    values = np.where(minus, -values, values)
-    return values, fields_ok.all(-1)
+    is_digit = (chars - ord("0")) < 10  # uint8 arithmetic: bytes below '0' wrap around to large values
+    outside = position >= lengths[..., None]
+    fields_ok = (is_digit | outside | (minus[..., None] & (position == 0))).all(-1)
+    fields_ok &= (lengths - minus <= MAX_COUNT_DIGITS) & ~(minus & (lengths == 1))
+    digits = np.where(is_digit, chars - ord("0"), 0).astype(np.uint64)
+    # uint64: 18 digits scaled by 10 (a 19-byte-wide pass) reach 10**19 > 2**63; only invalid fields overflow it
+    scaled = digits @ 10 ** np.arange(width - 1, -1, -1, dtype=np.uint64)
+    values = (scaled // 10 ** (width - np.maximum(lengths, 1)).astype(np.uint64)).astype(np.int64)
+    return np.where(minus, -values, values), fields_ok.all(-1)
 
 
-def _parse_hex(chars: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``chars [m, 26, W]`` -> ``(ids [m, 26] int64 with -1 for empty, row_ok [m])``."""
-    nibbles = _NIBBLE[chars]
-    length = np.count_nonzero(chars, axis=-1)
-    fields_ok = ((nibbles >= 0) | (chars == 0)).all(-1) & (length <= MAX_HEX_DIGITS)
-    values = np.zeros(chars.shape[:2], dtype=np.int64)
-    for j in range(min(int(length.max(initial=0)), MAX_HEX_DIGITS)):
-        values = np.where(nibbles[..., j] >= 0, values * 16 + nibbles[..., j], values)
-    values[length == 0] = -1
+def _parse_hex(chars: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``chars [m, 26, W]`` uint8 fields of ``lengths [m, 26]`` -> ``(ids [m, 26] with -1 for empty, row_ok [m])``:
+    the nibbles of the first 15 positions as one number, shifted right past the padding."""
+    lower = chars | 0x20
+    is_digit = (chars - ord("0")) < 10
+    is_letter = (lower - ord("a")) < 6
+    outside = np.arange(chars.shape[-1]) >= lengths[..., None]
+    fields_ok = (is_digit | is_letter | outside).all(-1) & (lengths <= MAX_HEX_DIGITS)
+    places = min(chars.shape[-1], MAX_HEX_DIGITS)
+    nibbles = np.where(is_digit, chars - ord("0"), np.where(is_letter, lower - (ord("a") - 10), 0))[..., :places]
+    scaled = nibbles.astype(np.int64) @ 16 ** np.arange(places - 1, -1, -1, dtype=np.int64)
+    values = scaled >> (4 * (places - np.minimum(lengths, places)))
+    values[lengths == 0] = -1
     return values, fields_ok.all(-1)

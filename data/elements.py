@@ -3,14 +3,14 @@
 A :class:`RecElement` holds one sample's dense features ``[Dd]``, the ids of all its sparse features back to back
 (feature after feature, in the spec's key order) with one bag length per feature ``[F]``, and its label. The flat
 layout keeps a sample to three small arrays, so sources yield elements cheaply and the Batcher collates a batch with a
-handful of vectorised numpy calls. An :class:`ElementChunk` holds many samples in the same layout, stacked: the
-built-in sources produce chunks (a vectorised parse or draw), and the Batcher collates straight from them without
-one Python object per sample.
+handful of vectorised numpy calls. An :class:`~tritonrec.data.element_chunk.ElementChunk` holds many samples
+stacked: the built-in sources produce chunks (a vectorised parse or draw), and the Batcher collates straight from
+them without one Python object per sample.
 
 Sources (synthetic, Criteo TSV, Criteo npy) follow :class:`ElementSource`: ``iter_from(position, epoch)`` starts at
 any element without replaying the ones before it where the format allows, which is what makes mid-epoch resume exact
-and cheap. Those that also have ``iter_chunks(position, epoch)`` (:class:`ChunkSource`) stream the same elements as
-chunks.
+and cheap. Those that also have ``iter_chunks(position, epoch)``
+(:class:`~tritonrec.data.element_chunk.ChunkSource`) stream the same elements as chunks.
 """
 
 from __future__ import annotations
@@ -81,59 +81,6 @@ class BatchSpec:
     valid_mask: TensorSpec
 
 
-class ElementChunk:
-    """``n`` samples stacked: ``dense [n, Dd]`` float32, ``ids [N]`` int64 sample-major (sample ``i``'s ids, feature
-    after feature, are ``ids[offsets[i]:offsets[i + 1]]``), ``lengths [n, F]`` int64 and ``labels [n]`` float32."""
-
-    __slots__ = ("_offsets", "dense", "ids", "labels", "lengths")
-
-    def __init__(self, dense: np.ndarray, ids: np.ndarray, lengths: np.ndarray, labels: np.ndarray) -> None:
-        self.dense, self.ids, self.lengths, self.labels = dense, ids, lengths, labels
-        self._offsets: np.ndarray | None = None
-
-    def __len__(self) -> int:
-        return self.labels.shape[0]
-
-    @property
-    def offsets(self) -> np.ndarray:
-        """``[n + 1]`` start of each sample's ids in ``ids``."""
-        if self._offsets is None:
-            offsets = np.zeros(len(self) + 1, dtype=np.int64)
-            np.cumsum(self.lengths.sum(1), out=offsets[1:])
-            self._offsets = offsets
-        return self._offsets
-
-    def slice(self, start: int, stop: int) -> ElementChunk:
-        """Samples ``[start, stop)`` (views, no copy)."""
-        offsets = self.offsets
-        return ElementChunk(
-            self.dense[start:stop], self.ids[offsets[start] : offsets[stop]], self.lengths[start:stop],
-            self.labels[start:stop],
-        )  # fmt: skip
-
-    def take(self, rows: np.ndarray) -> ElementChunk:
-        """Samples ``rows`` in that order: one gather per array, the ids by their per-sample ranges."""
-        offsets = self.offsets
-        counts = offsets[1:][rows] - offsets[:-1][rows]
-        out_starts = np.cumsum(counts) - counts
-        gather = np.repeat(offsets[:-1][rows] - out_starts, counts) + np.arange(int(counts.sum()))
-        return ElementChunk(self.dense[rows], self.ids[gather], self.lengths[rows], self.labels[rows])
-
-    @staticmethod
-    def concat(chunks: list[ElementChunk]) -> ElementChunk:
-        if len(chunks) == 1:
-            return chunks[0]
-        return ElementChunk(
-            np.concatenate([c.dense for c in chunks]), np.concatenate([c.ids for c in chunks]),
-            np.concatenate([c.lengths for c in chunks]), np.concatenate([c.labels for c in chunks]),
-        )  # fmt: skip
-
-    def elements(self) -> Iterator[RecElement]:
-        offsets, ids = self.offsets, self.ids
-        for i in range(len(self)):
-            yield RecElement(self.dense[i], ids[offsets[i] : offsets[i + 1]], self.lengths[i], float(self.labels[i]))
-
-
 @runtime_checkable
 class ElementSource(Protocol):
     """A replayable stream of :class:`RecElement` with random access to its start position.
@@ -149,13 +96,6 @@ class ElementSource(Protocol):
     def num_embeddings(self) -> Mapping[str, int]: ...
 
     def iter_from(self, position: int = 0, epoch: int = 0) -> Iterator[RecElement]: ...
-
-
-@runtime_checkable
-class ChunkSource(ElementSource, Protocol):
-    """An :class:`ElementSource` that also streams its elements as :class:`ElementChunk` s (same order)."""
-
-    def iter_chunks(self, position: int = 0, epoch: int = 0) -> Iterator[ElementChunk]: ...
 
 
 def check_position(position: object, epoch: object) -> None:

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tritonrec.data.elements import ElementChunk, RecElement
+from tritonrec.data.element_chunk import ElementChunk
+from tritonrec.data.elements import RecElement
 
 
 def check_rank(rank: object, world_size: object) -> tuple[int, int]:

@@ -28,7 +28,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from tritonrec.data.elements import ElementChunk, ElementSpec, RecElement, check_position
+from tritonrec.data.element_chunk import ElementChunk
+from tritonrec.data.elements import ElementSpec, RecElement, check_position
 from tritonrec.data.sharding import Shard, block_shuffled, check_seed, check_shuffle_buffer, elements_of
 
 POOLING_DISTRIBUTIONS = ("fixed", "poisson", "uniform")
