@@ -311,8 +311,11 @@ def _kjt_from_id_matrix(id_matrix: np.ndarray, keys: tuple[str, ...], batch_size
     if not np.issubdtype(id_matrix.dtype, np.integer):
         raise TypeError(f"chunk id_matrix must have an integer dtype, got {id_matrix.dtype}")
     n = id_matrix.shape[0]
-    key_major = np.full((len(keys), batch_size), -1, dtype=np.int64)
-    key_major[:, :n] = id_matrix.T
+    if n == batch_size:
+        key_major = np.ascontiguousarray(id_matrix.T, dtype=np.int64)
+    else:  # a short last batch: its padding rows are empty bags
+        key_major = np.full((len(keys), batch_size), -1, dtype=np.int64)
+        key_major[:, :n] = id_matrix.T
     present = key_major >= 0
     return KeyedJaggedTensor(
         keys=list(keys),

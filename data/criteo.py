@@ -84,7 +84,9 @@ def resolve_num_embeddings(num_embeddings: int | Sequence[int], num_features: in
 
 def hash_id_matrix(raw_ids: np.ndarray, num_embeddings: np.ndarray) -> np.ndarray:
     """``raw_ids [n, F]`` (negative = missing) -> the same ids folded into their tables by modulo, -1 where missing."""
-    return np.where(raw_ids >= 0, raw_ids % num_embeddings, -1)
+    hashed = raw_ids % num_embeddings
+    np.copyto(hashed, -1, where=raw_ids < 0)
+    return hashed
 
 
 class CriteoTSVSource:

@@ -143,17 +143,22 @@ def _parse_fields(
     chars = array.view(np.uint8).reshape(m, NUM_FIELDS, width)
     whole = lengths.sum(1) == line_lengths - (NUM_FIELDS - 1)
     label_ok = ((chars[:, 0, 0] | 1) == ord("1")) & (lengths[:, 0] == 1)  # '0' | 1 == '1'
-    counts, counts_ok = _parse_counts(chars[:, 1 : 1 + INT_FEATURE_COUNT], lengths[:, 1 : 1 + INT_FEATURE_COUNT])
-    ids, ids_ok = _parse_hex(chars[:, 1 + INT_FEATURE_COUNT :], lengths[:, 1 + INT_FEATURE_COUNT :])
+    words = array.view("<u8").reshape(m, NUM_FIELDS) if width == 8 else None  # one little-endian word per field
+    counts_at, ids_at = slice(1, 1 + INT_FEATURE_COUNT), slice(1 + INT_FEATURE_COUNT, NUM_FIELDS)
+    counts, counts_ok = _parse_counts(
+        chars[:, counts_at], lengths[:, counts_at], None if words is None else words[:, counts_at]
+    )
+    ids, ids_ok = _parse_hex(chars[:, ids_at], lengths[:, ids_at], None if words is None else words[:, ids_at])
     labels = (chars[:, 0, 0] == ord("1")).astype(np.float32)
     return label_ok & counts_ok & ids_ok, counts, ids, labels, whole
 
 
-def _parse_counts(chars: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _parse_counts(chars: np.ndarray, lengths: np.ndarray, words: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """``chars [m, 13, W]`` uint8 fields (NUL-padded) of ``lengths [m, 13]`` -> ``(values [m, 13], row_ok [m])``.
 
     Every position's digit (0 outside the digits) times its power of ten gives the field's number times
-    ``10 ** (W - length)``, which one exact division removes."""
+    ``10 ** (W - length)``, which one exact division removes. With ``words`` (8-byte fields as ``[m, 13]`` words)
+    the digits are combined inside each word (:func:`_decimal_words`) instead."""
     width = chars.shape[-1]
     position = np.arange(width)
     minus = chars[..., 0] == ord("-")
@@ -161,6 +166,10 @@ def _parse_counts(chars: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, n
     outside = position >= lengths[..., None]
     fields_ok = (is_digit | outside | (minus[..., None] & (position == 0))).all(-1)
     fields_ok &= (lengths - minus <= MAX_COUNT_DIGITS) & ~(minus & (lengths == 1))
+    if words is not None:
+        values = _decimal_words(words, minus) // 10 ** (width - np.maximum(lengths, 1)).astype(np.uint64)
+        values = values.astype(np.int64)
+        return np.where(minus, -values, values), fields_ok.all(-1)
     digits = np.where(is_digit, chars - ord("0"), 0).astype(np.uint64)
     # uint64: 18 digits scaled by 10 (a 19-byte-wide pass) reach 10**19 > 2**63; only invalid fields overflow it
     scaled = digits @ 10 ** np.arange(width - 1, -1, -1, dtype=np.uint64)
@@ -168,17 +177,52 @@ def _parse_counts(chars: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, n
     return np.where(minus, -values, values), fields_ok.all(-1)
 
 
-def _parse_hex(chars: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _parse_hex(chars: np.ndarray, lengths: np.ndarray, words: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """``chars [m, 26, W]`` uint8 fields of ``lengths [m, 26]`` -> ``(ids [m, 26] with -1 for empty, row_ok [m])``:
-    the nibbles of the first 15 positions as one number, shifted right past the padding."""
+    the nibbles of the first 15 positions as one number, shifted right past the padding (with ``words``: packed
+    inside each 8-byte word, :func:`_hex_words`)."""
     lower = chars | 0x20
     is_digit = (chars - ord("0")) < 10
     is_letter = (lower - ord("a")) < 6
     outside = np.arange(chars.shape[-1]) >= lengths[..., None]
     fields_ok = (is_digit | is_letter | outside).all(-1) & (lengths <= MAX_HEX_DIGITS)
+    if words is not None:
+        values = (_hex_words(words) >> (4 * (8 - lengths)).astype(np.uint64)).astype(np.int64)
+        values[lengths == 0] = -1
+        return values, fields_ok.all(-1)
     places = min(chars.shape[-1], MAX_HEX_DIGITS)
     nibbles = np.where(is_digit, chars - ord("0"), np.where(is_letter, lower - (ord("a") - 10), 0))[..., :places]
     scaled = nibbles.astype(np.int64) @ 16 ** np.arange(places - 1, -1, -1, dtype=np.int64)
     values = scaled >> (4 * (places - np.minimum(lengths, places)))
     values[lengths == 0] = -1
     return values, fields_ok.all(-1)
+
+
+# SWAR ("SIMD within a register") on 8-byte fields read as little-endian uint64 words: byte k is character k. Each
+# step merges neighbouring lanes of one word, so a field costs a few word operations instead of eight byte ones.
+_BYTES = np.uint64(0x00FF00FF00FF00FF)
+_HALVES = np.uint64(0x0000FFFF0000FFFF)
+_LOW32 = np.uint64(0xFFFFFFFF)
+
+
+def _hex_words(words: np.ndarray) -> np.ndarray:
+    """Words of up to 8 hex digits (NUL bytes after them) -> the digits as one left-aligned 32-bit number.
+
+    A hex digit's value is its low nibble, plus 9 for letters (bit 6 set: 'A' 0x41, 'a' 0x61); NUL gives 0. Values
+    of bytes that are not hex digits are garbage, but their lines are rejected by the byte checks."""
+    nibbles = (words & np.uint64(0x0F0F0F0F0F0F0F0F)) + np.uint64(9) * (
+        (words >> np.uint64(6)) & np.uint64(0x0101010101010101)
+    )
+    pairs = ((nibbles & _BYTES) << np.uint64(4)) | ((nibbles >> np.uint64(8)) & _BYTES)
+    quads = ((pairs & _HALVES) << np.uint64(8)) | ((pairs >> np.uint64(16)) & _HALVES)
+    return ((quads & _LOW32) << np.uint64(16)) | (quads >> np.uint64(32))
+
+
+def _decimal_words(words: np.ndarray, minus: np.ndarray) -> np.ndarray:
+    """Words of up to 8 decimal characters (a leading '-' allowed) -> the digits as one left-aligned 8-digit number
+    (NUL and '-' count as 0)."""
+    digits = words & np.uint64(0x0F0F0F0F0F0F0F0F)
+    digits = np.where(minus, digits & ~np.uint64(0xFF), digits)  # '-' is 0x2D: its low nibble is not a digit
+    pairs = (digits & _BYTES) * np.uint64(10) + ((digits >> np.uint64(8)) & _BYTES)
+    quads = (pairs & _HALVES) * np.uint64(100) + ((pairs >> np.uint64(16)) & _HALVES)
+    return (quads & _LOW32) * np.uint64(10_000) + (quads >> np.uint64(32))
