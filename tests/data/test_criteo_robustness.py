@@ -113,7 +113,7 @@ _FIELD = st.one_of(
 )  # fmt: skip
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(st.lists(st.lists(_FIELD, min_size=38, max_size=42), min_size=1, max_size=12))
 def test_block_parser_agrees_with_the_line_parser(rows: list[list[bytes]]) -> None:
     """Random lines near the valid format (mostly right field counts, some bad values): same rows, same rejects."""
