@@ -7,6 +7,8 @@ See :mod:`~tritonrec.kernels.embedding.fused_update` for the rules themselves.
 from __future__ import annotations
 
 import enum
+import itertools
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,10 +34,20 @@ _DEFAULTS: dict[OptimType, dict[str, Any]] = {
 }
 
 
-@dataclass
+_STATE_KEYS = itertools.count()
+_LIVE_STATES: weakref.WeakValueDictionary[int, FusedOptimizerState] = weakref.WeakValueDictionary()
+
+
+@dataclass(eq=False)
 class FusedOptimizerState:
     """Everything a fused update needs besides the weights. ``hyperparams`` is live: modules expose this very dict
-    as ``param_groups[0]``, so changing ``lr`` there takes effect on the next backward."""
+    as ``param_groups[0]``, so changing ``lr`` there takes effect on the next backward.
+
+    The update runs inside the ``tritonrec`` backward ops, which take the state tensors as (mutated) arguments and
+    find the rest by ``op_key`` (:func:`fused_state_from_op_key`) at run time, so a compiled graph reads the current
+    hyperparameters instead of baking them in. ``trigger`` is an empty leaf that requires grad: passed to a lookup,
+    it makes the output require grad (so the backward, which holds the update, runs) when nothing else does.
+    """
 
     optim: OptimType
     hyperparams: dict[str, Any]
@@ -45,11 +57,28 @@ class FusedOptimizerState:
     stochastic_rounding: bool = True
     seed: int = 0
     updates: int = field(default=0)
+    op_key: int = field(init=False, repr=False)
+    trigger: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.op_key = next(_STATE_KEYS)
+        _LIVE_STATES[self.op_key] = self
+        self.trigger = torch.empty(0, device=self.step.device, requires_grad=True)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The flat state buffers by name (``momentum1``, ``momentum2``, ``step``) that exist for this rule."""
         out = {"momentum1": self.momentum1, "momentum2": self.momentum2, "step": self.step}
         return {k: v for k, v in out.items() if v is not None}
+
+
+def fused_state_from_op_key(key: int) -> FusedOptimizerState:
+    state = _LIVE_STATES.get(key)
+    if state is None:
+        raise RuntimeError(
+            f"the fused optimizer state {key} of this graph no longer exists (its module was deleted); a graph that "
+            "updates tables in its backward only runs in the process that built it"
+        )
+    return state
 
 
 def create_fused_optimizer_state(
