@@ -166,6 +166,8 @@ class QuantEmbeddingBagCollection(TableBatchedCollection):
         )
 
     def _ensure_packed(self) -> None:
+        if torch.compiler.is_compiling():  # see TableBatchedCollection._ensure_packed
+            return
         for group in getattr(self, "_quant_groups", []):
             if not group.is_packed():
                 group.repack()

@@ -165,6 +165,10 @@ def pooled_column_order(
     return None if order == list(range(len(order))) else order
 
 
+def _repack_after_load(module: TableBatchedCollection, incompatible_keys: object) -> None:
+    module._ensure_packed()
+
+
 class TableBatchedCollection(nn.Module):
     """Base of the embedding collections: owns the groups and turns a KJT into per-group kernel inputs."""
 
@@ -175,14 +179,26 @@ class TableBatchedCollection(nn.Module):
         self.bounds_check = bounds_check
         self.backend: Backend = backend
         self._groups: list[TableGroup] = []
+        # load_state_dict(assign=True) replaces the parameters: re-pack at once, not only at the next eager forward
+        self.register_load_state_dict_post_hook(_repack_after_load)
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
         super()._apply(fn, recurse)
         self._ensure_packed()
         return self
 
+    def __setstate__(self, state: dict) -> None:
+        """``deepcopy`` / unpickling clone each Parameter on its own: re-pack the copies into one buffer again."""
+        super().__setstate__(state)
+        self._ensure_packed()
+
     def _ensure_packed(self) -> bool:
-        """Re-pack every group whose parameters no longer alias its flat buffer; True if any was re-packed."""
+        """Re-pack every group whose parameters no longer alias its flat buffer; True if any was re-packed.
+
+        Not while dynamo traces (it cannot read addresses): a compiled forward relies on ``.to()`` and
+        ``load_state_dict`` having re-packed already (both do, see ``_apply`` and the load hook)."""
+        if torch.compiler.is_compiling():
+            return False
         repacked = False
         for group in self._groups:
             if not is_packed(group):

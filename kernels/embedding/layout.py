@@ -200,6 +200,11 @@ class TableBatchedLayout:
             self._device_cache[device] = cached
         return cached
 
+    def __setstate__(self, state: dict) -> None:
+        """Copies (``copy``, ``deepcopy``, unpickling) are new layouts: they get an op key of their own."""
+        self.__dict__.update(state)
+        self.op_key = _register_layout(self)
+
     def __repr__(self) -> str:
         tables = ", ".join(f"{t.name or i}:{t.num_rows}x{t.dim}/{t.pooling.name}" for i, t in enumerate(self.tables))
         return f"TableBatchedLayout(tables=[{tables}], feature_tables={list(self.feature_tables)})"

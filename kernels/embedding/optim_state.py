@@ -61,9 +61,17 @@ class FusedOptimizerState:
     trigger: torch.Tensor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._register()
+        self.trigger = torch.empty(0, device=self.step.device, requires_grad=True)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Copies (``copy``, ``deepcopy``, unpickling) are new states: they get a key of their own."""
+        self.__dict__.update(state)
+        self._register()
+
+    def _register(self) -> None:
         self.op_key = next(_STATE_KEYS)
         _LIVE_STATES[self.op_key] = self
-        self.trigger = torch.empty(0, device=self.step.device, requires_grad=True)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The flat state buffers by name (``momentum1``, ``momentum2``, ``step``) that exist for this rule."""
