@@ -177,7 +177,7 @@ class QuantEmbeddingBagCollection(TableBatchedCollection):
         self._ensure_packed()
         outputs = []
         for group in self._quant_groups:
-            inputs = self._group_inputs(features, group, self._is_weighted)  # type: ignore[arg-type]
+            inputs = self._group_inputs(features, group, self._is_weighted, False)  # type: ignore[arg-type]
             outputs.append(
                 quantized_pooled_lookup(
                     group.tables,

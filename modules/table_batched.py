@@ -50,13 +50,14 @@ class TableGroup:
 @dataclass
 class GroupInputs:
     """One group's slice of a KJT: ``values [N_g]``, ``offsets [F_g * B + 1]``, optional ``weights [N_g]``,
-    ``lengths [F_g * B]`` and the per-feature value spans ``value_offsets [F_g + 1]`` (host ints)."""
+    ``lengths [F_g * B]`` and the per-feature value spans ``value_offsets [F_g + 1]`` (host ints; ``None`` when not
+    asked for, which saves pooled lookups a host read)."""
 
     values: torch.Tensor
     offsets: torch.Tensor
     weights: torch.Tensor | None
     lengths: torch.Tensor
-    value_offsets: list[int]
+    value_offsets: list[int] | None
 
 
 def validate_tables(tables: object, config_type: type, module_name: str) -> list[BaseEmbeddingConfig]:
@@ -206,7 +207,9 @@ class TableBatchedCollection(nn.Module):
                 repacked = True
         return repacked
 
-    def _group_inputs(self, features: KeyedJaggedTensor, group: TableGroup, need_weights: bool) -> GroupInputs:
+    def _group_inputs(
+        self, features: KeyedJaggedTensor, group: TableGroup, need_weights: bool, need_value_offsets: bool = True
+    ) -> GroupInputs:
         """The KJT's tensors restricted to (and ordered like) the group's features; no copy when the KJT already
         is. Built from per-key slices (not ``KJT.permute``) so gradients flow back to the KJT's weights."""
         if not isinstance(features, KeyedJaggedTensor):
@@ -221,9 +224,8 @@ class TableBatchedCollection(nn.Module):
             raise ValueError(f"{type(self).__name__} was built with is_weighted=True but features has no weights")
         names = list(group.feature_names)
         if features.keys() == names:
-            return GroupInputs(
-                features.values(), features.offsets(), weights, features.lengths(), features.offset_per_key()
-            )
+            value_offsets = features.offset_per_key() if need_value_offsets else None
+            return GroupInputs(features.values(), features.offsets(), weights, features.lengths(), value_offsets)
         index = features.index_per_key()
         missing = [n for n in names if n not in index]
         if missing:
