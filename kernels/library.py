@@ -26,6 +26,11 @@ from typing import Any
 
 import torch
 
+# torch wraps every custom op implementation in a dynamo-disabling decorator that imports torch._dynamo on the first
+# call (~1 s). Importing it with tritonrec moves that cost to import time, instead of into the first KJT op of a job,
+# which may sit inside a collective's timeout window.
+import torch._dynamo
+
 NAMESPACE = "tritonrec"
 _UINT64 = 1 << 64
 _INT64_MAX = (1 << 63) - 1
