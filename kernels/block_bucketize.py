@@ -370,16 +370,17 @@ def _(lengths, indices, block_sizes, num_buckets, weights, bucketize_pos, sequen
 
 
 def _block_bucketize_setup(ctx, inputs, output) -> None:
-    lengths, indices, block_sizes, num_buckets, *_, backend = inputs
+    lengths, indices, block_sizes, num_buckets, weights, *_, backend = inputs
     ctx.save_for_backward(lengths, indices, block_sizes)
     ctx.num_buckets, ctx.backend = num_buckets, backend
+    ctx.weights_need = weights is not None and weights.requires_grad
 
 
 def _block_bucketize_grad(ctx, grads):
     """Only ``weights`` is differentiable: ``new_weights[unbucketize[j]] = weights[j]``, so its gradient gathers
     the output gradient through ``unbucketize_permute``, recomputed here (forward callers rarely ask for it)."""
     grad_weights = None
-    if ctx.needs_input_grad[4] and grads[2] is not None:
+    if ctx.weights_need and grads[2] is not None:
         lengths, indices, block_sizes = ctx.saved_tensors
         unbucketize = torch.ops.tritonrec.block_bucketize_sparse_features(
             lengths, indices, block_sizes, ctx.num_buckets, None, False, True, False, ctx.backend

@@ -238,6 +238,24 @@ def _jagged_to_padded_dense_grad(ctx, grad_dense):
 _jagged_to_padded_dense_op.register_autograd(_jagged_to_padded_dense_grad, setup_context=_jagged_to_padded_dense_setup)
 
 
+def _backward_setup(ctx, inputs, output) -> None:
+    grad_dense, offsets, _, backend = inputs
+    ctx.save_for_backward(offsets)
+    ctx.dense_len, ctx.backend = grad_dense.shape[1], backend
+
+
+def _backward_grad(ctx, grad_grad_values):
+    """The backward is linear in ``grad_dense``: its own gradient pads back (double backward)."""
+    (offsets,) = ctx.saved_tensors
+    grad = torch.ops.tritonrec.jagged_to_padded_dense(
+        grad_grad_values.contiguous(), offsets, ctx.dense_len, 0.0, ctx.backend
+    )
+    return grad, None, None, None
+
+
+_jagged_to_padded_dense_backward_op.register_autograd(_backward_grad, setup_context=_backward_setup)
+
+
 @custom_op("dense_to_jagged")
 def _dense_to_jagged_op(
     dense: torch.Tensor, offsets: torch.Tensor, total_len: int | None, backend: str

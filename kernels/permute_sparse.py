@@ -290,9 +290,11 @@ def _(permute, lengths, grad, num_values):
 
 
 def _permute_2d_setup(ctx, inputs, output) -> None:
-    permute, lengths, values, _, _, _ = inputs
+    permute, lengths, values, weights, _, _ = inputs
     ctx.save_for_backward(permute, lengths)
     ctx.num_values = values.shape[0]
+    ctx.values_need = values.requires_grad
+    ctx.weights_need = weights is not None and weights.requires_grad
 
 
 def _permute_2d_grad(ctx, grads):
@@ -302,8 +304,8 @@ def _permute_2d_grad(ctx, grads):
         if g is None
         else torch.ops.tritonrec.permute_2d_sparse_data_backward(permute, lengths, g.contiguous(), ctx.num_values)
     )
-    grad_values = back(grads[1]) if ctx.needs_input_grad[2] else None
-    grad_weights = back(grads[2]) if len(grads) > 2 and ctx.needs_input_grad[3] else None
+    grad_values = back(grads[1]) if ctx.values_need else None
+    grad_weights = back(grads[2]) if ctx.weights_need else None
     return None, None, grad_values, grad_weights, None, None
 
 

@@ -93,7 +93,9 @@ def test_dense_to_jagged_forward_and_gradient_against_a_loop(backend: str) -> No
 def test_jagged_dense_gradcheck_with_extra_rows() -> None:
     offsets = _offsets(BAG_LENGTHS)
     values = torch.randn(sum(BAG_LENGTHS) + EXTRA_ROWS, 2, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda v: jagged_to_padded_dense(v, offsets, MAX_LEN, backend="torch"), (values,))
+    pad = lambda v: jagged_to_padded_dense(v, offsets, MAX_LEN, backend="torch")
+    assert torch.autograd.gradcheck(pad, (values,))
+    assert torch.autograd.gradgradcheck(pad, (values,))
     dense = torch.randn(len(BAG_LENGTHS), MAX_LEN, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda d: dense_to_jagged(d, offsets, backend="torch"), (dense,))
     assert torch.autograd.gradgradcheck(lambda d: dense_to_jagged(d, offsets, backend="torch"), (dense,))
