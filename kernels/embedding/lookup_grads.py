@@ -119,14 +119,11 @@ def fused_update(
             setattr(state, name, tensor)
 
 
-def fused_trigger(fused: FusedOptimizerState | None) -> torch.Tensor | None:
-    """The state's empty leaf that requires grad, passed as an input in fused mode so the output requires grad (and
-    the backward, which holds the update, runs) even when no other input does (FBGEMM's placeholder trick)."""
-    return None if fused is None else fused.trigger
-
-
 def lookup_state_args(fused: FusedOptimizerState | None) -> tuple[list[torch.Tensor], torch.Tensor | None, int]:
-    """``(state tensors, trigger, op key)`` of a fused state (``([], None, -1)`` without one)."""
+    """``(state tensors, trigger, op key)`` of a fused state (``([], None, -1)`` without one) for a lookup op.
+
+    The trigger, an empty leaf that requires grad, makes the lookup's output require grad (so the backward, which
+    holds the update, runs) even when no other input does (FBGEMM's placeholder trick)."""
     if fused is None:
         return [], None, -1
     return list(fused.state_tensors().values()), fused.trigger, fused.op_key
