@@ -59,8 +59,8 @@ def fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
 
 
-def _compiled(fn: Callable, dynamic: bool | None = None) -> Callable:
-    return torch.compile(fn, fullgraph=True, backend="inductor", dynamic=dynamic)
+def _compiled(fn: Callable, dynamic: bool | None = None, backend: str = "inductor") -> Callable:
+    return torch.compile(fn, fullgraph=True, backend=backend, dynamic=dynamic)
 
 
 def _assert_compiled() -> None:
@@ -196,6 +196,31 @@ def test_dlrm_train_step_compiles() -> None:
     _assert_compiled()
     for (name, p), q in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
         torch.testing.assert_close(q, p, msg=name)
+
+
+def test_triton_backend_is_kept_in_compiled_graphs() -> None:
+    """``backend="triton"`` (the interpreter here) stays in the graph: the compiled forward and backward launch the
+    kernels, fused table update included (aot_eager: what is tested is the graph, not inductor's code)."""
+    values = torch.randn(7, 2, requires_grad=True)
+    compiled_values = values.detach().clone().requires_grad_()
+    offsets = torch.tensor([0, 2, 2, 5])
+    pad = lambda v: jagged_to_padded_dense(v, offsets, 3, backend="triton")
+    (pad(values) * 3.0).sum().backward()
+    (_compiled(pad, backend="aot_eager")(compiled_values) * 3.0).sum().backward()
+    assert torch.equal(compiled_values.grad, values.grad)
+
+    tables = [EmbeddingBagConfig(num_embeddings=5, embedding_dim=4, name="t0", feature_names=KEYS)]
+    modules = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        modules.append(FusedEmbeddingBagCollection(tables, "ADAM", {"lr": 0.1}, backend="triton"))
+    initial = modules[0].embedding_bags["t0"].weight.detach().clone()
+    step = lambda module, features: module(features).values().square().sum()
+    step(modules[0], _kjt(0)).backward()
+    _compiled(step, backend="aot_eager")(modules[1], _kjt(0)).backward()
+    _assert_compiled()
+    updated = modules[1].embedding_bags["t0"].weight
+    assert torch.equal(updated, modules[0].embedding_bags["t0"].weight) and not torch.equal(updated, initial)
 
 
 def test_value_checks_raise_from_compiled_graphs() -> None:
