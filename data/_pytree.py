@@ -61,19 +61,21 @@ def _unflatten_kt(children: list[Any], context: tuple) -> KeyedTensor:
     return KeyedTensor(keys, length_per_key, children[0], key_dim)
 
 
+def _child_names(obj: object, context: Any) -> tuple[str, ...]:
+    """The attribute each child comes from: named in the context for the jagged types, ``_values`` for KeyedTensor."""
+    if isinstance(obj, KeyedJaggedTensor):
+        return context[0]
+    if isinstance(obj, JaggedTensor):
+        return context
+    return ("_values",)
+
+
 def _with_keys(flatten: Any) -> Any:
-    """``flatten_with_keys`` from ``flatten`` (``torch.export`` names every input leaf by its key path): the
-    children are attributes, named in the context (``_values``...) or, for KeyedTensor, ``_values``."""
+    """``flatten_with_keys`` from ``flatten`` (``torch.export`` names every input leaf by its key path)."""
 
     def flatten_with_keys(obj: object) -> tuple[list[tuple[pytree.KeyEntry, Any]], Any]:
         children, context = flatten(obj)
-        names = (
-            context
-            if isinstance(obj, JaggedTensor)
-            else context[0]
-            if isinstance(obj, KeyedJaggedTensor)
-            else ("_values",)
-        )
+        names = _child_names(obj, context)
         return [(pytree.GetAttrKey(name), child) for name, child in zip(names, children, strict=True)], context
 
     return flatten_with_keys
