@@ -23,7 +23,12 @@ import torch
 from tritonrec.kernels.backend import Backend, resolve_backend
 from tritonrec.kernels.checks import check_same_device
 from tritonrec.kernels.embedding import op_checks
-from tritonrec.kernels.embedding.grad_plan import build_row_gradient_plan, pooled_fingerprints, pooled_value_info
+from tritonrec.kernels.embedding.grad_plan import (
+    RowGradientPlan,
+    build_row_gradient_plan,
+    pooled_fingerprints,
+    pooled_value_info,
+)
 from tritonrec.kernels.embedding.layout import (
     BoundsCheckMode,
     TableBatchedLayout,
@@ -82,11 +87,19 @@ def _(weights, indices, offsets, per_sample_weights, bag_divisors, table_weights
     return weights.new_empty(((offsets.shape[0] - 1) // lay.num_features, lay.total_dim), dtype=torch.float32)
 
 
-def _pooled_plan(layout, weights, indices, offsets, psw, bag_divisors, grad, all_valid):  # type: ignore[no-untyped-def]
-    """Per-value addressing and the canonical row plan of a pooled backward."""
+def _pooled_plan(
+    layout: TableBatchedLayout,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    psw: torch.Tensor | None,
+    bag_divisors: torch.Tensor | None,
+    grad: torch.Tensor,
+    all_valid: bool,
+) -> RowGradientPlan:
+    """The canonical row plan of a pooled backward (``grad [B, total_dim]``)."""
     batch_size = (offsets.numel() - 1) // layout.num_features
     info = pooled_value_info(layout, indices, offsets, psw, bag_divisors, batch_size, layout.total_dim, all_valid)
-    return info, build_row_gradient_plan(layout, indices, info, pooled_fingerprints(info, grad))
+    return build_row_gradient_plan(layout, indices, info, pooled_fingerprints(info, grad))
 
 
 @custom_op("pooled_embedding_weight_grad")
@@ -106,7 +119,7 @@ def _pooled_weight_grad_op(
     """``grad [B, total_dim]`` fp32 -> the gradient of each table with ``table_needs[t]`` (dense or sparse COO), or
     with ``table_needs == []`` one dense flat gradient of ``weights``."""
     lay = layout_from_op_key(layout)
-    _, plan = _pooled_plan(lay, weights, indices, offsets, per_sample_weights, bag_divisors, grad, all_rows_valid)
+    plan = _pooled_plan(lay, indices, offsets, per_sample_weights, bag_divisors, grad, all_rows_valid)
     return table_gradients(lay, plan, grad.reshape(-1), weights, table_needs, sparse, backend)
 
 
@@ -133,7 +146,7 @@ def _pooled_fused_update_op(
     """The fused optimizer step of a pooled backward: updates the touched rows of ``weights`` and the state in
     place (hyperparameters read from the live state at run time)."""
     lay = layout_from_op_key(layout)
-    _, plan = _pooled_plan(lay, weights, indices, offsets, per_sample_weights, bag_divisors, grad, all_rows_valid)
+    plan = _pooled_plan(lay, indices, offsets, per_sample_weights, bag_divisors, grad, all_rows_valid)
     fused_update(weights, optimizer_state, lay, plan, grad.reshape(-1), fused, backend)
 
 

@@ -22,7 +22,12 @@ from tritonrec.kernels._triton import tl, triton
 from tritonrec.kernels.backend import Backend, autotune, pow2_bucket, resolve_backend
 from tritonrec.kernels.checks import check_same_device
 from tritonrec.kernels.embedding import op_checks
-from tritonrec.kernels.embedding.grad_plan import build_row_gradient_plan, sequence_fingerprints, sequence_value_info
+from tritonrec.kernels.embedding.grad_plan import (
+    RowGradientPlan,
+    build_row_gradient_plan,
+    sequence_fingerprints,
+    sequence_value_info,
+)
 from tritonrec.kernels.embedding.layout import BoundsCheckMode, TableBatchedLayout, layout_from_op_key
 from tritonrec.kernels.embedding.lookup_grads import (
     bounds_checked,
@@ -168,7 +173,10 @@ def _(weights, indices, feature_value_offsets, table_weights, optimizer_state, t
     return weights.new_empty(_output_numel(lay, feature_value_offsets), dtype=torch.float32)
 
 
-def _sequence_plan(layout: TableBatchedLayout, indices, starts, grad_flat, all_valid: bool):  # type: ignore[no-untyped-def]
+def _sequence_plan(
+    layout: TableBatchedLayout, indices: torch.Tensor, starts: list[int], grad_flat: torch.Tensor, all_valid: bool
+) -> RowGradientPlan:
+    """The canonical row plan of a sequence backward (``grad_flat``: the flat output's gradient)."""
     info = sequence_value_info(layout, indices, starts, all_valid)
     return build_row_gradient_plan(layout, indices, info, sequence_fingerprints(info, layout, grad_flat))
 
