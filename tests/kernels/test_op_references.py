@@ -94,11 +94,12 @@ def test_jagged_dense_gradcheck_with_extra_rows() -> None:
     offsets = _offsets(BAG_LENGTHS)
     values = torch.randn(sum(BAG_LENGTHS) + EXTRA_ROWS, 2, dtype=torch.float64, requires_grad=True)
     pad = lambda v: jagged_to_padded_dense(v, offsets, MAX_LEN, backend="torch")
-    assert torch.autograd.gradcheck(pad, (values,))
-    assert torch.autograd.gradgradcheck(pad, (values,))
+    unpad = lambda d: dense_to_jagged(d, offsets, backend="torch")
     dense = torch.randn(len(BAG_LENGTHS), MAX_LEN, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda d: dense_to_jagged(d, offsets, backend="torch"), (dense,))
-    assert torch.autograd.gradgradcheck(lambda d: dense_to_jagged(d, offsets, backend="torch"), (dense,))
+    assert torch.autograd.gradcheck(pad, (values,)) and torch.autograd.gradcheck(unpad, (dense,))
+    # second order (each backward is the other op): a random projection is enough, at a fraction of the cost
+    assert torch.autograd.gradgradcheck(pad, (values,), fast_mode=True)
+    assert torch.autograd.gradgradcheck(unpad, (dense,), fast_mode=True)
 
 
 def _permute_loop(permute: list[int], lengths: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
