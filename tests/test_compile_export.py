@@ -223,6 +223,14 @@ def test_triton_backend_is_kept_in_compiled_graphs() -> None:
     assert torch.equal(updated, modules[0].embedding_bags["t0"].weight) and not torch.equal(updated, initial)
 
 
+def test_sparse_gradients_are_refused_under_compile() -> None:
+    tables = [EmbeddingBagConfig(num_embeddings=5, embedding_dim=2, name="t0", feature_names=KEYS)]
+    ebc = EmbeddingBagCollection(tables, sparse=True, backend="torch")
+    step = _compiled(lambda features: ebc(features).values().sum(), backend="aot_eager")
+    with pytest.raises(Exception, match=r"sparse_grad=True \(sparse COO table gradients\) is not supported"):
+        step(_kjt(0))
+
+
 def test_value_checks_raise_from_compiled_graphs() -> None:
     """Checks that read tensor contents run inside the ops at run time: the same compiled graph that ran a good
     batch rejects a bad one with the eager error."""
