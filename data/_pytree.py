@@ -1,8 +1,10 @@
 """Register the sparse types as pytree nodes, so ``torch.utils._pytree.tree_map`` (device moves of whole batches),
-``torch.export`` and ``torch.compile`` see their tensors as leaves and rebuild them from a static context."""
+``torch.export`` and ``torch.compile`` see their tensors as leaves and rebuild them from a static context (with key
+paths, and JSON contexts so that ``torch.export.save`` / ``load`` round-trip programs taking them)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -59,6 +61,40 @@ def _unflatten_kt(children: list[Any], context: tuple) -> KeyedTensor:
     return KeyedTensor(keys, length_per_key, children[0], key_dim)
 
 
+def _child_names(obj: object, context: Any) -> tuple[str, ...]:
+    """The attribute each child comes from: named in the context for the jagged types, ``_values`` for KeyedTensor."""
+    if isinstance(obj, KeyedJaggedTensor):
+        return context[0]
+    if isinstance(obj, JaggedTensor):
+        return context
+    return ("_values",)
+
+
+def _with_keys(flatten: Any) -> Any:
+    """``flatten_with_keys`` from ``flatten`` (``torch.export`` names every input leaf by its key path)."""
+
+    def flatten_with_keys(obj: object) -> tuple[list[tuple[pytree.KeyEntry, Any]], Any]:
+        children, context = flatten(obj)
+        names = _child_names(obj, context)
+        return [(pytree.GetAttrKey(name), child) for name, child in zip(names, children, strict=True)], context
+
+    return flatten_with_keys
+
+
+def _context_from_json(cls: type) -> Any:
+    """The inverse of ``json.dumps`` of a context (which turns tuples into lists), for ``torch.export.load``."""
+
+    def load(dumped: str) -> Any:
+        context = json.loads(dumped)
+        if cls is JaggedTensor:
+            return tuple(context)
+        if cls is KeyedJaggedTensor:
+            return (tuple(context[0]), *context[1:])
+        return tuple(context)
+
+    return load
+
+
 def register() -> None:
     """Idempotent: registering twice (e.g. a module reload in a notebook) is a no-op."""
     for cls, flatten, unflatten in (
@@ -67,4 +103,12 @@ def register() -> None:
         (KeyedTensor, _flatten_kt, _unflatten_kt),
     ):
         if cls not in pytree.SUPPORTED_NODES:
-            pytree.register_pytree_node(cls, flatten, unflatten, serialized_type_name=f"tritonrec.data.{cls.__name__}")
+            pytree.register_pytree_node(
+                cls,
+                flatten,
+                unflatten,
+                serialized_type_name=f"tritonrec.data.{cls.__name__}",
+                to_dumpable_context=json.dumps,
+                from_dumpable_context=_context_from_json(cls),
+                flatten_with_keys_fn=_with_keys(flatten),
+            )

@@ -1,5 +1,6 @@
 """Triton kernels with pure-torch twins. Each op lives in its own module (kernel, launcher, ``<op>_reference``,
-public function); the public ops are re-exported here. See :mod:`tritonrec.kernels.backend` for dispatch."""
+public function, and the ``torch.ops.tritonrec`` operator behind it); the public ops are re-exported here. See
+:mod:`tritonrec.kernels.backend` for dispatch and :mod:`tritonrec.kernels.library` for the operators."""
 
 from tritonrec.kernels.backend import Backend, autotune_enabled, resolve_backend, set_autotune
 from tritonrec.kernels.block_bucketize import block_bucketize_sparse_features, block_bucketize_sparse_features_reference

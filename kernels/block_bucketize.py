@@ -30,6 +30,7 @@ from tritonrec.kernels.checks import (
     value_checks_enabled,
 )
 from tritonrec.kernels.lengths_to_offsets import lengths_to_offsets
+from tritonrec.kernels.library import custom_op, optional_outputs
 
 # Per-bucket counters live in registers as a [BLOCK, NUM_BUCKETS_P2] one-hot tile; beyond this the twin runs.
 _MAX_TRITON_BUCKETS = 8192
@@ -300,6 +301,10 @@ def _check_bucketize_inputs(
         check_tensor(weights, "weights", ndim=1)
         if weights.numel() != indices.numel():
             raise ValueError(f"weights must have one entry per index ({indices.numel()}), got {weights.numel()}")
+
+
+def _check_bucketize_values(lengths: torch.Tensor, indices: torch.Tensor, block_sizes: torch.Tensor) -> None:
+    """Value checks (read tensor contents): run inside the op, at run time."""
     if value_checks_enabled():
         check_lengths_total(lengths, "lengths", indices.numel(), what="indices")
         check_nonnegative(indices, "indices")
@@ -321,12 +326,67 @@ def block_bucketize_sparse_features(
 ) -> Outputs:
     """``lengths [T * B]``, ``indices [N]``, ``block_sizes [T]`` -> ``(new_lengths [num_buckets * T * B],
     new_indices [N], new_weights [N] | None, new_pos [N] | None, unbucketize_permute [N] | None)``.
-    See the module docstring for the bucket rule and layout."""
+    See the module docstring for the bucket rule and layout. Differentiable in ``weights`` (the other outputs are
+    integers)."""
     _check_bucketize_inputs(lengths, indices, block_sizes, num_buckets, weights)
     resolved = resolve_backend(backend, lengths, indices)
     if resolved == "triton" and num_buckets > _MAX_TRITON_BUCKETS:
         if backend == "triton":
             raise ValueError(f"backend='triton' supports num_buckets <= {_MAX_TRITON_BUCKETS}, got {num_buckets}")
         resolved = "torch"
-    run = _block_bucketize_triton if resolved == "triton" else block_bucketize_sparse_features_reference
-    return run(lengths, indices, block_sizes, num_buckets, weights, bucketize_pos, sequence, keep_orig_idx)
+    outputs = _block_bucketize_op(
+        lengths, indices, block_sizes, num_buckets, weights, bucketize_pos, sequence, keep_orig_idx, resolved
+    )
+    new_lengths, new_indices, *optional = outputs
+    return new_lengths, new_indices, *optional_outputs(optional, (weights is not None, bucketize_pos, sequence))
+
+
+# --------------------------------------------------------------------------------------------------- the ops
+@custom_op("block_bucketize_sparse_features")
+def _block_bucketize_op(
+    lengths: torch.Tensor,
+    indices: torch.Tensor,
+    block_sizes: torch.Tensor,
+    num_buckets: int,
+    weights: torch.Tensor | None,
+    bucketize_pos: bool,
+    sequence: bool,
+    keep_orig_idx: bool,
+    backend: str,
+) -> list[torch.Tensor]:
+    """``[new_lengths, new_indices]`` then, in order, whichever of new_weights / new_pos / unbucketize_permute
+    exist (an op returns no ``None`` inside a list)."""
+    _check_bucketize_values(lengths, indices, block_sizes)
+    run = _block_bucketize_triton if backend == "triton" else block_bucketize_sparse_features_reference
+    outputs = run(lengths, indices, block_sizes, num_buckets, weights, bucketize_pos, sequence, keep_orig_idx)
+    return [t for t in outputs if t is not None]
+
+
+@_block_bucketize_op.register_fake
+def _(lengths, indices, block_sizes, num_buckets, weights, bucketize_pos, sequence, keep_orig_idx, backend):
+    out = [lengths.new_empty(num_buckets * lengths.shape[0]), torch.empty_like(indices)]
+    out += [] if weights is None else [torch.empty_like(weights)]
+    return out + [torch.empty_like(indices) for flag in (bucketize_pos, sequence) if flag]
+
+
+def _block_bucketize_setup(ctx, inputs, output) -> None:
+    lengths, indices, block_sizes, num_buckets, weights, *_, backend = inputs
+    ctx.save_for_backward(lengths, indices, block_sizes)
+    ctx.num_buckets, ctx.backend = num_buckets, backend
+    ctx.weights_need = weights is not None and weights.requires_grad
+
+
+def _block_bucketize_grad(ctx, grads):
+    """Only ``weights`` is differentiable: ``new_weights[unbucketize[j]] = weights[j]``, so its gradient gathers
+    the output gradient through ``unbucketize_permute``, recomputed here (forward callers rarely ask for it)."""
+    grad_weights = None
+    if ctx.weights_need and grads[2] is not None:
+        lengths, indices, block_sizes = ctx.saved_tensors
+        unbucketize = torch.ops.tritonrec.block_bucketize_sparse_features(
+            lengths, indices, block_sizes, ctx.num_buckets, None, False, True, False, ctx.backend
+        )[2]
+        grad_weights = grads[2].index_select(0, unbucketize)
+    return None, None, None, None, grad_weights, None, None, None, None
+
+
+_block_bucketize_op.register_autograd(_block_bucketize_grad, setup_context=_block_bucketize_setup)

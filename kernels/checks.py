@@ -5,7 +5,10 @@ Two kinds of check:
 * metadata checks (rank, dtype, device, sizes) are free and always run;
 * value checks (negative lengths, out-of-range indices, offsets that do not match values) read tensor contents, which
   costs a device sync on CUDA. They run by default everywhere; production GPU jobs that have validated their data
-  pipeline may switch them off with ``TRITONREC_VALUE_CHECKS=0`` or :func:`set_value_checks`.
+  pipeline may switch them off with ``TRITONREC_VALUE_CHECKS=0`` or :func:`set_value_checks`. While dynamo traces
+  (``torch.compile``, ``torch.export``) they are skipped: a traced graph cannot read tensor contents. The ops' own
+  value checks run inside their implementations, at run time, also in compiled graphs (see
+  :mod:`tritonrec.kernels.library`).
 
 Shape and value problems raise ``ValueError``; a wrong dtype or Python type raises ``TypeError``.
 """
@@ -28,6 +31,9 @@ def set_value_checks(enabled: bool | None) -> None:
 
 
 def value_checks_enabled() -> bool:
+    """Whether value checks run: the override, else ``TRITONREC_VALUE_CHECKS``; never while dynamo traces."""
+    if torch.compiler.is_compiling():
+        return False
     if _value_checks_override is not None:
         return _value_checks_override
     return os.environ.get("TRITONREC_VALUE_CHECKS", "1").lower() not in ("0", "false", "off", "no")

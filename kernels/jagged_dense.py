@@ -7,7 +7,7 @@ is the caller's explicit truncation length, as in FBGEMM and torchrec's ``to_pad
 zeros for the rows that were cut. Rows of ``values`` past ``offsets[-1]`` are never read.
 
 Each op's backward is the other op, so ``jagged_to_padded_dense`` then ``dense_to_jagged`` is the identity on
-everything that fits.
+everything that fits. Both are ``torch.ops.tritonrec`` custom ops (:mod:`tritonrec.kernels.library`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from tritonrec.kernels._triton import tl, triton
 from tritonrec.kernels.backend import Backend, autotune, pow2_bucket, resolve_backend
 from tritonrec.kernels.checks import check_offsets, check_same_device, check_tensor
+from tritonrec.kernels.library import custom_op, dynamic_size
 
 
 def _tile_configs() -> list:
@@ -121,11 +122,15 @@ def _jagged_to_padded_dense_triton(
     return out.reshape(batch, max_len, *values.shape[1:])
 
 
-def _dense_to_jagged_triton(dense: torch.Tensor, offsets: torch.Tensor, total_len: int) -> torch.Tensor:
+def _dense_to_jagged_triton(
+    dense: torch.Tensor, offsets: torch.Tensor, total_len: int, zero_tail: bool = False
+) -> torch.Tensor:
+    """``zero_tail``: ``total_len`` may exceed ``offsets[-1]`` and the rows past it (which no bag writes) are zeros;
+    a zero-filled allocation costs less than reading ``offsets[-1]`` back from the device."""
     batch, s = dense.shape[0], dense.shape[1]
     d = _row_width(dense, first_feature_dim=2)
     dense_3d = dense.reshape(batch, s, d).contiguous()
-    out = torch.empty((total_len, d), dtype=dense.dtype, device=dense.device)
+    out = (torch.zeros if zero_tail else torch.empty)((total_len, d), dtype=dense.dtype, device=dense.device)
     if batch and d and total_len:
         block_d = _block_d(d)
         _dense_to_jagged_kernel[(batch, triton.cdiv(d, block_d))](
@@ -179,36 +184,109 @@ def dense_to_jagged_reference(dense: torch.Tensor, offsets: torch.Tensor, total_
     return rows.index_select(0, src)
 
 
-class _JaggedToPaddedDense(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, values, offsets, max_len, padding_value, use_triton):  # type: ignore[override]
-        ctx.save_for_backward(offsets)
-        ctx.num_values, ctx.use_triton = values.shape[0], use_triton
-        if use_triton:
-            return _jagged_to_padded_dense_triton(values, offsets, max_len, padding_value)
-        return jagged_to_padded_dense_reference(values, offsets, max_len, padding_value)
-
-    @staticmethod
-    def backward(ctx, grad_dense):  # type: ignore[override]
-        (offsets,) = ctx.saved_tensors
-        run = _dense_to_jagged_triton if ctx.use_triton else dense_to_jagged_reference
-        return run(grad_dense, offsets, ctx.num_values), None, None, None, None
+# --------------------------------------------------------------------------------------------------- the ops
+# Value checks run inside the implementations (real tensors, also in compiled graphs); the public functions only
+# check metadata.
 
 
-class _DenseToJagged(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, dense, offsets, total_len, use_triton):  # type: ignore[override]
-        ctx.save_for_backward(offsets)
-        ctx.dense_len, ctx.use_triton = dense.shape[1], use_triton
-        if use_triton:
-            return _dense_to_jagged_triton(dense, offsets, total_len)
-        return dense_to_jagged_reference(dense, offsets, total_len)
+@custom_op("jagged_to_padded_dense")
+def _jagged_to_padded_dense_op(
+    values: torch.Tensor, offsets: torch.Tensor, max_len: int, padding_value: float, backend: str
+) -> torch.Tensor:
+    check_offsets(offsets, "offsets", capacity=values.shape[0])
+    run = _jagged_to_padded_dense_triton if backend == "triton" else jagged_to_padded_dense_reference
+    return run(values, offsets, max_len, padding_value)
 
-    @staticmethod
-    def backward(ctx, grad_values):  # type: ignore[override]
-        (offsets,) = ctx.saved_tensors
-        run = _jagged_to_padded_dense_triton if ctx.use_triton else jagged_to_padded_dense_reference
-        return run(grad_values, offsets, ctx.dense_len, 0.0), None, None, None
+
+@_jagged_to_padded_dense_op.register_fake
+def _(values, offsets, max_len, padding_value, backend):
+    return values.new_empty((offsets.shape[0] - 1, max_len, *values.shape[1:]))
+
+
+@custom_op("jagged_to_padded_dense_backward")
+def _jagged_to_padded_dense_backward_op(
+    grad_dense: torch.Tensor, offsets: torch.Tensor, num_values: int, backend: str
+) -> torch.Tensor:
+    """``[B, S, *]`` -> ``[num_values, *]``: the gradient of every values row, zero for rows past ``offsets[-1]``
+    (never read by the forward)."""
+    grad_dense = grad_dense.contiguous()
+    if backend == "triton":
+        return _dense_to_jagged_triton(grad_dense, offsets, num_values, zero_tail=True)
+    grad = dense_to_jagged_reference(grad_dense, offsets)
+    if grad.shape[0] == num_values:
+        return grad
+    return torch.cat([grad, grad.new_zeros((num_values - grad.shape[0], *grad.shape[1:]))])
+
+
+@_jagged_to_padded_dense_backward_op.register_fake
+def _(grad_dense, offsets, num_values, backend):
+    return grad_dense.new_empty((num_values, *grad_dense.shape[2:]))
+
+
+def _jagged_to_padded_dense_setup(ctx, inputs, output) -> None:
+    values, offsets, _, _, backend = inputs
+    ctx.save_for_backward(offsets)
+    ctx.num_values, ctx.backend = values.shape[0], backend
+
+
+def _jagged_to_padded_dense_grad(ctx, grad_dense):
+    (offsets,) = ctx.saved_tensors
+    grad = torch.ops.tritonrec.jagged_to_padded_dense_backward(grad_dense, offsets, ctx.num_values, ctx.backend)
+    return grad, None, None, None, None
+
+
+_jagged_to_padded_dense_op.register_autograd(_jagged_to_padded_dense_grad, setup_context=_jagged_to_padded_dense_setup)
+
+
+def _backward_setup(ctx, inputs, output) -> None:
+    grad_dense, offsets, _, backend = inputs
+    ctx.save_for_backward(offsets)
+    ctx.dense_len, ctx.backend = grad_dense.shape[1], backend
+
+
+def _backward_grad(ctx, grad_grad_values):
+    """The backward is linear in ``grad_dense``: its own gradient pads back (double backward)."""
+    (offsets,) = ctx.saved_tensors
+    grad = torch.ops.tritonrec.jagged_to_padded_dense(
+        grad_grad_values.contiguous(), offsets, ctx.dense_len, 0.0, ctx.backend
+    )
+    return grad, None, None, None
+
+
+_jagged_to_padded_dense_backward_op.register_autograd(_backward_grad, setup_context=_backward_setup)
+
+
+@custom_op("dense_to_jagged")
+def _dense_to_jagged_op(
+    dense: torch.Tensor, offsets: torch.Tensor, total_len: int | None, backend: str
+) -> torch.Tensor:
+    check_offsets(offsets, "offsets", total=total_len)
+    total = int(offsets[-1].item()) if total_len is None else total_len
+    run = _dense_to_jagged_triton if backend == "triton" else dense_to_jagged_reference
+    return run(dense.contiguous(), offsets, total)
+
+
+@_dense_to_jagged_op.register_fake
+def _(dense, offsets, total_len, backend):
+    total = dynamic_size() if total_len is None else total_len
+    return dense.new_empty((total, *dense.shape[2:]))
+
+
+def _dense_to_jagged_setup(ctx, inputs, output) -> None:
+    dense, offsets, _, backend = inputs
+    ctx.save_for_backward(offsets)
+    ctx.dense_len, ctx.backend = dense.shape[1], backend
+
+
+def _dense_to_jagged_grad(ctx, grad_values):
+    (offsets,) = ctx.saved_tensors
+    grad = torch.ops.tritonrec.jagged_to_padded_dense(
+        grad_values.contiguous(), offsets, ctx.dense_len, 0.0, ctx.backend
+    )
+    return grad, None, None, None
+
+
+_dense_to_jagged_op.register_autograd(_dense_to_jagged_grad, setup_context=_dense_to_jagged_setup)
 
 
 def _check_jagged(values: torch.Tensor, offsets: torch.Tensor, values_name: str = "values") -> None:
@@ -229,16 +307,13 @@ def jagged_to_padded_dense(
     """``values [N] | [N, D]``, ``offsets [B + 1]`` -> ``[B, max_len] | [B, max_len, D]`` (differentiable in values).
 
     Bags shorter than ``max_len`` are padded with ``padding_value``; longer bags keep their first ``max_len`` rows.
+    The gradient has ``values``' full shape: rows past ``offsets[-1]`` (never read) get zeros.
     """
     _check_jagged(values, offsets)
     if not isinstance(max_len, int) or max_len < 0:
         raise ValueError(f"max_len must be a non-negative int, got max_len={max_len!r}")
-    check_offsets(offsets, "offsets", capacity=values.shape[0])
-    use_triton = resolve_backend(backend, values, offsets) == "triton"
-    if not (values.requires_grad and torch.is_grad_enabled()):  # no graph to record: skip the Function's overhead
-        run = _jagged_to_padded_dense_triton if use_triton else jagged_to_padded_dense_reference
-        return run(values, offsets, max_len, float(padding_value))
-    return _JaggedToPaddedDense.apply(values, offsets, max_len, float(padding_value), use_triton)
+    resolved = resolve_backend(backend, values, offsets)
+    return _jagged_to_padded_dense_op(values, offsets, max_len, float(padding_value), resolved)
 
 
 def dense_to_jagged(
@@ -246,8 +321,8 @@ def dense_to_jagged(
 ) -> torch.Tensor:
     """``dense [B, S] | [B, S, D]``, ``offsets [B + 1]`` -> jagged ``[total_len] | [total_len, D]`` (differentiable).
 
-    ``total_len`` defaults to ``offsets[-1]`` (passing it avoids a device sync). Rows past the dense length ``S``
-    are zeros.
+    ``total_len`` defaults to ``offsets[-1]`` (passing it avoids a device sync; under ``torch.compile`` the length
+    is then an unbacked size). Rows past the dense length ``S`` are zeros.
     """
     check_tensor(dense, "dense", ndim=(2, 3))
     check_tensor(offsets, "offsets", ndim=1, integer=True)
@@ -259,10 +334,4 @@ def dense_to_jagged(
         )
     if total_len is not None and (not isinstance(total_len, int) or total_len < 0):
         raise ValueError(f"total_len must be a non-negative int or None, got total_len={total_len!r}")
-    check_offsets(offsets, "offsets", total=total_len)
-    total = int(offsets[-1].item()) if total_len is None else total_len
-    use_triton = resolve_backend(backend, dense, offsets) == "triton"
-    if not (dense.requires_grad and torch.is_grad_enabled()):  # no graph to record: skip the Function's overhead
-        run = _dense_to_jagged_triton if use_triton else dense_to_jagged_reference
-        return run(dense, offsets, total)
-    return _DenseToJagged.apply(dense, offsets, total, use_triton)
+    return _dense_to_jagged_op(dense, offsets, total_len, resolve_backend(backend, dense, offsets))

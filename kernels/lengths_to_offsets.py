@@ -13,6 +13,7 @@ import torch
 from tritonrec.kernels._triton import tl, triton
 from tritonrec.kernels.backend import Backend, autotune, resolve_backend
 from tritonrec.kernels.checks import check_tensor
+from tritonrec.kernels.library import custom_op
 
 # A row with more than this many entries takes the three-launch path (launchers accept an override for tests).
 _MULTI_BLOCK_THRESHOLD = 1 << 16
@@ -103,9 +104,20 @@ def lengths_to_offsets(lengths: torch.Tensor, backend: Backend = "auto") -> torc
     that consume offsets check that.
     """
     check_tensor(lengths, "lengths", ndim=(1, 2), integer=True)
-    if resolve_backend(backend, lengths) == "triton":
+    return _lengths_to_offsets_op(lengths, resolve_backend(backend, lengths))
+
+
+@custom_op("lengths_to_offsets")
+def _lengths_to_offsets_op(lengths: torch.Tensor, backend: str) -> torch.Tensor:
+    """Integer in, integer out: no autograd formula (nothing to differentiate)."""
+    if backend == "triton":
         return _lengths_to_offsets_triton(lengths)
     return lengths_to_offsets_reference(lengths)
+
+
+@_lengths_to_offsets_op.register_fake
+def _(lengths, backend):
+    return lengths.new_empty((*lengths.shape[:-1], lengths.shape[-1] + 1))
 
 
 def offsets_to_lengths(offsets: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,15 @@ import torch
 from tritonrec.kernels._triton import tl, triton
 from tritonrec.kernels.backend import Backend, autotune, pow2_bucket, resolve_backend
 from tritonrec.kernels.checks import check_same_device, check_tensor
-from tritonrec.kernels.packing_plan import PackingPlan, bin_assignment, make_packing_plan
+from tritonrec.kernels.library import custom_op
+from tritonrec.kernels.packing_plan import (
+    PLAN_TENSORS,
+    PackingPlan,
+    bin_assignment,
+    make_packing_plan,
+    plan_args,
+    plan_from_args,
+)
 
 
 def _tile_configs() -> list:
@@ -295,40 +303,86 @@ def unpack_sequences_reference(packed: torch.Tensor, plan: PackingPlan, padding_
     return out.reshape(_source_shape(plan, feature))
 
 
-def _run_pack(values: torch.Tensor, plan: PackingPlan, padding_value: float, use_triton: bool):
-    return (_pack_triton if use_triton else pack_sequences_reference)(values, plan, padding_value)
+# --------------------------------------------------------------------------------------------------- the ops
+@custom_op("pack_sequences")
+def _pack_op(
+    values: torch.Tensor,
+    plan_tensors: list[torch.Tensor],
+    capacity: int | None,
+    padded_len: int | None,
+    plan_ints: list[int],
+    padding_value: float,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    plan = plan_from_args(plan_tensors, capacity, padded_len, plan_ints)
+    return (_pack_triton if backend == "triton" else pack_sequences_reference)(values, plan, padding_value)
 
 
-def _run_unpack(packed: torch.Tensor, plan: PackingPlan, padding_value: float, use_triton: bool) -> torch.Tensor:
-    return (_unpack_triton if use_triton else unpack_sequences_reference)(packed, plan, padding_value)
+@_pack_op.register_fake
+def _(values, plan_tensors, capacity, padded_len, plan_ints, padding_value, backend):
+    plan = plan_from_args(plan_tensors, capacity, padded_len, plan_ints)
+    shape = _packed_shape(plan, _feature_shape(plan, values))
+    id_shape = shape[: len(shape) - len(_feature_shape(plan, values))]
+    return (
+        values.new_empty(shape),
+        values.new_empty(id_shape, dtype=torch.int64),
+        values.new_empty(id_shape, dtype=torch.int32),
+    )
 
 
-class _PackSequences(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, values, plan, padding_value, use_triton):  # type: ignore[override]
-        tokens, positions, segments = _run_pack(values, plan, padding_value, use_triton)
-        ctx.plan, ctx.use_triton, ctx.source_shape = plan, use_triton, values.shape
-        ctx.mark_non_differentiable(positions, segments)
-        return tokens, positions, segments
-
-    @staticmethod
-    def backward(ctx, grad_tokens, _grad_positions, _grad_segments):  # type: ignore[override]
-        grad = _run_unpack(grad_tokens.contiguous(), ctx.plan, 0.0, ctx.use_triton)
-        if grad.shape[0] != ctx.source_shape[0]:  # jagged values may carry rows past offsets[-1]; they get no grad
-            grad = torch.cat([grad, grad.new_zeros((ctx.source_shape[0] - grad.shape[0], *grad.shape[1:]))])
-        return grad.reshape(ctx.source_shape), None, None, None
+@custom_op("unpack_sequences")
+def _unpack_op(
+    packed: torch.Tensor,
+    plan_tensors: list[torch.Tensor],
+    capacity: int | None,
+    padded_len: int | None,
+    plan_ints: list[int],
+    padding_value: float,
+    backend: str,
+) -> torch.Tensor:
+    plan = plan_from_args(plan_tensors, capacity, padded_len, plan_ints)
+    return (_unpack_triton if backend == "triton" else unpack_sequences_reference)(packed, plan, padding_value)
 
 
-class _UnpackSequences(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, packed, plan, padding_value, use_triton):  # type: ignore[override]
-        ctx.plan, ctx.use_triton = plan, use_triton
-        return _run_unpack(packed, plan, padding_value, use_triton)
+@_unpack_op.register_fake
+def _(packed, plan_tensors, capacity, padded_len, plan_ints, padding_value, backend):
+    plan = plan_from_args(plan_tensors, capacity, padded_len, plan_ints)
+    feature = tuple(packed.shape[2:] if plan.capacity is not None else packed.shape[1:])
+    return packed.new_empty(_source_shape(plan, feature))
 
-    @staticmethod
-    def backward(ctx, grad_source):  # type: ignore[override]
-        grad_packed, _, _ = _run_pack(grad_source.contiguous(), ctx.plan, 0.0, ctx.use_triton)
-        return grad_packed, None, None, None
+
+def _setup_plan(ctx, inputs) -> None:
+    _, plan_tensors, capacity, padded_len, plan_ints, _, backend = inputs
+    ctx.save_for_backward(*plan_tensors)
+    ctx.capacity, ctx.padded_len, ctx.plan_ints, ctx.backend = capacity, padded_len, plan_ints, backend
+
+
+def _pack_setup(ctx, inputs, output) -> None:
+    _setup_plan(ctx, inputs)
+    ctx.source_shape = inputs[0].shape
+    ctx.set_materialize_grads(True)
+
+
+def _pack_grad(ctx, grad_tokens, _grad_positions, _grad_segments):
+    plan = (list(ctx.saved_tensors), ctx.capacity, ctx.padded_len, ctx.plan_ints)
+    grad = torch.ops.tritonrec.unpack_sequences(grad_tokens.contiguous(), *plan, 0.0, ctx.backend)
+    if grad.shape[0] != ctx.source_shape[0]:  # jagged values may carry rows past offsets[-1]; they get no grad
+        grad = torch.cat([grad, grad.new_zeros((ctx.source_shape[0] - grad.shape[0], *grad.shape[1:]))])
+    return grad.reshape(ctx.source_shape), [None] * len(PLAN_TENSORS), None, None, None, None, None
+
+
+def _unpack_setup(ctx, inputs, output) -> None:
+    _setup_plan(ctx, inputs)
+
+
+def _unpack_grad(ctx, grad_source):
+    plan = (list(ctx.saved_tensors), ctx.capacity, ctx.padded_len, ctx.plan_ints)
+    grad_packed, _, _ = torch.ops.tritonrec.pack_sequences(grad_source.contiguous(), *plan, 0.0, ctx.backend)
+    return grad_packed, [None] * len(PLAN_TENSORS), None, None, None, None, None
+
+
+_pack_op.register_autograd(_pack_grad, setup_context=_pack_setup)
+_unpack_op.register_autograd(_unpack_grad, setup_context=_unpack_setup)
 
 
 class PackedSequences(tuple):
@@ -374,8 +428,8 @@ def pack_sequences(
     in ``values``.
     """
     _check_values(values, plan)
-    use_triton = resolve_backend(backend, values) == "triton"
-    tokens, positions, segments = _PackSequences.apply(values, plan, float(padding_value), use_triton)
+    resolved = resolve_backend(backend, values)
+    tokens, positions, segments = _pack_op(values, *plan_args(plan), float(padding_value), resolved)
     return PackedSequences(tokens, positions, segments, plan)
 
 
@@ -393,8 +447,7 @@ def unpack_sequences(
             f"packed must start with the plan's packed shape {expected} (then any feature dims), "
             f"got shape {tuple(packed.shape)}"
         )
-    use_triton = resolve_backend(backend, packed) == "triton"
-    return _UnpackSequences.apply(packed, plan, float(padding_value), use_triton)
+    return _unpack_op(packed, *plan_args(plan), float(padding_value), resolve_backend(backend, packed))
 
 
 __all__ = [

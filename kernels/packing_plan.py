@@ -84,6 +84,33 @@ class PackingPlan:
         return replace(self, **moved)
 
 
+# A plan travels into the pack / unpack ops as its tensors and its ints (op schemas take no dataclasses).
+PLAN_TENSORS = ("sequence_order", "bin_offsets", "cu_seqlens", "source_starts", "source_lengths", "packed_starts",
+                "bin_ids")  # fmt: skip
+
+
+def plan_args(plan: PackingPlan) -> tuple[list[torch.Tensor], int | None, int | None, list[int]]:
+    """``(tensors, capacity, padded_len, ints)``: the plan as op arguments (inverse of :func:`plan_from_args`)."""
+    tensors = [getattr(plan, name) for name in PLAN_TENSORS]
+    ints = [plan.num_source_rows, plan.num_slot_tokens, plan.max_seqlen, plan.pad_to_multiple]
+    return tensors, plan.capacity, plan.padded_len, ints
+
+
+def plan_from_args(
+    tensors: list[torch.Tensor], capacity: int | None, padded_len: int | None, ints: list[int]
+) -> PackingPlan:
+    num_source_rows, num_slot_tokens, max_seqlen, pad_to_multiple = ints
+    return PackingPlan(
+        **dict(zip(PLAN_TENSORS, tensors, strict=True)),
+        capacity=capacity,
+        padded_len=padded_len,
+        pad_to_multiple=pad_to_multiple,
+        num_source_rows=num_source_rows,
+        num_slot_tokens=num_slot_tokens,
+        max_seqlen=max_seqlen,
+    )
+
+
 def segment_owner(counts: torch.Tensor, total: int) -> torch.Tensor:
     """``[total]``: for every element of ``counts.numel()`` concatenated segments, the index of its segment
     (``total = counts.sum()``, passed so that CUDA needs no sync)."""

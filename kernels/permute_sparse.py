@@ -22,6 +22,7 @@ from tritonrec.kernels.checks import (
     value_checks_enabled,
 )
 from tritonrec.kernels.lengths_to_offsets import lengths_to_offsets
+from tritonrec.kernels.library import custom_op, dynamic_size
 
 
 @triton.jit
@@ -192,6 +193,10 @@ def _check_permute_inputs(
     check_same_device(permute=permute, lengths=lengths, values=values, weights=weights)
     if permuted_lengths_sum is not None and (not isinstance(permuted_lengths_sum, int) or permuted_lengths_sum < 0):
         raise ValueError(f"permuted_lengths_sum must be a non-negative int or None, got {permuted_lengths_sum!r}")
+
+
+def _check_permute_values(permute: torch.Tensor, lengths: torch.Tensor, values: torch.Tensor) -> None:
+    """Value checks (read tensor contents): run inside the op, at run time."""
     if value_checks_enabled():
         check_index_range(permute, "permute", lengths.shape[0], what="number of keys T")
         check_nonnegative(lengths, "lengths")
@@ -210,11 +215,15 @@ def permute_2d_sparse_data(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``permute [T']``, ``lengths [T, B]``, ``values [N, *]``, ``weights [N, *]`` ->
     ``(lengths [T', B], values [N', *], weights [N', *] | None)``; keys may repeat or be dropped.
+
+    Differentiable in floating ``values`` and ``weights`` (the gradient of a repeated key adds up, a dropped key's
+    is zero). ``N'`` is ``permuted_lengths_sum`` when given, else read from ``lengths`` (an unbacked size under
+    ``torch.compile``).
     """
     _check_permute_inputs(permute, lengths, values, weights, permuted_lengths_sum)
-    if resolve_backend(backend, lengths, values) == "triton":
-        return _permute_2d_triton(permute, lengths, values, weights, permuted_lengths_sum)
-    return permute_2d_sparse_data_reference(permute, lengths, values, weights, permuted_lengths_sum)
+    resolved = resolve_backend(backend, lengths, values)
+    out = _permute_2d_op(permute, lengths, values, weights, permuted_lengths_sum, resolved)
+    return out[0], out[1], out[2] if weights is not None else None
 
 
 def permute_1d_sparse_data(
@@ -232,3 +241,72 @@ def permute_1d_sparse_data(
         permute, lengths.reshape(-1, 1), values, weights, permuted_lengths_sum, backend
     )
     return out_lengths.reshape(-1), out_values, out_weights
+
+
+# --------------------------------------------------------------------------------------------------- the ops
+@custom_op("permute_2d_sparse_data")
+def _permute_2d_op(
+    permute: torch.Tensor,
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    permuted_lengths_sum: int | None,
+    backend: str,
+) -> list[torch.Tensor]:
+    """``[lengths, values]`` plus ``weights`` when given (an op returns no ``None`` inside a list)."""
+    _check_permute_values(permute, lengths, values)
+    run = _permute_2d_triton if backend == "triton" else permute_2d_sparse_data_reference
+    out_lengths, out_values, out_weights = run(permute, lengths, values, weights, permuted_lengths_sum)
+    return [out_lengths, out_values] + ([] if out_weights is None else [out_weights])
+
+
+@_permute_2d_op.register_fake
+def _(permute, lengths, values, weights, permuted_lengths_sum, backend):
+    total = dynamic_size() if permuted_lengths_sum is None else permuted_lengths_sum
+    out = [lengths.new_empty((permute.shape[0], lengths.shape[1])), values.new_empty((total, *values.shape[1:]))]
+    return out + ([] if weights is None else [weights.new_empty((total, *weights.shape[1:]))])
+
+
+@custom_op("permute_2d_sparse_data_backward")
+def _permute_2d_backward_op(
+    permute: torch.Tensor, lengths: torch.Tensor, grad: torch.Tensor, num_values: int
+) -> torch.Tensor:
+    """Gradient of the permuted rows ``grad [N', *]`` -> ``[num_values, *]``: every output row adds into the input
+    row it was copied from (torch ops on any device: a scatter-add, no kernel of its own)."""
+    key_sizes = lengths.sum(dim=1, dtype=torch.int64) if lengths.numel() else lengths.new_zeros(lengths.shape[0])
+    in_starts = torch.cumsum(key_sizes, 0).sub_(key_sizes)
+    permute = permute.to(device=lengths.device, dtype=torch.int64)
+    out_sizes = key_sizes.index_select(0, permute)
+    # Output row j of output key k came from input row in_starts[permute[k]] + (j - out_starts[k]).
+    shift = in_starts.index_select(0, permute) - (torch.cumsum(out_sizes, 0) - out_sizes)
+    source = torch.repeat_interleave(shift, out_sizes, output_size=grad.shape[0])
+    source += torch.arange(grad.shape[0], device=grad.device)
+    return grad.new_zeros((num_values, *grad.shape[1:])).index_add_(0, source, grad)
+
+
+@_permute_2d_backward_op.register_fake
+def _(permute, lengths, grad, num_values):
+    return grad.new_empty((num_values, *grad.shape[1:]))
+
+
+def _permute_2d_setup(ctx, inputs, output) -> None:
+    permute, lengths, values, weights, _, _ = inputs
+    ctx.save_for_backward(permute, lengths)
+    ctx.num_values = values.shape[0]
+    ctx.values_need = values.requires_grad
+    ctx.weights_need = weights is not None and weights.requires_grad
+
+
+def _permute_2d_grad(ctx, grads):
+    permute, lengths = ctx.saved_tensors
+    back = lambda g: (
+        None
+        if g is None
+        else torch.ops.tritonrec.permute_2d_sparse_data_backward(permute, lengths, g.contiguous(), ctx.num_values)
+    )
+    grad_values = back(grads[1]) if ctx.values_need else None
+    grad_weights = back(grads[2]) if ctx.weights_need else None
+    return None, None, grad_values, grad_weights, None, None
+
+
+_permute_2d_op.register_autograd(_permute_2d_grad, setup_context=_permute_2d_setup)

@@ -95,7 +95,7 @@ class EmbeddingBagCollection(TableBatchedCollection):
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=values)
 
     def _lookup(self, features: KeyedJaggedTensor, group_index: int, group: TableGroup) -> torch.Tensor:
-        inputs = self._group_inputs(features, group, self._is_weighted)
+        inputs = self._group_inputs(features, group, self._is_weighted, need_value_offsets=False)
         return pooled_embedding_lookup(
             group.weights,
             group.layout,

@@ -108,6 +108,11 @@ class EmbeddingFusedOptimizer(KeyedOptimizer):
     def __call__(self) -> EmbeddingFusedOptimizer:
         return self
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Everything (torch's Optimizer keeps only defaults, state and param_groups, which would leave a deep copy
+        of a fused module without its tables)."""
+        return self.__dict__.copy()
+
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         """No update (it already happened in the backward); checks the hyperparameters, so an invalid edit of
         ``param_groups`` raises here as well as at the next backward."""
@@ -210,6 +215,8 @@ class _FusedMixin:
                 tensor = getattr(state, name)
                 if tensor is not None and tensor.device != target:
                     setattr(state, name, tensor.to(target))
+            if state.trigger.device != target:  # a new leaf: a moved one would not be a leaf
+                state.trigger = torch.empty(0, device=target, requires_grad=True)
         self._optim.rebuild_state_views()
 
     @property

@@ -166,6 +166,8 @@ class QuantEmbeddingBagCollection(TableBatchedCollection):
         )
 
     def _ensure_packed(self) -> None:
+        if torch.compiler.is_compiling():  # see TableBatchedCollection._ensure_packed
+            return
         for group in getattr(self, "_quant_groups", []):
             if not group.is_packed():
                 group.repack()
@@ -175,7 +177,7 @@ class QuantEmbeddingBagCollection(TableBatchedCollection):
         self._ensure_packed()
         outputs = []
         for group in self._quant_groups:
-            inputs = self._group_inputs(features, group, self._is_weighted)  # type: ignore[arg-type]
+            inputs = self._group_inputs(features, group, self._is_weighted, False)  # type: ignore[arg-type]
             outputs.append(
                 quantized_pooled_lookup(
                     group.tables,

@@ -50,13 +50,14 @@ class TableGroup:
 @dataclass
 class GroupInputs:
     """One group's slice of a KJT: ``values [N_g]``, ``offsets [F_g * B + 1]``, optional ``weights [N_g]``,
-    ``lengths [F_g * B]`` and the per-feature value spans ``value_offsets [F_g + 1]`` (host ints)."""
+    ``lengths [F_g * B]`` and the per-feature value spans ``value_offsets [F_g + 1]`` (host ints; ``None`` when not
+    asked for, which saves pooled lookups a host read)."""
 
     values: torch.Tensor
     offsets: torch.Tensor
     weights: torch.Tensor | None
     lengths: torch.Tensor
-    value_offsets: list[int]
+    value_offsets: list[int] | None
 
 
 def validate_tables(tables: object, config_type: type, module_name: str) -> list[BaseEmbeddingConfig]:
@@ -165,6 +166,10 @@ def pooled_column_order(
     return None if order == list(range(len(order))) else order
 
 
+def _repack_after_load(module: TableBatchedCollection, incompatible_keys: object) -> None:
+    module._ensure_packed()
+
+
 class TableBatchedCollection(nn.Module):
     """Base of the embedding collections: owns the groups and turns a KJT into per-group kernel inputs."""
 
@@ -175,14 +180,26 @@ class TableBatchedCollection(nn.Module):
         self.bounds_check = bounds_check
         self.backend: Backend = backend
         self._groups: list[TableGroup] = []
+        # load_state_dict(assign=True) replaces the parameters: re-pack at once, not only at the next eager forward
+        self.register_load_state_dict_post_hook(_repack_after_load)
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
         super()._apply(fn, recurse)
         self._ensure_packed()
         return self
 
+    def __setstate__(self, state: dict) -> None:
+        """``deepcopy`` / unpickling clone each Parameter on its own: re-pack the copies into one buffer again."""
+        super().__setstate__(state)
+        self._ensure_packed()
+
     def _ensure_packed(self) -> bool:
-        """Re-pack every group whose parameters no longer alias its flat buffer; True if any was re-packed."""
+        """Re-pack every group whose parameters no longer alias its flat buffer; True if any was re-packed.
+
+        Not while dynamo traces (it cannot read addresses): a compiled forward relies on ``.to()`` and
+        ``load_state_dict`` having re-packed already (both do, see ``_apply`` and the load hook)."""
+        if torch.compiler.is_compiling():
+            return False
         repacked = False
         for group in self._groups:
             if not is_packed(group):
@@ -190,7 +207,9 @@ class TableBatchedCollection(nn.Module):
                 repacked = True
         return repacked
 
-    def _group_inputs(self, features: KeyedJaggedTensor, group: TableGroup, need_weights: bool) -> GroupInputs:
+    def _group_inputs(
+        self, features: KeyedJaggedTensor, group: TableGroup, need_weights: bool, need_value_offsets: bool = True
+    ) -> GroupInputs:
         """The KJT's tensors restricted to (and ordered like) the group's features; no copy when the KJT already
         is. Built from per-key slices (not ``KJT.permute``) so gradients flow back to the KJT's weights."""
         if not isinstance(features, KeyedJaggedTensor):
@@ -205,9 +224,8 @@ class TableBatchedCollection(nn.Module):
             raise ValueError(f"{type(self).__name__} was built with is_weighted=True but features has no weights")
         names = list(group.feature_names)
         if features.keys() == names:
-            return GroupInputs(
-                features.values(), features.offsets(), weights, features.lengths(), features.offset_per_key()
-            )
+            value_offsets = features.offset_per_key() if need_value_offsets else None
+            return GroupInputs(features.values(), features.offsets(), weights, features.lengths(), value_offsets)
         index = features.index_per_key()
         missing = [n for n in names if n not in index]
         if missing:

@@ -62,6 +62,7 @@ from tritonrec.kernels.codecs.rowwise import (
     padded_groups,
     tile_configs,
 )
+from tritonrec.kernels.library import custom_op, seed_arg, seed_from_arg
 from tritonrec.kernels.random_bits import random_bits, random_bits_range_int32
 
 
@@ -288,11 +289,9 @@ def quantize_fp8_rowwise(
     spec = check_format(fmt, FP8_FORMATS)
     check_seed(seed)
     launch_geometry(input, row_dim)  # shape check before any work
-    if check_nonfinite_policy(nonfinite) == "raise":
-        raise_if_nonfinite(input)
-    if resolve_backend(backend, input) == "triton":
-        return _quantize_fp8_triton(input, row_dim, spec, bool(stochastic_rounding), seed)
-    return quantize_fp8_rowwise_reference(input, row_dim, str(fmt), bool(stochastic_rounding), seed)
+    policy = check_nonfinite_policy(nonfinite)
+    resolved = resolve_backend(backend, input)
+    return _quantize_fp8_op(input, row_dim, spec.name, bool(stochastic_rounding), seed_arg(seed), policy, resolved)
 
 
 def dequantize_fp8_rowwise(
@@ -308,6 +307,37 @@ def dequantize_fp8_rowwise(
     spec = check_format(fmt, FP8_FORMATS)
     units = check_encoded(input, fp8_row_bytes(row_dim), "FP8 rows")
     check_output_dtype(output_dtype)
-    if resolve_backend(backend, input) == "triton":
-        return _dequantize_fp8_triton(input, row_dim, spec, units, output_dtype)
-    return dequantize_fp8_rowwise_reference(input, row_dim, str(fmt), output_dtype)
+    return _dequantize_fp8_op(input, row_dim, spec.name, units, output_dtype, resolve_backend(backend, input))
+
+
+# --------------------------------------------------------------------------------------------------- the ops
+# Bytes out / bytes in: neither op has a gradient.
+@custom_op("quantize_fp8_rowwise")
+def _quantize_fp8_op(
+    input: torch.Tensor, row_dim: int, fmt: str, stochastic_rounding: bool, seed: int, nonfinite: str, backend: str
+) -> torch.Tensor:
+    if nonfinite == "raise":
+        raise_if_nonfinite(input)
+    seed = seed_from_arg(seed)
+    if backend == "triton":
+        return _quantize_fp8_triton(input, row_dim, FP8_FORMATS[fmt], stochastic_rounding, seed)
+    return quantize_fp8_rowwise_reference(input, row_dim, fmt, stochastic_rounding, seed)
+
+
+@_quantize_fp8_op.register_fake
+def _(input, row_dim, fmt, stochastic_rounding, seed, nonfinite, backend):
+    return input.new_empty(encoded_shape(input, row_dim, fp8_row_bytes(row_dim)), dtype=torch.uint8)
+
+
+@custom_op("dequantize_fp8_rowwise")
+def _dequantize_fp8_op(
+    input: torch.Tensor, row_dim: int, fmt: str, units: int, output_dtype: torch.dtype, backend: str
+) -> torch.Tensor:
+    if backend == "triton":
+        return _dequantize_fp8_triton(input, row_dim, FP8_FORMATS[fmt], units, output_dtype)
+    return dequantize_fp8_rowwise_reference(input, row_dim, fmt, output_dtype)
+
+
+@_dequantize_fp8_op.register_fake
+def _(input, row_dim, fmt, units, output_dtype, backend):
+    return input.new_empty(decoded_shape(input, units, row_dim), dtype=output_dtype)

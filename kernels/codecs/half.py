@@ -31,6 +31,7 @@ from tritonrec.kernels.codecs.formats import (
     check_seed,
     raise_if_nonfinite,
 )
+from tritonrec.kernels.library import custom_op, seed_arg, seed_from_arg
 from tritonrec.kernels.random_bits import random_bits, random_bits_range_int32, stream_key_args
 
 
@@ -274,11 +275,9 @@ def quantize_half(
     check_format(fmt, HALF_FORMATS)
     scale32 = check_loss_scale(loss_scale)
     check_seed(seed)
-    if check_nonfinite_policy(nonfinite) == "raise":
-        raise_if_nonfinite(input)
-    if resolve_backend(backend, input) == "triton":
-        return _quantize_half_triton(input, fmt, scale32, bool(stochastic_rounding), seed)
-    return quantize_half_reference(input, fmt, scale32, bool(stochastic_rounding), seed)
+    policy = check_nonfinite_policy(nonfinite)
+    resolved = resolve_backend(backend, input)
+    return _quantize_half_op(input, str(fmt), scale32, bool(stochastic_rounding), seed_arg(seed), policy, resolved)
 
 
 def dequantize_half(
@@ -292,6 +291,68 @@ def dequantize_half(
     check_tensor(input, "input", dtypes=(torch.float16, torch.bfloat16))
     scale32 = check_loss_scale(loss_scale)
     check_output_dtype(output_dtype)
-    if resolve_backend(backend, input) == "triton":
-        return _dequantize_half_triton(input, scale32, output_dtype)
-    return dequantize_half_reference(input, scale32, output_dtype)
+    return _dequantize_half_op(input, scale32, output_dtype, resolve_backend(backend, input))
+
+
+# --------------------------------------------------------------------------------------------------- the ops
+# Gradients are straight-through, as for torch's dtype casts: rounding counts as the identity, so encode passes
+# ``grad * loss_scale`` back in fp32 and decode ``grad / loss_scale`` in the codes' dtype.
+@custom_op("quantize_half")
+def _quantize_half_op(
+    input: torch.Tensor,
+    fmt: str,
+    loss_scale: float | None,
+    stochastic_rounding: bool,
+    seed: int,
+    nonfinite: str,
+    backend: str,
+) -> torch.Tensor:
+    if nonfinite == "raise":
+        raise_if_nonfinite(input)
+    seed = seed_from_arg(seed)
+    if backend == "triton":
+        return _quantize_half_triton(input, fmt, loss_scale, stochastic_rounding, seed)
+    return quantize_half_reference(input, fmt, loss_scale, stochastic_rounding, seed)
+
+
+@_quantize_half_op.register_fake
+def _(input, fmt, loss_scale, stochastic_rounding, seed, nonfinite, backend):
+    return torch.empty_like(input, dtype=HALF_DTYPES[fmt])
+
+
+def _quantize_half_setup(ctx, inputs, output) -> None:
+    ctx.loss_scale = inputs[2]
+
+
+def _quantize_half_grad(ctx, grad):
+    grad = grad.float() if ctx.loss_scale is None else grad.float() * ctx.loss_scale
+    return grad, None, None, None, None, None, None
+
+
+_quantize_half_op.register_autograd(_quantize_half_grad, setup_context=_quantize_half_setup)
+
+
+@custom_op("dequantize_half")
+def _dequantize_half_op(
+    input: torch.Tensor, loss_scale: float | None, output_dtype: torch.dtype, backend: str
+) -> torch.Tensor:
+    if backend == "triton":
+        return _dequantize_half_triton(input, loss_scale, output_dtype)
+    return dequantize_half_reference(input, loss_scale, output_dtype)
+
+
+@_dequantize_half_op.register_fake
+def _(input, loss_scale, output_dtype, backend):
+    return torch.empty_like(input, dtype=output_dtype)
+
+
+def _dequantize_half_setup(ctx, inputs, output) -> None:
+    ctx.loss_scale, ctx.code_dtype = inputs[1], inputs[0].dtype
+
+
+def _dequantize_half_grad(ctx, grad):
+    grad = grad.float() if ctx.loss_scale is None else grad.float() / ctx.loss_scale
+    return grad.to(ctx.code_dtype), None, None, None
+
+
+_dequantize_half_op.register_autograd(_dequantize_half_grad, setup_context=_dequantize_half_setup)

@@ -49,6 +49,7 @@ from tritonrec.kernels.codecs.rowwise import (
     padded_groups,
     tile_configs,
 )
+from tritonrec.kernels.library import custom_op, seed_arg, seed_from_arg
 from tritonrec.kernels.random_bits import random_bits, random_bits_range_int32
 
 _INV_2_POW_24 = 5.9604644775390625e-08  # 2**-24: turns 24 random bits into a uniform fp32 in [0, 1), exactly
@@ -269,11 +270,9 @@ def quantize_int8_rowwise(
     check_row_dim(row_dim)
     check_seed(seed)
     launch_geometry(input, row_dim)  # shape check before any work
-    if check_nonfinite_policy(nonfinite) == "raise":
-        _raise_if_unencodable(input, row_dim)
-    if resolve_backend(backend, input) == "triton":
-        return _quantize_int8_triton(input, row_dim, bool(stochastic_rounding), seed)
-    return quantize_int8_rowwise_reference(input, row_dim, bool(stochastic_rounding), seed)
+    policy = check_nonfinite_policy(nonfinite)
+    resolved = resolve_backend(backend, input)
+    return _quantize_int8_op(input, row_dim, bool(stochastic_rounding), seed_arg(seed), policy, resolved)
 
 
 def dequantize_int8_rowwise(
@@ -287,6 +286,37 @@ def dequantize_int8_rowwise(
     check_row_dim(row_dim)
     units = check_encoded(input, int8_row_bytes(row_dim), "INT8 rows")
     check_output_dtype(output_dtype)
-    if resolve_backend(backend, input) == "triton":
+    return _dequantize_int8_op(input, row_dim, units, output_dtype, resolve_backend(backend, input))
+
+
+# --------------------------------------------------------------------------------------------------- the ops
+# Bytes out / bytes in: neither op has a gradient.
+@custom_op("quantize_int8_rowwise")
+def _quantize_int8_op(
+    input: torch.Tensor, row_dim: int, stochastic_rounding: bool, seed: int, nonfinite: str, backend: str
+) -> torch.Tensor:
+    if nonfinite == "raise":
+        _raise_if_unencodable(input, row_dim)
+    seed = seed_from_arg(seed)
+    if backend == "triton":
+        return _quantize_int8_triton(input, row_dim, stochastic_rounding, seed)
+    return quantize_int8_rowwise_reference(input, row_dim, stochastic_rounding, seed)
+
+
+@_quantize_int8_op.register_fake
+def _(input, row_dim, stochastic_rounding, seed, nonfinite, backend):
+    return input.new_empty(encoded_shape(input, row_dim, int8_row_bytes(row_dim)), dtype=torch.uint8)
+
+
+@custom_op("dequantize_int8_rowwise")
+def _dequantize_int8_op(
+    input: torch.Tensor, row_dim: int, units: int, output_dtype: torch.dtype, backend: str
+) -> torch.Tensor:
+    if backend == "triton":
         return _dequantize_int8_triton(input, row_dim, units, output_dtype)
     return dequantize_int8_rowwise_reference(input, row_dim, output_dtype)
+
+
+@_dequantize_int8_op.register_fake
+def _(input, row_dim, units, output_dtype, backend):
+    return input.new_empty(decoded_shape(input, units, row_dim), dtype=output_dtype)

@@ -61,6 +61,7 @@ from tritonrec.kernels.codecs.rowwise import (
     padded_groups,
     tile_configs,
 )
+from tritonrec.kernels.library import custom_op, seed_arg, seed_from_arg
 from tritonrec.kernels.random_bits import random_bits, random_bits_range_int32
 
 _E2M1 = FP4_E2M1
@@ -259,11 +260,9 @@ def quantize_mx4(
     check_row_dim(group_size, "group_size", even=True)
     check_seed(seed)
     launch_geometry(input, group_size)  # shape check before any work
-    if check_nonfinite_policy(nonfinite) == "raise":
-        raise_if_nonfinite(input)
-    if resolve_backend(backend, input) == "triton":
-        return _quantize_mx4_triton(input, group_size, bool(stochastic_rounding), seed)
-    return quantize_mx4_reference(input, group_size, bool(stochastic_rounding), seed)
+    policy = check_nonfinite_policy(nonfinite)
+    resolved = resolve_backend(backend, input)
+    return _quantize_mx4_op(input, group_size, bool(stochastic_rounding), seed_arg(seed), policy, resolved)
 
 
 def dequantize_mx4(
@@ -277,6 +276,37 @@ def dequantize_mx4(
     check_row_dim(group_size, "group_size", even=True)
     units = check_encoded(input, mx4_group_bytes(group_size), "MX4 groups")
     check_output_dtype(output_dtype)
-    if resolve_backend(backend, input) == "triton":
+    return _dequantize_mx4_op(input, group_size, units, output_dtype, resolve_backend(backend, input))
+
+
+# --------------------------------------------------------------------------------------------------- the ops
+# Bytes out / bytes in: neither op has a gradient.
+@custom_op("quantize_mx4")
+def _quantize_mx4_op(
+    input: torch.Tensor, group_size: int, stochastic_rounding: bool, seed: int, nonfinite: str, backend: str
+) -> torch.Tensor:
+    if nonfinite == "raise":
+        raise_if_nonfinite(input)
+    seed = seed_from_arg(seed)
+    if backend == "triton":
+        return _quantize_mx4_triton(input, group_size, stochastic_rounding, seed)
+    return quantize_mx4_reference(input, group_size, stochastic_rounding, seed)
+
+
+@_quantize_mx4_op.register_fake
+def _(input, group_size, stochastic_rounding, seed, nonfinite, backend):
+    return input.new_empty(encoded_shape(input, group_size, mx4_group_bytes(group_size)), dtype=torch.uint8)
+
+
+@custom_op("dequantize_mx4")
+def _dequantize_mx4_op(
+    input: torch.Tensor, group_size: int, units: int, output_dtype: torch.dtype, backend: str
+) -> torch.Tensor:
+    if backend == "triton":
         return _dequantize_mx4_triton(input, group_size, units, output_dtype)
     return dequantize_mx4_reference(input, group_size, output_dtype)
+
+
+@_dequantize_mx4_op.register_fake
+def _(input, group_size, units, output_dtype, backend):
+    return input.new_empty(decoded_shape(input, units, group_size), dtype=output_dtype)

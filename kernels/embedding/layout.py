@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import enum
 import itertools
+import json
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -99,6 +101,8 @@ class TableBatchedLayout:
 
     ``feature_tables[f]`` is the table feature ``f`` reads; ``feature_names`` only serve error messages. The pooled
     output of a batch is ``[B, total_dim]`` with feature ``f`` at columns ``feature_out_offsets[f]:... + dim``.
+    ``op_key`` is the string that stands for the layout in ``torch.ops.tritonrec`` calls (see
+    :func:`layout_from_op_key`).
     """
 
     def __init__(
@@ -130,6 +134,7 @@ class TableBatchedLayout:
         self.feature_out_offsets = _cumsum(self.feature_dims)
         self.warned_out_of_bounds = False
         self._device_cache: dict[torch.device, LayoutTensors] = {}
+        self.op_key = _register_layout(self)
 
     @property
     def num_tables(self) -> int:
@@ -195,9 +200,45 @@ class TableBatchedLayout:
             self._device_cache[device] = cached
         return cached
 
+    def __setstate__(self, state: dict) -> None:
+        """Copies (``copy``, ``deepcopy``, unpickling) are new layouts: they get an op key of their own."""
+        self.__dict__.update(state)
+        self.op_key = _register_layout(self)
+
     def __repr__(self) -> str:
         tables = ", ".join(f"{t.name or i}:{t.num_rows}x{t.dim}/{t.pooling.name}" for i, t in enumerate(self.tables))
         return f"TableBatchedLayout(tables=[{tables}], feature_tables={list(self.feature_tables)})"
+
+
+# Ops take a layout as a string (op schemas hold no Python objects): a per-instance token, so each layout keeps its
+# own warn-once flag and device tensors, plus the full description, so an exported graph rebuilds the layout in a
+# process where the original object does not exist.
+_LAYOUT_TOKENS = itertools.count()
+_LIVE_LAYOUTS: weakref.WeakValueDictionary[str, TableBatchedLayout] = weakref.WeakValueDictionary()
+
+
+def _register_layout(layout: TableBatchedLayout) -> str:
+    description = {
+        "tables": [[t.num_rows, t.dim, int(t.pooling), t.name] for t in layout.tables],
+        "feature_tables": list(layout.feature_tables),
+        "feature_names": list(layout.feature_names),
+    }
+    key = f"{next(_LAYOUT_TOKENS)}:{json.dumps(description, separators=(',', ':'))}"
+    _LIVE_LAYOUTS[key] = layout
+    return key
+
+
+def layout_from_op_key(key: str) -> TableBatchedLayout:
+    """The layout whose :attr:`TableBatchedLayout.op_key` is ``key`` (rebuilt from the key if it no longer lives)."""
+    layout = _LIVE_LAYOUTS.get(key)
+    if layout is None:
+        description = json.loads(key.split(":", 1)[1])
+        tables = [
+            TableSpec(rows, dim, PoolingMode(pooling), name) for rows, dim, pooling, name in description["tables"]
+        ]
+        layout = TableBatchedLayout(tables, description["feature_tables"], description["feature_names"])
+        _LIVE_LAYOUTS[key] = layout
+    return layout
 
 
 def value_features(feature_value_offsets: Sequence[int], device: torch.device) -> torch.Tensor:

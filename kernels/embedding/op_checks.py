@@ -38,16 +38,14 @@ def check_indices(indices: object) -> torch.Tensor:
     return check_tensor(indices, "indices", ndim=1, integer=True)
 
 
-def check_pooled_offsets(offsets: object, layout: TableBatchedLayout, num_values: int) -> int:
-    """``offsets [F * B + 1]``; returns the batch size B."""
+def check_pooled_offsets(offsets: object, layout: TableBatchedLayout) -> int:
+    """``offsets [F * B + 1]``; returns the batch size B (their values: :func:`check_pooled_values`)."""
     check_tensor(offsets, "offsets", ndim=1, integer=True)
     num_features = layout.num_features
     if offsets.numel() == 0 or (offsets.numel() - 1) % num_features:
         raise ValueError(
             f"offsets must have F * B + 1 entries for F = {num_features} features, got {offsets.numel()} entries"
         )
-    if value_checks_enabled():
-        check_offsets(offsets, "offsets", total=num_values)
     return (offsets.numel() - 1) // num_features
 
 
@@ -59,16 +57,21 @@ def check_per_value(t: torch.Tensor | None, name: str, num_values: int) -> None:
         raise ValueError(f"{name} must have one entry per index ({num_values}), got {t.numel()}")
 
 
-def check_bag_divisors(
-    bag_divisors: torch.Tensor | None, offsets: torch.Tensor, layout: TableBatchedLayout, batch_size: int
-) -> None:
+def check_bag_divisors(bag_divisors: torch.Tensor | None, layout: TableBatchedLayout, batch_size: int) -> None:
     if bag_divisors is None:
         return
     check_tensor(bag_divisors, "bag_divisors", ndim=1, dtypes=_FLOAT_DTYPES)
     num_bags = layout.num_features * batch_size
     if bag_divisors.numel() != num_bags:
         raise ValueError(f"bag_divisors must have one entry per bag (F * B = {num_bags}), got {bag_divisors.numel()}")
-    if value_checks_enabled() and num_bags:
+
+
+def check_pooled_values(offsets: torch.Tensor, bag_divisors: torch.Tensor | None, num_values: int) -> None:
+    """Value checks of a pooled lookup's offsets and divisors (read tensor contents: run inside the ops)."""
+    if not value_checks_enabled():
+        return
+    check_offsets(offsets, "offsets", total=num_values)
+    if bag_divisors is not None and bag_divisors.numel():
         nonempty = (offsets[1:] - offsets[:-1]) > 0
         bad = nonempty & (bag_divisors <= 0)
         if bool(bad.any()):
@@ -89,11 +92,13 @@ def check_table_weights(
         raise ValueError(
             f"table_weights must hold one tensor per table ({layout.num_tables}), got {len(table_weights)}"
         )
-    base = weights.data_ptr()
+    base = 0 if torch.compiler.is_compiling() else weights.data_ptr()
     for t, (tw, spec) in enumerate(zip(table_weights, layout.tables, strict=True)):
         check_tensor(tw, f"table_weights[{t}]", ndim=2, dtypes=(weights.dtype,))
         expected = base + layout.table_weight_offsets[t] * weights.element_size()
-        if tuple(tw.shape) != (spec.num_rows, spec.dim) or (tw.numel() and tw.data_ptr() != expected):
+        # dynamo cannot read addresses: while tracing only the shapes are checked
+        moved = not torch.compiler.is_compiling() and tw.numel() and tw.data_ptr() != expected
+        if tuple(tw.shape) != (spec.num_rows, spec.dim) or moved:
             raise ValueError(
                 f"table_weights[{t}] must be the [{spec.num_rows}, {spec.dim}] view of {layout.table_label(t)} inside "
                 f"weights (the flat buffer), got a tensor of shape {tuple(tw.shape)} at another address"

@@ -7,7 +7,9 @@ See :mod:`~tritonrec.kernels.embedding.fused_update` for the rules themselves.
 from __future__ import annotations
 
 import enum
+import itertools
 import math
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,10 +36,20 @@ _DEFAULTS: dict[OptimType, dict[str, Any]] = {
 }
 
 
-@dataclass
+_STATE_KEYS = itertools.count()
+_LIVE_STATES: weakref.WeakValueDictionary[int, FusedOptimizerState] = weakref.WeakValueDictionary()
+
+
+@dataclass(eq=False)
 class FusedOptimizerState:
     """Everything a fused update needs besides the weights. ``hyperparams`` is live: modules expose this very dict
-    as ``param_groups[0]``, so changing ``lr`` there takes effect on the next backward."""
+    as ``param_groups[0]``, so changing ``lr`` there takes effect on the next backward.
+
+    The update runs inside the ``tritonrec`` backward ops, which take the state tensors as (mutated) arguments and
+    find the rest by ``op_key`` (:func:`fused_state_from_op_key`) at run time, so a compiled graph reads the current
+    hyperparameters instead of baking them in. ``trigger`` is an empty leaf that requires grad: passed to a lookup,
+    it makes the output require grad (so the backward, which holds the update, runs) when nothing else does.
+    """
 
     optim: OptimType
     hyperparams: dict[str, Any]
@@ -47,6 +59,21 @@ class FusedOptimizerState:
     stochastic_rounding: bool = True
     seed: int = 0
     updates: int = field(default=0)
+    op_key: int = field(init=False, repr=False)
+    trigger: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._register()
+        self.trigger = torch.empty(0, device=self.step.device, requires_grad=True)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Copies (``copy``, ``deepcopy``, unpickling) are new states: they get a key of their own."""
+        self.__dict__.update(state)
+        self._register()
+
+    def _register(self) -> None:
+        self.op_key = next(_STATE_KEYS)
+        _LIVE_STATES[self.op_key] = self
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The flat state buffers by name (``momentum1``, ``momentum2``, ``step``) that exist for this rule."""
@@ -79,6 +106,14 @@ def check_hyperparameters(hyperparams: Mapping[str, Any], where: str = "") -> No
         ok = isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_is_number(b) for b in betas)
         if not ok or not all(0.0 <= float(b) < 1.0 for b in betas):  # NaN fails both comparisons
             raise ValueError(f"{where}betas must be two numbers in [0, 1), got betas={betas!r}")
+def fused_state_from_op_key(key: int) -> FusedOptimizerState:
+    state = _LIVE_STATES.get(key)
+    if state is None:
+        raise RuntimeError(
+            f"the fused optimizer state {key} of this graph no longer exists (its module was deleted); a graph that "
+            "updates tables in its backward only runs in the process that built it"
+        )
+    return state
 
 
 def create_fused_optimizer_state(

@@ -1,4 +1,5 @@
-"""``pooled_embedding_lookup``: the table-batched pooled lookup with its backward, as one autograd op.
+"""``pooled_embedding_lookup``: the table-batched pooled lookup with its backward, as the ``tritonrec`` op
+``pooled_embedding_lookup`` whose autograd formula calls the backward ops below (all visible to ``torch.compile``).
 
 Forward: :mod:`~tritonrec.kernels.embedding.pooled_forward`. Backward, by what the caller asked for:
 
@@ -16,14 +17,12 @@ gradient of ``per_sample_weights`` is returned when it requires grad (computed b
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from tritonrec.kernels.backend import Backend, resolve_backend
 from tritonrec.kernels.checks import check_same_device
 from tritonrec.kernels.embedding import op_checks
-from tritonrec.kernels.embedding.fused_update import fused_update_reference, fused_update_triton
 from tritonrec.kernels.embedding.grad_plan import (
     RowGradientPlan,
     build_row_gradient_plan,
@@ -33,148 +32,203 @@ from tritonrec.kernels.embedding.grad_plan import (
 from tritonrec.kernels.embedding.layout import (
     BoundsCheckMode,
     TableBatchedLayout,
-    check_bounds,
     feature_value_offsets,
+    layout_from_op_key,
+)
+from tritonrec.kernels.embedding.lookup_grads import (
+    bounds_checked,
+    fake_table_gradients,
+    fused_update,
+    lookup_state_args,
+    table_gradients,
 )
 from tritonrec.kernels.embedding.optim_state import FusedOptimizerState
 from tritonrec.kernels.embedding.pooled_forward import pooled_forward_reference, pooled_forward_triton
-from tritonrec.kernels.embedding.row_gradients import (
-    compact_offsets,
-    per_sample_weight_grad_reference,
-    per_sample_weight_grad_triton,
-    row_gradient_sums_reference,
-    row_gradient_sums_triton,
-)
+from tritonrec.kernels.embedding.row_gradients import per_sample_weight_grad_reference, per_sample_weight_grad_triton
+from tritonrec.kernels.library import custom_op, optional_outputs
+
+# --------------------------------------------------------------------------------------------------- the ops
+# The forward op takes the table views (so autograd routes their gradients), the fused state tensors and the
+# trigger (so the backward can hand them to the update op, which mutates them) and the layout as its op key.
+# All_rows_valid in the backward: FATAL bounds checks passed in the forward (or it raised); other modes mask.
 
 
-@dataclass
-class _LookupArgs:
-    """Non-differentiable inputs and options, carried from forward to backward."""
-
-    layout: TableBatchedLayout
-    indices: torch.Tensor
-    offsets: torch.Tensor
-    bag_divisors: torch.Tensor | None
-    batch_size: int
-    all_rows_valid: bool
-    use_triton: bool
-    sparse_grad: bool
-    fused: FusedOptimizerState | None
-    has_table_weights: bool
-
-
-def weight_gradients(
-    layout: TableBatchedLayout,
-    plan: RowGradientPlan,
-    sums: torch.Tensor,
+@custom_op("pooled_embedding_lookup")
+def _pooled_lookup_op(
     weights: torch.Tensor,
-    per_table: bool,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    bag_divisors: torch.Tensor | None,
+    table_weights: list[torch.Tensor],
+    optimizer_state: list[torch.Tensor],
+    trigger: torch.Tensor | None,
+    layout: str,
+    bounds_check: str,
+    sparse_grad: bool,
+    fused: int,
+    backend: str,
+) -> torch.Tensor:
+    lay = layout_from_op_key(layout)
+    batch_size = (offsets.numel() - 1) // lay.num_features
+    op_checks.check_pooled_values(offsets, bag_divisors, indices.numel())
+    all_valid = bounds_checked(lay, indices, feature_value_offsets(offsets, lay.num_features, batch_size), bounds_check)
+    if backend == "triton":
+        return pooled_forward_triton(weights, lay, indices, offsets, per_sample_weights, bag_divisors, batch_size)
+    return pooled_forward_reference(
+        weights, lay, indices, offsets, per_sample_weights, bag_divisors, batch_size, all_valid
+    )
+
+
+@_pooled_lookup_op.register_fake
+def _(weights, indices, offsets, per_sample_weights, bag_divisors, table_weights, optimizer_state, trigger, layout,
+      bounds_check, sparse_grad, fused, backend):  # fmt: skip
+    lay = layout_from_op_key(layout)
+    return weights.new_empty(((offsets.shape[0] - 1) // lay.num_features, lay.total_dim), dtype=torch.float32)
+
+
+def _pooled_plan(
+    layout: TableBatchedLayout,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    psw: torch.Tensor | None,
+    bag_divisors: torch.Tensor | None,
+    grad: torch.Tensor,
+    all_valid: bool,
+) -> RowGradientPlan:
+    """The canonical row plan of a pooled backward (``grad [B, total_dim]``)."""
+    batch_size = (offsets.numel() - 1) // layout.num_features
+    info = pooled_value_info(layout, indices, offsets, psw, bag_divisors, batch_size, layout.total_dim, all_valid)
+    return build_row_gradient_plan(layout, indices, info, pooled_fingerprints(info, grad))
+
+
+@custom_op("pooled_embedding_weight_grad")
+def _pooled_weight_grad_op(
+    grad: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    bag_divisors: torch.Tensor | None,
+    layout: str,
+    all_rows_valid: bool,
+    table_needs: list[bool],
     sparse: bool,
-    needs: Sequence[bool],
-) -> list[torch.Tensor | None]:
-    """Turn compact row sums into the gradients autograd expects: one per table (dense or sparse COO) when
-    ``per_table``, else one dense flat gradient. ``needs[t]`` says whether table ``t``'s gradient is wanted."""
-    blocks = compact_offsets(layout, plan)
-    flat = None if per_table else torch.zeros_like(weights)
-    grads: list[torch.Tensor | None] = []
-    for t, spec in enumerate(layout.tables):
-        u0, u1 = plan.table_unique_offsets[t], plan.table_unique_offsets[t + 1]
-        if per_table and not needs[t]:
-            grads.append(None)
-            continue
-        rows = plan.unique_local_rows[u0:u1]
-        block = sums[blocks[t] : blocks[t + 1]].view(u1 - u0, spec.dim).to(weights.dtype)
-        if flat is not None:
-            layout.table_view(flat, t).index_copy_(0, rows, block)
-        elif sparse:
-            grads.append(
-                torch.sparse_coo_tensor(
-                    rows[None], block, (spec.num_rows, spec.dim), is_coalesced=True, check_invariants=False
-                )
-            )
-        else:
-            dense = torch.zeros((spec.num_rows, spec.dim), dtype=weights.dtype, device=weights.device)
-            grads.append(dense.index_copy_(0, rows, block))
-    return [flat] if flat is not None else grads
+    backend: str,
+) -> list[torch.Tensor]:
+    """``grad [B, total_dim]`` fp32 -> the gradient of each table with ``table_needs[t]`` (dense or sparse COO), or
+    with ``table_needs == []`` one dense flat gradient of ``weights``."""
+    lay = layout_from_op_key(layout)
+    plan = _pooled_plan(lay, indices, offsets, per_sample_weights, bag_divisors, grad, all_rows_valid)
+    return table_gradients(lay, plan, grad.reshape(-1), weights, table_needs, sparse, backend)
 
 
-class _PooledLookup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, args, weights, per_sample_weights, fused_trigger, *table_weights):  # type: ignore[override]
-        run = pooled_forward_triton if args.use_triton else pooled_forward_reference
-        extra = () if args.use_triton else (args.all_rows_valid,)
-        out = run(
-            weights,
-            args.layout,
-            args.indices,
-            args.offsets,
-            per_sample_weights,
-            args.bag_divisors,
-            args.batch_size,
-            *extra,
+@_pooled_weight_grad_op.register_fake
+def _(grad, weights, indices, offsets, per_sample_weights, bag_divisors, layout, all_rows_valid, table_needs, sparse,
+      backend):  # fmt: skip
+    return fake_table_gradients(layout_from_op_key(layout), weights, table_needs, sparse)
+
+
+@custom_op("pooled_embedding_fused_update", mutates_args=("weights", "optimizer_state"))
+def _pooled_fused_update_op(
+    weights: torch.Tensor,
+    optimizer_state: list[torch.Tensor],
+    grad: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    bag_divisors: torch.Tensor | None,
+    layout: str,
+    all_rows_valid: bool,
+    fused: int,
+    backend: str,
+) -> None:
+    """The fused optimizer step of a pooled backward: updates the touched rows of ``weights`` and the state in
+    place (hyperparameters read from the live state at run time)."""
+    lay = layout_from_op_key(layout)
+    plan = _pooled_plan(lay, indices, offsets, per_sample_weights, bag_divisors, grad, all_rows_valid)
+    fused_update(weights, optimizer_state, lay, plan, grad.reshape(-1), fused, backend)
+
+
+@_pooled_fused_update_op.register_fake
+def _(weights, optimizer_state, grad, indices, offsets, per_sample_weights, bag_divisors, layout, all_rows_valid,
+      fused, backend):  # fmt: skip
+    return None
+
+
+@custom_op("pooled_embedding_psw_grad")
+def _psw_grad_op(
+    grad: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor,
+    bag_divisors: torch.Tensor | None,
+    layout: str,
+    all_rows_valid: bool,
+    backend: str,
+) -> torch.Tensor:
+    """Gradient of the per-sample weights ``[N]`` (read before any fused update of the same backward changes the
+    weights: the graph orders this op first because the update mutates what it reads)."""
+    lay = layout_from_op_key(layout)
+    batch_size = (offsets.numel() - 1) // lay.num_features
+    info = pooled_value_info(
+        lay, indices, offsets, per_sample_weights, bag_divisors, batch_size, lay.total_dim, all_rows_valid
+    )
+    grad_flat = grad.reshape(-1)
+    if backend == "triton":
+        psw_grad = per_sample_weight_grad_triton(weights, lay, indices, info, grad_flat)
+    else:
+        starts = feature_value_offsets(offsets, lay.num_features, batch_size)
+        psw_grad = per_sample_weight_grad_reference(weights, lay, indices, info, grad_flat, starts)
+    return psw_grad.to(per_sample_weights.dtype)
+
+
+@_psw_grad_op.register_fake
+def _(grad, weights, indices, offsets, per_sample_weights, bag_divisors, layout, all_rows_valid, backend):
+    return torch.empty_like(per_sample_weights)
+
+
+def _pooled_lookup_setup(ctx, inputs, output) -> None:
+    (weights, indices, offsets, psw, bag_divisors, table_weights, optimizer_state, _, layout, bounds_check,
+     sparse_grad, fused, backend) = inputs  # fmt: skip
+    ctx.save_for_backward(indices, offsets, psw, bag_divisors)
+    # attributes, not saved tensors: a fused update changes the weights in place during backward, and a second
+    # lookup of the same weights in the graph must not trip autograd's saved-tensor version check
+    ctx.weights, ctx.optimizer_state = weights, optimizer_state
+    ctx.layout, ctx.all_valid, ctx.sparse, ctx.fused, ctx.backend = (
+        layout, bounds_check == BoundsCheckMode.FATAL.value, sparse_grad, fused, backend
+    )  # fmt: skip
+    ctx.psw_needs = psw is not None and psw.requires_grad
+    ctx.weights_needs = weights.requires_grad
+    ctx.table_needs = [t.requires_grad for t in table_weights]
+
+
+def _pooled_lookup_grad(ctx, grad_output):
+    indices, offsets, psw, bag_divisors = ctx.saved_tensors
+    grad = grad_output.contiguous().float()
+    common = (indices, offsets, psw, bag_divisors, ctx.layout, ctx.all_valid)
+    psw_grad = None
+    if ctx.psw_needs:
+        psw_grad = torch.ops.tritonrec.pooled_embedding_psw_grad(grad, ctx.weights, *common, ctx.backend)
+    flat_grad, table_grads = None, [None] * len(ctx.table_needs)
+    if ctx.fused >= 0:
+        torch.ops.tritonrec.pooled_embedding_fused_update(
+            ctx.weights, ctx.optimizer_state, grad, *common, ctx.fused, ctx.backend
         )
-        ctx.args = args
-        # an attribute, not a saved tensor: a fused update changes the weights in place during backward, and a
-        # second lookup of the same weights in the graph must not trip autograd's saved-tensor version check
-        ctx.weights = weights
-        ctx.save_for_backward(per_sample_weights)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_output):  # type: ignore[override]
-        args: _LookupArgs = ctx.args
-        weights = ctx.weights
-        (per_sample_weights,) = ctx.saved_tensors
-        layout, indices = args.layout, args.indices
-        num_tables = layout.num_tables
-        grad = grad_output.contiguous().float()
-        info = pooled_value_info(
-            layout,
-            indices,
-            args.offsets,
-            per_sample_weights,
-            args.bag_divisors,
-            args.batch_size,
-            layout.total_dim,
-            args.all_rows_valid,
+    elif any(ctx.table_needs):
+        grads = torch.ops.tritonrec.pooled_embedding_weight_grad(
+            grad, ctx.weights, *common, ctx.table_needs, ctx.sparse, ctx.backend
         )
-        grad_flat = grad.reshape(-1)
-        psw_grad = None
-        if ctx.needs_input_grad[2]:
-            if args.use_triton:
-                psw_grad = per_sample_weight_grad_triton(weights, layout, indices, info, grad_flat)
-            else:
-                starts = feature_value_offsets(args.offsets, layout.num_features, args.batch_size)
-                psw_grad = per_sample_weight_grad_reference(weights, layout, indices, info, grad_flat, starts)
-            psw_grad = psw_grad.to(per_sample_weights.dtype)
-        table_needs = list(ctx.needs_input_grad[4:]) if args.has_table_weights else [False] * num_tables
-        wants_rows = args.fused is not None or ctx.needs_input_grad[1] or any(table_needs)
-        weight_grads: list[torch.Tensor | None] = [None] * (num_tables if args.has_table_weights else 0)
-        flat_grad = None
-        if wants_rows:
-            plan = build_row_gradient_plan(layout, indices, info, pooled_fingerprints(info, grad))
-            if args.fused is not None:
-                update = fused_update_triton if args.use_triton else fused_update_reference
-                with torch.no_grad():
-                    update(weights, layout, plan, grad_flat, args.fused)
-            else:
-                sums = (row_gradient_sums_triton if args.use_triton else row_gradient_sums_reference)(
-                    layout, plan, grad_flat
-                )
-                grads = weight_gradients(
-                    layout, plan, sums, weights, args.has_table_weights, args.sparse_grad, table_needs
-                )
-                if args.has_table_weights:
-                    weight_grads = grads
-                else:
-                    flat_grad = grads[0]
-        return None, flat_grad, psw_grad, None, *weight_grads
+        table_grads = optional_outputs(grads, ctx.table_needs)
+    elif ctx.weights_needs:
+        (flat_grad,) = torch.ops.tritonrec.pooled_embedding_weight_grad(
+            grad, ctx.weights, *common, [], False, ctx.backend
+        )
+    return (flat_grad, None, None, psw_grad, None, table_grads, [None] * len(ctx.optimizer_state)) + (None,) * 6
 
 
-def fused_trigger(fused: FusedOptimizerState | None) -> torch.Tensor | None:
-    """An empty leaf that requires grad, passed as an input in fused mode so the output requires grad (and the
-    backward, which holds the update, runs) even when no other input does (FBGEMM's placeholder trick)."""
-    return torch.empty(0, requires_grad=True) if fused is not None and torch.is_grad_enabled() else None
+_pooled_lookup_op.register_autograd(_pooled_lookup_grad, setup_context=_pooled_lookup_setup)
 
 
 def pooled_embedding_lookup(
@@ -209,9 +263,9 @@ def pooled_embedding_lookup(
     layout = op_checks.check_layout(layout)
     op_checks.check_weights(weights, layout)
     op_checks.check_indices(indices)
-    batch_size = op_checks.check_pooled_offsets(offsets, layout, indices.numel())
+    batch_size = op_checks.check_pooled_offsets(offsets, layout)
     op_checks.check_per_value(per_sample_weights, "per_sample_weights", indices.numel())
-    op_checks.check_bag_divisors(bag_divisors, offsets, layout, batch_size)
+    op_checks.check_bag_divisors(bag_divisors, layout, batch_size)
     check_same_device(
         weights=weights,
         indices=indices,
@@ -229,20 +283,23 @@ def pooled_embedding_lookup(
             "fused updates weights in place and returns no gradient: pass sparse_grad=False and weights that do not "
             f"require grad, got sparse_grad={sparse_grad}, weights.requires_grad={weights.requires_grad}"
         )
-    all_valid = bounds_check != BoundsCheckMode.IGNORE and check_bounds(
-        layout, indices, feature_value_offsets(offsets, layout.num_features, batch_size), bounds_check
-    )
-    use_triton = resolve_backend(backend, weights, indices) == "triton"
-    args = _LookupArgs(
-        layout,
+    resolved = resolve_backend(backend, weights, indices)
+    # fused: the state tensors and trigger go in, the table views do not (they get no gradient, and the backward
+    # mutates the flat buffer they alias)
+    tables = [] if table_weights is None or fused is not None else list(table_weights)
+    state_tensors, trigger, fused_key = lookup_state_args(fused)
+    return _pooled_lookup_op(
+        weights,
         indices,
         offsets,
+        per_sample_weights,
         bag_divisors,
-        batch_size,
-        all_valid,
-        use_triton,
+        tables,
+        state_tensors,
+        trigger,
+        layout.op_key,
+        bounds_check.value,
         sparse_grad,
-        fused,
-        table_weights is not None,
+        fused_key,
+        resolved,
     )
-    return _PooledLookup.apply(args, weights, per_sample_weights, fused_trigger(fused), *(table_weights or ()))

@@ -23,10 +23,12 @@ from tritonrec.kernels.embedding.layout import (
     BoundsCheckMode,
     PoolingMode,
     TableBatchedLayout,
-    check_bounds,
     feature_value_offsets,
+    layout_from_op_key,
 )
+from tritonrec.kernels.embedding.lookup_grads import bounds_checked
 from tritonrec.kernels.embedding.pooled_forward import launch_pooled_forward
+from tritonrec.kernels.library import custom_op
 
 QUANT_BIT_WIDTHS = (8, 4)
 
@@ -213,9 +215,9 @@ def quantized_pooled_lookup(
         raise TypeError(f"q must be QuantizedTables, got {type(q).__name__}")
     layout = op_checks.check_layout(q.layout)
     op_checks.check_indices(indices)
-    batch_size = op_checks.check_pooled_offsets(offsets, layout, indices.numel())
+    batch_size = op_checks.check_pooled_offsets(offsets, layout)
     op_checks.check_per_value(per_sample_weights, "per_sample_weights", indices.numel())
-    op_checks.check_bag_divisors(bag_divisors, offsets, layout, batch_size)
+    op_checks.check_bag_divisors(bag_divisors, layout, batch_size)
     check_same_device(
         codes=q.codes,
         indices=indices,
@@ -224,9 +226,47 @@ def quantized_pooled_lookup(
         bag_divisors=bag_divisors,
     )
     op_checks.check_bounds_mode(bounds_check)
-    if bounds_check != BoundsCheckMode.IGNORE:
-        check_bounds(layout, indices, feature_value_offsets(offsets, layout.num_features, batch_size), bounds_check)
-    with torch.no_grad():
-        if resolve_backend(backend, q.codes, indices) == "triton":
-            return _quantized_triton(q, indices, offsets, per_sample_weights, bag_divisors, batch_size)
-        return quantized_pooled_lookup_reference(q, indices, offsets, per_sample_weights, bag_divisors, batch_size)
+    resolved = resolve_backend(backend, q.codes, indices)
+    with torch.no_grad():  # inference only: the op has no autograd formula
+        return _quantized_lookup_op(
+            q.codes,
+            q.scale,
+            q.bias,
+            indices,
+            offsets,
+            per_sample_weights,
+            bag_divisors,
+            layout.op_key,
+            q.bits,
+            bounds_check.value,
+            resolved,
+        )
+
+
+@custom_op("quantized_pooled_lookup")
+def _quantized_lookup_op(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    bag_divisors: torch.Tensor | None,
+    layout: str,
+    bits: int,
+    bounds_check: str,
+    backend: str,
+) -> torch.Tensor:
+    q = QuantizedTables(layout_from_op_key(layout), bits, codes, scale, bias)
+    batch_size = (offsets.numel() - 1) // q.layout.num_features
+    op_checks.check_pooled_values(offsets, bag_divisors, indices.numel())
+    bounds_checked(q.layout, indices, feature_value_offsets(offsets, q.layout.num_features, batch_size), bounds_check)
+    if backend == "triton":
+        return _quantized_triton(q, indices, offsets, per_sample_weights, bag_divisors, batch_size)
+    return quantized_pooled_lookup_reference(q, indices, offsets, per_sample_weights, bag_divisors, batch_size)
+
+
+@_quantized_lookup_op.register_fake
+def _(codes, scale, bias, indices, offsets, per_sample_weights, bag_divisors, layout, bits, bounds_check, backend):
+    lay = layout_from_op_key(layout)
+    return codes.new_empty(((offsets.shape[0] - 1) // lay.num_features, lay.total_dim), dtype=torch.float32)

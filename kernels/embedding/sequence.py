@@ -6,14 +6,14 @@ may have different dims (torchrec's EmbeddingCollection needs one dim for all, #
 concatenation of the blocks in feature order; :func:`split_sequence_output` views it per feature.
 
 Backward: as for pooled lookups (fused update, per-table dense / sparse gradients or a flat dense gradient), with
-each value's own output row as its gradient row; rows are combined once per table row in a canonical order.
+each value's own output row as its gradient row; rows are combined once per table row in a canonical order. The
+lookup and its backward pieces are ``tritonrec`` ops (see :mod:`tritonrec.kernels.library`).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -22,13 +22,23 @@ from tritonrec.kernels._triton import tl, triton
 from tritonrec.kernels.backend import Backend, autotune, pow2_bucket, resolve_backend
 from tritonrec.kernels.checks import check_same_device
 from tritonrec.kernels.embedding import op_checks
-from tritonrec.kernels.embedding.fused_update import fused_update_reference, fused_update_triton
-from tritonrec.kernels.embedding.grad_plan import build_row_gradient_plan, sequence_fingerprints, sequence_value_info
-from tritonrec.kernels.embedding.layout import BoundsCheckMode, TableBatchedLayout, check_bounds
+from tritonrec.kernels.embedding.grad_plan import (
+    RowGradientPlan,
+    build_row_gradient_plan,
+    sequence_fingerprints,
+    sequence_value_info,
+)
+from tritonrec.kernels.embedding.layout import BoundsCheckMode, TableBatchedLayout, layout_from_op_key
+from tritonrec.kernels.embedding.lookup_grads import (
+    bounds_checked,
+    fake_table_gradients,
+    fused_update,
+    lookup_state_args,
+    table_gradients,
+)
 from tritonrec.kernels.embedding.optim_state import FusedOptimizerState
-from tritonrec.kernels.embedding.pooled import fused_trigger, weight_gradients
 from tritonrec.kernels.embedding.pooled_forward import block_d_for
-from tritonrec.kernels.embedding.row_gradients import row_gradient_sums_reference, row_gradient_sums_triton
+from tritonrec.kernels.library import custom_op, optional_outputs
 
 
 def _gather_configs() -> list:
@@ -66,7 +76,7 @@ def _sequence_forward_kernel(
     tl.store(out_ptr + out_start[:, None] + cols[None, :], rows.to(tl.float32), mask=in_range[:, None] & col_ok)
 
 
-def _output_size(layout: TableBatchedLayout, feature_value_offsets: Sequence[int]) -> int:
+def _output_numel(layout: TableBatchedLayout, feature_value_offsets: Sequence[int]) -> int:
     return sum((feature_value_offsets[f + 1] - feature_value_offsets[f]) * d for f, d in enumerate(layout.feature_dims))
 
 
@@ -78,7 +88,7 @@ def sequence_forward_triton(
     features: torch.Tensor,
     out_offsets: torch.Tensor,
 ) -> torch.Tensor:
-    out = torch.empty(_output_size(layout, feature_value_offsets), dtype=torch.float32, device=weights.device)
+    out = torch.empty(_output_numel(layout, feature_value_offsets), dtype=torch.float32, device=weights.device)
     if indices.numel() == 0:
         return out
     meta = layout.tensors(weights.device)
@@ -108,7 +118,7 @@ def sequence_forward_reference(
     all_rows_valid: bool = False,
 ) -> torch.Tensor:
     """The specification: flat fp32 concatenation of ``F.embedding`` per feature (zero rows for out-of-range)."""
-    out = torch.empty(_output_size(layout, feature_value_offsets), dtype=torch.float32, device=weights.device)
+    out = torch.empty(_output_numel(layout, feature_value_offsets), dtype=torch.float32, device=weights.device)
     start = 0
     for f, table in enumerate(layout.feature_tables):
         spec = layout.tables[table]
@@ -128,78 +138,152 @@ def sequence_forward_reference(
     return out
 
 
-@dataclass
-class _SequenceArgs:
-    layout: TableBatchedLayout
-    indices: torch.Tensor
-    feature_value_offsets: list[int]
-    all_rows_valid: bool
-    use_triton: bool
-    sparse_grad: bool
-    fused: FusedOptimizerState | None
-    has_table_weights: bool
+# --------------------------------------------------------------------------------------------------- the ops
+# As for the pooled op (see pooled.py): table views, fused state tensors and trigger go in; the layout as its key.
+# ``feature_value_offsets`` are ints in the schema (SymInts under torch.compile, where they may be unbacked).
 
 
-class _SequenceLookup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, args, weights, fused_trigger, *table_weights):  # type: ignore[override]
-        info = sequence_value_info(args.layout, args.indices, args.feature_value_offsets, args.all_rows_valid)
-        if args.use_triton:
-            out = sequence_forward_triton(
-                weights, args.layout, args.indices, args.feature_value_offsets, info.features, info.grad_offsets
-            )
-        else:
-            out = sequence_forward_reference(
-                weights, args.layout, args.indices, args.feature_value_offsets, args.all_rows_valid
-            )
-        ctx.args, ctx.weights, ctx.info = args, weights, info
-        return out
+@custom_op("sequence_embedding_lookup")
+def _sequence_lookup_op(
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    feature_value_offsets: list[int],
+    table_weights: list[torch.Tensor],
+    optimizer_state: list[torch.Tensor],
+    trigger: torch.Tensor | None,
+    layout: str,
+    bounds_check: str,
+    sparse_grad: bool,
+    fused: int,
+    backend: str,
+) -> torch.Tensor:
+    lay = layout_from_op_key(layout)
+    starts = _check_feature_value_offsets(feature_value_offsets, lay, indices.numel(), values=True)
+    all_valid = bounds_checked(lay, indices, starts, bounds_check)
+    if backend == "triton":
+        info = sequence_value_info(lay, indices, starts, all_valid)
+        return sequence_forward_triton(weights, lay, indices, starts, info.features, info.grad_offsets)
+    return sequence_forward_reference(weights, lay, indices, starts, all_valid)
 
-    @staticmethod
-    def backward(ctx, grad_output):  # type: ignore[override]
-        args: _SequenceArgs = ctx.args
-        weights, info, layout = ctx.weights, ctx.info, args.layout
-        table_needs = list(ctx.needs_input_grad[3:]) if args.has_table_weights else [False] * layout.num_tables
-        weight_grads: list[torch.Tensor | None] = [None] * (layout.num_tables if args.has_table_weights else 0)
-        flat_grad = None
-        if args.fused is None and not ctx.needs_input_grad[1] and not any(table_needs):
-            return None, None, None, *weight_grads
-        grad_flat = grad_output.contiguous().float()
-        fingerprints = sequence_fingerprints(info, layout, grad_flat)
-        plan = build_row_gradient_plan(layout, args.indices, info, fingerprints)
-        if args.fused is not None:
-            update = fused_update_triton if args.use_triton else fused_update_reference
-            with torch.no_grad():
-                update(weights, layout, plan, grad_flat, args.fused)
-            return None, None, None, *weight_grads
-        sums = (row_gradient_sums_triton if args.use_triton else row_gradient_sums_reference)(layout, plan, grad_flat)
-        grads = weight_gradients(layout, plan, sums, weights, args.has_table_weights, args.sparse_grad, table_needs)
-        if args.has_table_weights:
-            weight_grads = grads
-        else:
-            flat_grad = grads[0]
-        return None, flat_grad, None, *weight_grads
+
+@_sequence_lookup_op.register_fake
+def _(weights, indices, feature_value_offsets, table_weights, optimizer_state, trigger, layout, bounds_check,
+      sparse_grad, fused, backend):  # fmt: skip
+    lay = layout_from_op_key(layout)
+    return weights.new_empty(_output_numel(lay, feature_value_offsets), dtype=torch.float32)
+
+
+def _sequence_plan(
+    layout: TableBatchedLayout, indices: torch.Tensor, starts: list[int], grad_flat: torch.Tensor, all_valid: bool
+) -> RowGradientPlan:
+    """The canonical row plan of a sequence backward (``grad_flat``: the flat output's gradient)."""
+    info = sequence_value_info(layout, indices, starts, all_valid)
+    return build_row_gradient_plan(layout, indices, info, sequence_fingerprints(info, layout, grad_flat))
+
+
+@custom_op("sequence_embedding_weight_grad")
+def _sequence_weight_grad_op(
+    grad: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    feature_value_offsets: list[int],
+    layout: str,
+    all_rows_valid: bool,
+    table_needs: list[bool],
+    sparse: bool,
+    backend: str,
+) -> list[torch.Tensor]:
+    """As ``pooled_embedding_weight_grad``, for the flat sequence output's gradient."""
+    lay = layout_from_op_key(layout)
+    plan = _sequence_plan(lay, indices, feature_value_offsets, grad, all_rows_valid)
+    return table_gradients(lay, plan, grad, weights, table_needs, sparse, backend)
+
+
+@_sequence_weight_grad_op.register_fake
+def _(grad, weights, indices, feature_value_offsets, layout, all_rows_valid, table_needs, sparse, backend):
+    return fake_table_gradients(layout_from_op_key(layout), weights, table_needs, sparse)
+
+
+@custom_op("sequence_embedding_fused_update", mutates_args=("weights", "optimizer_state"))
+def _sequence_fused_update_op(
+    weights: torch.Tensor,
+    optimizer_state: list[torch.Tensor],
+    grad: torch.Tensor,
+    indices: torch.Tensor,
+    feature_value_offsets: list[int],
+    layout: str,
+    all_rows_valid: bool,
+    fused: int,
+    backend: str,
+) -> None:
+    lay = layout_from_op_key(layout)
+    plan = _sequence_plan(lay, indices, feature_value_offsets, grad, all_rows_valid)
+    fused_update(weights, optimizer_state, lay, plan, grad, fused, backend)
+
+
+@_sequence_fused_update_op.register_fake
+def _(weights, optimizer_state, grad, indices, feature_value_offsets, layout, all_rows_valid, fused, backend):
+    return None
+
+
+def _sequence_lookup_setup(ctx, inputs, output) -> None:
+    (weights, indices, feature_value_offsets, table_weights, optimizer_state, _, layout, bounds_check, sparse_grad,
+     fused, backend) = inputs  # fmt: skip
+    ctx.save_for_backward(indices)
+    ctx.weights, ctx.optimizer_state = weights, optimizer_state  # attributes: see pooled.py
+    ctx.feature_value_offsets, ctx.layout, ctx.sparse, ctx.fused, ctx.backend = (
+        feature_value_offsets, layout, sparse_grad, fused, backend
+    )  # fmt: skip
+    ctx.all_valid = bounds_check == BoundsCheckMode.FATAL.value
+    ctx.weights_needs = weights.requires_grad
+    ctx.table_needs = [t.requires_grad for t in table_weights]
+
+
+def _sequence_lookup_grad(ctx, grad_output):
+    (indices,) = ctx.saved_tensors
+    grad = grad_output.contiguous().float()
+    common = (indices, ctx.feature_value_offsets, ctx.layout, ctx.all_valid)
+    flat_grad, table_grads = None, [None] * len(ctx.table_needs)
+    if ctx.fused >= 0:
+        torch.ops.tritonrec.sequence_embedding_fused_update(
+            ctx.weights, ctx.optimizer_state, grad, *common, ctx.fused, ctx.backend
+        )
+    elif any(ctx.table_needs):
+        grads = torch.ops.tritonrec.sequence_embedding_weight_grad(
+            grad, ctx.weights, *common, ctx.table_needs, ctx.sparse, ctx.backend
+        )
+        table_grads = optional_outputs(grads, ctx.table_needs)
+    elif ctx.weights_needs:
+        (flat_grad,) = torch.ops.tritonrec.sequence_embedding_weight_grad(
+            grad, ctx.weights, *common, [], False, ctx.backend
+        )
+    return (flat_grad, None, None, table_grads, [None] * len(ctx.optimizer_state)) + (None,) * 6
+
+
+_sequence_lookup_op.register_autograd(_sequence_lookup_grad, setup_context=_sequence_lookup_setup)
 
 
 def _check_feature_value_offsets(
-    feature_value_offsets: object, layout: TableBatchedLayout, num_values: int
+    feature_value_offsets: object, layout: TableBatchedLayout, num_values: int, values: bool = False
 ) -> list[int]:
+    """Type and length always; with ``values`` (inside the op, where they are real ints) that they rise from 0 to
+    the number of indices."""
     if isinstance(feature_value_offsets, torch.Tensor):
         feature_value_offsets = feature_value_offsets.tolist()
     if not isinstance(feature_value_offsets, (list, tuple)) or not all(
-        isinstance(v, int) for v in feature_value_offsets
+        isinstance(v, (int, torch.SymInt)) for v in feature_value_offsets
     ):
         raise TypeError(f"feature_value_offsets must be a list of ints, got {feature_value_offsets!r}")
-    values = list(feature_value_offsets)
-    if len(values) != layout.num_features + 1:
+    offsets = list(feature_value_offsets)
+    if len(offsets) != layout.num_features + 1:
         raise ValueError(
-            f"feature_value_offsets must have F + 1 = {layout.num_features + 1} entries, got {len(values)}"
+            f"feature_value_offsets must have F + 1 = {layout.num_features + 1} entries, got {len(offsets)}"
         )
-    if values[0] != 0 or values[-1] != num_values or any(b < a for a, b in itertools.pairwise(values)):
+    if values and (offsets[0] != 0 or offsets[-1] != num_values or any(b < a for a, b in itertools.pairwise(offsets))):
         raise ValueError(
-            f"feature_value_offsets must rise from 0 to the number of indices ({num_values}), got {values}"
+            f"feature_value_offsets must rise from 0 to the number of indices ({num_values}), got {offsets}"
         )
-    return values
+    return offsets
 
 
 def sequence_embedding_lookup(
@@ -234,10 +318,22 @@ def sequence_embedding_lookup(
             "fused updates weights in place and returns no gradient: pass sparse_grad=False and weights that do not "
             f"require grad, got sparse_grad={sparse_grad}, weights.requires_grad={weights.requires_grad}"
         )
-    all_valid = check_bounds(layout, indices, starts, bounds_check)
-    use_triton = resolve_backend(backend, weights, indices) == "triton"
-    args = _SequenceArgs(layout, indices, starts, all_valid, use_triton, sparse_grad, fused, table_weights is not None)
-    return _SequenceLookup.apply(args, weights, fused_trigger(fused), *(table_weights or ()))
+    resolved = resolve_backend(backend, weights, indices)
+    tables = [] if table_weights is None or fused is not None else list(table_weights)  # as in pooled.py
+    state_tensors, trigger, fused_key = lookup_state_args(fused)
+    return _sequence_lookup_op(
+        weights,
+        indices,
+        starts,
+        tables,
+        state_tensors,
+        trigger,
+        layout.op_key,
+        bounds_check.value,
+        sparse_grad,
+        fused_key,
+        resolved,
+    )
 
 
 def split_sequence_output(
