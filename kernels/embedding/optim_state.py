@@ -106,6 +106,8 @@ def check_hyperparameters(hyperparams: Mapping[str, Any], where: str = "") -> No
         ok = isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_is_number(b) for b in betas)
         if not ok or not all(0.0 <= float(b) < 1.0 for b in betas):  # NaN fails both comparisons
             raise ValueError(f"{where}betas must be two numbers in [0, 1), got betas={betas!r}")
+
+
 def fused_state_from_op_key(key: int) -> FusedOptimizerState:
     state = _LIVE_STATES.get(key)
     if state is None:
