@@ -21,7 +21,8 @@ def test_kjt_from_empty_offsets_is_an_empty_batch() -> None:
     assert kjt.length_per_key() == [0, 0] and kjt.offset_per_key() == [0, 0, 0]
     assert kjt.lengths().numel() == 0 and kjt.offsets().tolist() == [0]
     jts = kjt.to_dict()
-    assert list(jts) == ["a", "b"] and all(jt.values().numel() == 0 and jt.lengths().numel() == 0 for jt in jts.values())
+    assert list(jts) == ["a", "b"]
+    assert all(jt.values().numel() == 0 and jt.lengths().numel() == 0 for jt in jts.values())
     permuted = kjt.permute([1, 0])
     assert permuted.keys() == ["b", "a"] and permuted.length_per_key() == [0, 0]
     first, second = kjt.split([1, 1])

@@ -60,9 +60,8 @@ ABORTING_CASES: dict[str, Callable[[int], Any]] = {
         [_pick(r, _zeros(4, 1), _zeros(4, 2))], out_split=_pick(r, [1, 1], [1, 2])
     ).wait(),
     "sequence/splits": lambda r: comm_ops.alltoall_sequence(
-        _pick(r, _zeros(3, 2), _zeros(2, 2)), None, None, torch.tensor([_pick(r, 3, 2)]), [1, 1],
-        _pick(r, [1, 2], [1, 1]),
-    ).wait(),  # fmt: skip
+        _zeros(3 - r, 2), None, None, torch.tensor([3 - r]), [1, 1], _pick(r, [1, 2], [1, 1])
+    ).wait(),
     "reduce_scatter_v/splits": lambda r: comm_ops.reduce_scatter_v_pooled(
         _zeros(4, 2), _pick(r, [2, 2], [3, 1])
     ).wait(),

@@ -26,7 +26,7 @@ def _cfg(**changes: object) -> TrainConfig:
 def test_cuda_device_without_cuda_names_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for device in ("cuda", "cuda:1"):
-        with pytest.raises(ValueError, match=rf"device='{device}' needs CUDA, which this torch .* cannot use.*device=cpu"):
+        with pytest.raises(ValueError, match=rf"device='{device}' needs CUDA, which this torch .* cannot use.*=cpu"):
             as_train_config(_cfg(device=device))
     assert as_train_config(_cfg(device="cpu")).device == "cpu"
 
