@@ -23,7 +23,7 @@ ROW = {"world_size": 2, "message_bytes": 64, "impl": "ours", "codec": "fp32", "m
 def results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path)
     monkeypatch.delenv("TRITONREC_COMMIT_RESULTS", raising=False)
-    monkeypatch.setattr(harness, "_commit_override", None)
+    monkeypatch.setattr(harness, "_commit_override", None, raising=False)
     return tmp_path
 
 
