@@ -50,6 +50,10 @@ from tritonrec.dist.dist_data import (
     VariableBatchPooledEmbeddingsAllToAll,
     VariableBatchPooledEmbeddingsReduceScatter,
 )
+from tritonrec.dist.embeddingbag import (
+    EmbeddingBagCollectionSharder,
+    ShardedEmbeddingBagCollection,
+)
 from tritonrec.dist.error_feedback import ErrorFeedbackCodec
 from tritonrec.dist.kjt_dist import get_recat
 from tritonrec.dist.qcomm_codec import CommType, TritonQuantizedCommCodec
@@ -67,6 +71,8 @@ from tritonrec.dist.sharding_plan import (
     column_wise,
     construct_module_sharding_plan,
     data_parallel,
+    get_default_sharders,
+    get_module_to_default_sharders,
     grid_shard,
     row_wise,
     table_column_wise,
@@ -76,6 +82,7 @@ from tritonrec.dist.sharding_plan import (
 from tritonrec.dist.types import (
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
+    FusedOptimizerModule,
     ModuleSharder,
     ParameterSharding,
     ShardedModule,
@@ -90,11 +97,13 @@ __all__ = [
     "CollectiveTimeoutError",
     "CommOp",
     "CommType",
+    "EmbeddingBagCollectionSharder",
     "EmbeddingComputeKernel",
     "EmbeddingModuleShardingPlan",
     "EmbeddingsAllToOne",
     "EmbeddingsAllToOneReduce",
     "ErrorFeedbackCodec",
+    "FusedOptimizerModule",
     "KJTAllToAll",
     "KJTAllToAllSplitsAwaitable",
     "KJTAllToAllTensorsAwaitable",
@@ -118,6 +127,7 @@ __all__ = [
     "SeqEmbeddingsAllToOne",
     "SequenceEmbeddingsAllToAll",
     "SequenceEmbeddingsAwaitable",
+    "ShardedEmbeddingBagCollection",
     "ShardedModule",
     "ShardingEnv",
     "ShardingPlan",
@@ -136,10 +146,12 @@ __all__ = [
     "construct_module_sharding_plan",
     "data_parallel",
     "get_collective_timeout",
+    "get_default_sharders",
     "get_gradient_division",
     "get_group_rank",
     "get_local_rank",
     "get_local_size",
+    "get_module_to_default_sharders",
     "get_num_groups",
     "get_qcomm_codecs",
     "get_qcomm_codecs_registry",
