@@ -55,6 +55,10 @@ from tritonrec.dist.embeddingbag import (
     ShardedEmbeddingBagCollection,
 )
 from tritonrec.dist.error_feedback import ErrorFeedbackCodec
+from tritonrec.dist.fp_embeddingbag import (
+    FeatureProcessedEmbeddingBagCollectionSharder,
+    ShardedFeatureProcessedEmbeddingBagCollection,
+)
 from tritonrec.dist.kjt_dist import get_recat
 from tritonrec.dist.qcomm_codec import CommType, TritonQuantizedCommCodec
 from tritonrec.dist.qcomm_config import QCommsConfig, get_qcomm_codecs, get_qcomm_codecs_registry
@@ -103,6 +107,7 @@ __all__ = [
     "EmbeddingsAllToOne",
     "EmbeddingsAllToOneReduce",
     "ErrorFeedbackCodec",
+    "FeatureProcessedEmbeddingBagCollectionSharder",
     "FusedOptimizerModule",
     "KJTAllToAll",
     "KJTAllToAllSplitsAwaitable",
@@ -128,6 +133,7 @@ __all__ = [
     "SequenceEmbeddingsAllToAll",
     "SequenceEmbeddingsAwaitable",
     "ShardedEmbeddingBagCollection",
+    "ShardedFeatureProcessedEmbeddingBagCollection",
     "ShardedModule",
     "ShardingEnv",
     "ShardingPlan",
