@@ -50,6 +50,7 @@ from tritonrec.dist.dist_data import (
     VariableBatchPooledEmbeddingsAllToAll,
     VariableBatchPooledEmbeddingsReduceScatter,
 )
+from tritonrec.dist.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
 from tritonrec.dist.embeddingbag import (
     EmbeddingBagCollectionSharder,
     ShardedEmbeddingBagCollection,
@@ -102,6 +103,7 @@ __all__ = [
     "CommOp",
     "CommType",
     "EmbeddingBagCollectionSharder",
+    "EmbeddingCollectionSharder",
     "EmbeddingComputeKernel",
     "EmbeddingModuleShardingPlan",
     "EmbeddingsAllToOne",
@@ -133,6 +135,7 @@ __all__ = [
     "SequenceEmbeddingsAllToAll",
     "SequenceEmbeddingsAwaitable",
     "ShardedEmbeddingBagCollection",
+    "ShardedEmbeddingCollection",
     "ShardedFeatureProcessedEmbeddingBagCollection",
     "ShardedModule",
     "ShardingEnv",

@@ -283,10 +283,15 @@ def grid_shard(host_indexes: Sequence[int], compute_kernel: str | None = None) -
 
 def get_default_sharders() -> list[ModuleSharder[Any]]:
     """One sharder per shardable module type, with default options (torchrec's ``get_default_sharders``)."""
+    from tritonrec.dist.embedding import EmbeddingCollectionSharder
     from tritonrec.dist.embeddingbag import EmbeddingBagCollectionSharder
     from tritonrec.dist.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
 
-    return [EmbeddingBagCollectionSharder(), FeatureProcessedEmbeddingBagCollectionSharder()]
+    return [
+        EmbeddingBagCollectionSharder(),
+        FeatureProcessedEmbeddingBagCollectionSharder(),
+        EmbeddingCollectionSharder(),
+    ]
 
 
 def get_module_to_default_sharders() -> dict[type, ModuleSharder[Any]]:
