@@ -71,6 +71,7 @@ from tritonrec.dist.qcomm_protocol import (
     QuantizedCommCodecs,
     RoundingMode,
 )
+from tritonrec.dist.quant_embeddingbag import QuantEmbeddingBagCollectionSharder, ShardedQuantEmbeddingBagCollection
 from tritonrec.dist.sharding_plan import (
     calculate_shard_sizes_and_offsets,
     column_wise,
@@ -126,6 +127,7 @@ __all__ = [
     "PooledEmbeddingsAwaitable",
     "PooledEmbeddingsReduceScatter",
     "QCommsConfig",
+    "QuantEmbeddingBagCollectionSharder",
     "QuantizationContext",
     "QuantizedCommCodec",
     "QuantizedCommCodecs",
@@ -138,6 +140,7 @@ __all__ = [
     "ShardedEmbeddingCollection",
     "ShardedFeatureProcessedEmbeddingBagCollection",
     "ShardedModule",
+    "ShardedQuantEmbeddingBagCollection",
     "ShardingEnv",
     "ShardingPlan",
     "ShardingType",

@@ -286,11 +286,13 @@ def get_default_sharders() -> list[ModuleSharder[Any]]:
     from tritonrec.dist.embedding import EmbeddingCollectionSharder
     from tritonrec.dist.embeddingbag import EmbeddingBagCollectionSharder
     from tritonrec.dist.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
+    from tritonrec.dist.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
 
     return [
         EmbeddingBagCollectionSharder(),
         FeatureProcessedEmbeddingBagCollectionSharder(),
         EmbeddingCollectionSharder(),
+        QuantEmbeddingBagCollectionSharder(),
     ]
 
 
