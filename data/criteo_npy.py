@@ -204,9 +204,9 @@ class CriteoNPYSource:
         dense = np.asarray(day.dense[begin:end], dtype=np.float32)
         labels = np.asarray(day.labels[begin:end], dtype=np.float32)
         if day.store is not None:
-            rows = ElementChunk.from_key_major(dense, day.store.rows(begin, end), labels)
-            keys = np.repeat(np.tile(np.arange(len(self._num_rows)), end - begin), rows.lengths.reshape(-1))
-            return ElementChunk(dense, rows.ids % self._hash_sizes[keys], rows.lengths, labels)
+            stored = ElementChunk.from_key_major(dense, day.store.rows(begin, end), labels)
+            keys = np.repeat(np.tile(np.arange(len(self._num_rows)), end - begin), stored.lengths.reshape(-1))
+            return ElementChunk(dense, stored.ids % self._hash_sizes[keys], stored.lengths, labels)
         _check_labels(labels, begin, day.prefix)
         ids = np.asarray(day.sparse[begin:end], dtype=np.int64)  # type: ignore[index]
         if ids.size and ids.max() >= self._hash_sizes.min():  # else every id is already in its table
