@@ -2,12 +2,16 @@
 
 The backward sums each touched row's gradient once and updates the row and its optimizer state in place (no weight
 gradient is materialised; the parameters' ``.grad`` stays ``None``). ``fused_optimizer`` exposes the state as a
-torch ``Optimizer``: ``state[param]`` holds live views of each table's state (``momentum1`` - per row for rowwise
-Adagrad, per element for Adam -, ``momentum2`` for Adam, and ``step``), ``state_dict()`` / ``load_state_dict()``
-round-trip it exactly (keys are the parameter names, ``embedding_bags.<table>.weight``), and ``param_groups[0]`` is
-the live hyperparameter dict the kernels read, so ``param_groups[0]["lr"] = x`` (or an LR scheduler) takes effect on
-the next backward. ``step()`` and ``zero_grad()`` do nothing. ``fused_optimizer`` is a property; calling it
-(``ebc.fused_optimizer()``, torchrec's spelling) returns the same object.
+:class:`~tritonrec.optim.KeyedOptimizer` (combine it with a dense one in a ``CombinedOptimizer``): ``state[param]``
+holds live views of each table's state (``momentum1`` - per row for rowwise Adagrad, per element for Adam -,
+``momentum2`` for Adam, and ``step``), ``state_dict()`` / ``load_state_dict()`` round-trip it exactly (keys are the
+parameter names, ``embedding_bags.<table>.weight``), and ``param_groups[0]`` is the live hyperparameter dict the
+kernels read, so ``param_groups[0]["lr"] = x`` (or an LR scheduler) takes effect on the next backward.
+Hyperparameters are validated when built, in ``load_state_dict``, at ``step()`` and before every fused update (a NaN
+``lr`` written into ``param_groups`` raises at the next backward, naming the field, before any row changes).
+``step()`` updates nothing and ``zero_grad()`` does nothing. ``fused_optimizer`` is a property; calling it
+(``ebc.fused_optimizer()``, torchrec's spelling) returns the same object. The tables' parameters carry torchrec's
+``_in_backward_optimizers`` marker, so ``in_backward_optimizer_filter`` leaves them out of a dense optimizer.
 """
 
 from __future__ import annotations
@@ -20,10 +24,14 @@ from torch import nn
 
 from tritonrec.kernels.backend import Backend
 from tritonrec.kernels.embedding import BoundsCheckMode, FusedOptimizerState, OptimType, create_fused_optimizer_state
+from tritonrec.kernels.embedding.optim_state import check_hyperparameters
 from tritonrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
 from tritonrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from tritonrec.modules.table_batched import TableGroup
+from tritonrec.optim.keyed import EmptyFusedOptimizer, KeyedOptimizer
 
+# the torchrec marker on fused tables' parameters (``in_backward_optimizer_filter`` reads it); one shared instance
+_IN_BACKWARD = EmptyFusedOptimizer()
 _TORCH_RULES: dict[type, OptimType] = {torch.optim.SGD: OptimType.EXACT_SGD, torch.optim.Adam: OptimType.ADAM}
 
 
@@ -55,8 +63,9 @@ def _table_state_views(state: FusedOptimizerState, group: TableGroup, t: int) ->
     return views
 
 
-class EmbeddingFusedOptimizer(torch.optim.Optimizer):
-    """The fused optimizer's state and hyperparameters, seen as a torch optimizer (see module docstring).
+class EmbeddingFusedOptimizer(KeyedOptimizer):
+    """The fused optimizer's state and hyperparameters, seen as a :class:`~tritonrec.optim.KeyedOptimizer` (see
+    module docstring). Unlike the base class, ``state_dict()`` returns copies and saves ``param_groups`` by default.
 
     ``slots`` lists every table as ``(parameter name, its group, its index in the group)`` in config order;
     ``states[i]`` is group ``i``'s state; ``hyperparams`` (shared by all states) becomes ``param_groups[0]``.
@@ -69,9 +78,9 @@ class EmbeddingFusedOptimizer(torch.optim.Optimizer):
         groups: list[TableGroup],
         hyperparams: dict[str, Any],
     ) -> None:
-        super().__init__([group.params[t] for _, group, t in slots], {})
         self._slots, self._fused_states, self._table_groups = slots, states, groups
-        self.param_groups = [hyperparams]
+        super().__init__(self._names, {}, [hyperparams])
+        self.save_param_groups(True)
         self.rebuild_state_views()
 
     @property
@@ -81,36 +90,53 @@ class EmbeddingFusedOptimizer(torch.optim.Optimizer):
 
     def rebuild_state_views(self) -> None:
         """Point ``params`` and ``state[param]`` at the current parameters and state buffers (after a device move
-        or a re-pack replaced them)."""
+        or a re-pack replaced them), and mark the parameters as updated in the backward."""
         self.state.clear()
         for _, group, t in self._slots:
             state = self._fused_states[self._table_groups.index(group)]
             self.state[group.params[t]] = _table_state_views(state, group, t)
-        self.param_groups[0]["params"] = list(self._names.values())
+        self.params = self._names
+        for param in self.params.values():
+            param._in_backward_optimizers = [_IN_BACKWARD]  # type: ignore[attr-defined]
+        self.param_groups[0]["params"] = list(self.params.values())
+
+    @property
+    def optimizer_type(self) -> OptimType:
+        """The fused rule (what the planner counts optimizer state for)."""
+        return self._fused_states[0].optim
 
     def __call__(self) -> EmbeddingFusedOptimizer:
         return self
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        """No-op: the update already happened in the backward."""
+        """No update (it already happened in the backward); checks the hyperparameters, so an invalid edit of
+        ``param_groups`` raises here as well as at the next backward."""
+        check_hyperparameters(self.param_groups[0], "fused optimizer param_groups[0]: ")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """No-op: fused tables never hold gradients."""
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """``{"state": {param_name: {state_name: tensor copy}}, "param_groups": [{hyperparams, "params": names}]}``"""
+        """``{"state": {param_name: {state_name: tensor copy}}, "param_groups": [{hyperparams, "params": names}]}``
+        (``param_groups`` left out after ``save_param_groups(False)``)."""
         state = {
             name: {key: value.detach().clone() for key, value in self.state[param].items()}
             for name, param in self._names.items()
         }
+        if not self.defaults["_save_param_groups"]:
+            return {"state": state}
         group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
         group["params"] = list(self._names)
         return {"state": state, "param_groups": [group]}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
-        """Copy a :meth:`state_dict` into the live state and hyperparameters (same tables and shapes required)."""
-        if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
-            raise ValueError("state_dict must hold 'state' and 'param_groups' (as returned by state_dict())")
+        """Copy a :meth:`state_dict` into the live state and hyperparameters (same tables and shapes, valid
+        hyperparameters required; nothing is written unless everything checks)."""
+        saves_groups = self.defaults["_save_param_groups"]
+        needed = ["state", "param_groups"] if saves_groups else ["state"]
+        if not isinstance(state_dict, Mapping) or not set(needed) <= set(state_dict):
+            names = " and ".join(repr(k) for k in needed)
+            raise ValueError(f"state_dict must hold {names} (as returned by state_dict())")
         loaded_state = state_dict["state"]
         if set(loaded_state) != set(self._names):
             raise ValueError(
@@ -121,19 +147,22 @@ class EmbeddingFusedOptimizer(torch.optim.Optimizer):
             if set(loaded_state[name]) != set(live):
                 raise ValueError(f"state of {name} has keys {sorted(loaded_state[name])}, expected {sorted(live)}")
             for key, target in live.items():
-                source = torch.as_tensor(loaded_state[name][key])
-                if source.shape != target.shape:
-                    raise ValueError(
-                        f"state {name}.{key} has shape {tuple(source.shape)}, expected {tuple(target.shape)}"
-                    )
-                with torch.no_grad():
-                    target.copy_(source)
-        groups = state_dict["param_groups"]
-        if len(groups) != 1:
-            raise ValueError(f"state_dict['param_groups'] must hold one group, got {len(groups)}")
-        for key, value in groups[0].items():
+                shape = tuple(torch.as_tensor(loaded_state[name][key]).shape)
+                if shape != tuple(target.shape):
+                    raise ValueError(f"state {name}.{key} has shape {shape}, expected {tuple(target.shape)}")
+        groups = state_dict["param_groups"] if saves_groups else []
+        if saves_groups:
+            if len(groups) != 1:
+                raise ValueError(f"state_dict['param_groups'] must hold one group, got {len(groups)}")
+            check_hyperparameters(groups[0], "loaded fused optimizer param_groups[0]: ")
+        with torch.no_grad():
+            for name, param in self._names.items():
+                for key, target in self.state[param].items():
+                    target.copy_(torch.as_tensor(loaded_state[name][key]))
+        for key, value in (groups[0] if groups else {}).items():
             if key != "params":
                 self.param_groups[0][key] = tuple(value) if key == "betas" else value
+        self.post_load_state_dict()
 
 
 class _FusedMixin:

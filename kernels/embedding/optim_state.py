@@ -7,6 +7,8 @@ See :mod:`~tritonrec.kernels.embedding.fused_update` for the rules themselves.
 from __future__ import annotations
 
 import enum
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +54,33 @@ class FusedOptimizerState:
         return {k: v for k, v in out.items() if v is not None}
 
 
+def _is_number(value: object) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.dtype.is_complex
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_hyperparameters(hyperparams: Mapping[str, Any], where: str = "") -> None:
+    """Raise ``ValueError`` naming the field when ``lr``, ``eps`` or ``weight_decay`` is not a finite non-negative
+    number, or ``betas`` is not two numbers in ``[0, 1)``. Other keys (``params``, a scheduler's ``initial_lr``) are
+    ignored. ``where`` prefixes the message (``"param_groups[0]: "``).
+
+    Runs at construction, on ``load_state_dict`` and at every fused update, so a NaN written into ``param_groups``
+    stops the next backward before it reaches the weights (NaN compares false with everything and would pass a
+    plain ``< 0`` test, turning every touched row into NaN).
+    """
+    for name in ("lr", "eps", "weight_decay"):
+        if name in hyperparams:
+            value = hyperparams[name]
+            if not _is_number(value) or not math.isfinite(float(value)) or float(value) < 0:
+                raise ValueError(f"{where}{name} must be a non-negative number, got {name}={value!r}")
+    if "betas" in hyperparams:
+        betas = hyperparams["betas"]
+        ok = isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_is_number(b) for b in betas)
+        if not ok or not all(0.0 <= float(b) < 1.0 for b in betas):  # NaN fails both comparisons
+            raise ValueError(f"{where}betas must be two numbers in [0, 1), got betas={betas!r}")
+
+
 def create_fused_optimizer_state(
     layout: TableBatchedLayout,
     optim: OptimType,
@@ -68,14 +97,9 @@ def create_fused_optimizer_state(
     if unknown:
         raise ValueError(f"{optim.name} does not take {unknown}; its hyperparameters are {sorted(allowed)}")
     merged = {**allowed, **hyperparams}
-    for name in ("lr", "eps", "weight_decay"):
-        if name in merged and (not isinstance(merged[name], (int, float)) or merged[name] < 0):
-            raise ValueError(f"{name} must be a non-negative number, got {name}={merged[name]!r}")
+    check_hyperparameters(merged)
     if optim == OptimType.ADAM:
-        betas = tuple(merged["betas"])
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"betas must be two numbers in [0, 1), got betas={merged['betas']!r}")
-        merged["betas"] = betas
+        merged["betas"] = tuple(merged["betas"])
     zeros = lambda n: torch.zeros(n, dtype=torch.float32, device=device)
     momentum1 = momentum2 = None
     if optim == OptimType.EXACT_ROWWISE_ADAGRAD:
@@ -108,8 +132,9 @@ def _fp32(x: float) -> float:
 
 def begin_step(state: FusedOptimizerState) -> StepScalars:
     """Count the update (every table's step += 1) and freeze this update's constants."""
-    state.step += 1
     hp = state.hyperparams
+    check_hyperparameters(hp, "fused optimizer param_groups[0]: ")  # edits since the last step, before any update
+    state.step += 1
     beta1, beta2 = hp.get("betas", (0.0, 0.0))
     if state.optim == OptimType.ADAM:
         steps = state.step.double()
