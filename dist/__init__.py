@@ -50,11 +50,16 @@ from tritonrec.dist.dist_data import (
     VariableBatchPooledEmbeddingsAllToAll,
     VariableBatchPooledEmbeddingsReduceScatter,
 )
+from tritonrec.dist.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
 from tritonrec.dist.embeddingbag import (
     EmbeddingBagCollectionSharder,
     ShardedEmbeddingBagCollection,
 )
 from tritonrec.dist.error_feedback import ErrorFeedbackCodec
+from tritonrec.dist.fp_embeddingbag import (
+    FeatureProcessedEmbeddingBagCollectionSharder,
+    ShardedFeatureProcessedEmbeddingBagCollection,
+)
 from tritonrec.dist.kjt_dist import get_recat
 from tritonrec.dist.model_parallel import (
     DataParallelWrapper,
@@ -73,6 +78,7 @@ from tritonrec.dist.qcomm_protocol import (
     QuantizedCommCodecs,
     RoundingMode,
 )
+from tritonrec.dist.quant_embeddingbag import QuantEmbeddingBagCollectionSharder, ShardedQuantEmbeddingBagCollection
 from tritonrec.dist.sharding_plan import (
     calculate_shard_sizes_and_offsets,
     column_wise,
@@ -108,11 +114,13 @@ __all__ = [
     "DefaultDataParallelWrapper",
     "DistributedModelParallel",
     "EmbeddingBagCollectionSharder",
+    "EmbeddingCollectionSharder",
     "EmbeddingComputeKernel",
     "EmbeddingModuleShardingPlan",
     "EmbeddingsAllToOne",
     "EmbeddingsAllToOneReduce",
     "ErrorFeedbackCodec",
+    "FeatureProcessedEmbeddingBagCollectionSharder",
     "FusedOptimizerModule",
     "KJTAllToAll",
     "KJTAllToAllSplitsAwaitable",
@@ -129,6 +137,7 @@ __all__ = [
     "PooledEmbeddingsAwaitable",
     "PooledEmbeddingsReduceScatter",
     "QCommsConfig",
+    "QuantEmbeddingBagCollectionSharder",
     "QuantizationContext",
     "QuantizedCommCodec",
     "QuantizedCommCodecs",
@@ -138,7 +147,10 @@ __all__ = [
     "SequenceEmbeddingsAllToAll",
     "SequenceEmbeddingsAwaitable",
     "ShardedEmbeddingBagCollection",
+    "ShardedEmbeddingCollection",
+    "ShardedFeatureProcessedEmbeddingBagCollection",
     "ShardedModule",
+    "ShardedQuantEmbeddingBagCollection",
     "ShardingEnv",
     "ShardingPlan",
     "ShardingType",

@@ -17,6 +17,7 @@ Example (2 ranks, each a process in a gloo group)::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -143,6 +144,8 @@ class ShardedEmbeddingBagCollection(
         order = _column_order(blocks, self._embedding_names, dims)
         self._column_order = None if order is None else torch.tensor(order, device=self._device)
         self._limits = {f: c.num_embeddings for c in self._configs for f in c.feature_names}
+        # set by a wrapper (feature processors) to transform each sharding's distributed KJT before its lookup
+        self.input_transform: Callable[[Any, Any, KeyedJaggedTensor], KeyedJaggedTensor] | None = None
 
     # ---------------------------------------------------------------------------------------------------- steps
     def create_context(self) -> EmbeddingBagCollectionContext:
@@ -160,7 +163,15 @@ class ShardedEmbeddingBagCollection(
         return run_input_dists(list(self._shardings), features, ctx.sharding_contexts)
 
     def compute(self, ctx: EmbeddingBagCollectionContext, dist_input: list[KeyedJaggedTensor]) -> list[torch.Tensor]:
-        return [s.compute(kjt, c) for s, kjt, c in zip(self._shardings, dist_input, ctx.sharding_contexts, strict=True)]
+        shardings, contexts = self._shardings, ctx.sharding_contexts
+        return [
+            s.compute(self._transform(ctx, s, kjt), c)
+            for s, kjt, c in zip(shardings, dist_input, contexts, strict=True)
+        ]
+
+    def _transform(self, ctx: EmbeddingBagCollectionContext, sharding: Any, features: KeyedJaggedTensor) -> Any:
+        """What a sharding's lookup receives: the distributed KJT, or (feature-processed) its processed form."""
+        return features if self.input_transform is None else self.input_transform(ctx, sharding, features)
 
     def output_dist(self, ctx: EmbeddingBagCollectionContext, output: list[torch.Tensor]) -> LazyAwaitable[KeyedTensor]:
         awaitables = [
@@ -173,7 +184,8 @@ class ShardedEmbeddingBagCollection(
     ) -> LazyAwaitable[KeyedTensor]:
         awaitables = []
         for sharding, kjt, context in zip(self._shardings, input, ctx.sharding_contexts, strict=True):
-            awaitables.append(sharding.output_dist(sharding.compute(kjt, context), context))
+            local = sharding.compute(self._transform(ctx, sharding, kjt), context)
+            awaitables.append(sharding.output_dist(local, context))
         return EmbeddingBagCollectionAwaitable(awaitables, self._column_order, self._embedding_names, self._dims)
 
     def _check_features(self, features: KeyedJaggedTensor) -> None:

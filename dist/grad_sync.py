@@ -94,11 +94,15 @@ class _AllReduceGrads(torch.autograd.Function):
         return (None, None, *out)
 
 
-def all_reduced_params(params: Sequence[torch.Tensor], pg: dist.ProcessGroup) -> list[torch.Tensor]:
-    """Views of ``params`` whose gradients are all-reduced over ``pg`` (averaged with gradient division on)."""
+def all_reduced_params(
+    params: Sequence[torch.Tensor], pg: dist.ProcessGroup, average: bool | None = None
+) -> list[torch.Tensor]:
+    """Views of ``params`` whose gradients are all-reduced over ``pg``: averaged when ``average`` (default: when
+    gradient division is on, as for replicated tables), else summed (parameters whose per-rank gradients are parts
+    of one gradient, e.g. position weights used by several ranks' shards)."""
     if not torch.is_grad_enabled() or not params:
         return list(params)
-    return list(_AllReduceGrads.apply(pg, get_gradient_division(), *params))
+    return list(_AllReduceGrads.apply(pg, get_gradient_division() if average is None else average, *params))
 
 
 def all_reduce_(flat: torch.Tensor, pg: dist.ProcessGroup, divide: bool, what: str) -> None:

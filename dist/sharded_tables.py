@@ -26,6 +26,7 @@ from tritonrec.dist.awaitable import Awaitable
 from tritonrec.dist.embedding_lookup import ShardWeight
 from tritonrec.dist.fused_params import LookupOptions, parse_fused_params
 from tritonrec.dist.qcomm_protocol import QuantizedCommCodecs
+from tritonrec.dist.sharded_state import copy_into_shards, drop_internal_keys, ignore_internal_keys, save_table
 from tritonrec.dist.sharding import EmbeddingSharding, LocalShard, ShardedTable, build_shardings, sharded_tables
 from tritonrec.dist.sharding.common import ShardingContext
 from tritonrec.dist.types import EmbeddingComputeKernel, ParameterSharding, ShardingEnv
@@ -34,14 +35,38 @@ from tritonrec.modules.fused_embedding_modules import EmbeddingFusedOptimizer
 
 
 class TableShards(nn.Module):
-    """This rank's shards of one table (see module docstring)."""
+    """This rank's shards of one table (see module docstring); its state-dict entry ``weight`` is the whole table
+    (:mod:`tritonrec.dist.sharded_state`)."""
 
-    def __init__(self, table: ShardedTable, local: list[tuple[LocalShard, ShardWeight]]) -> None:
+    def __init__(
+        self, table: ShardedTable, local: list[tuple[LocalShard, ShardWeight]], pg: Any, device: torch.device
+    ) -> None:
         super().__init__()
         self.table = table
         self.local = local
+        self._pg = pg
+        self._device = device
         for k, (_, module) in enumerate(local):
             self.register_parameter(shard_param_name(k), module.weight)
+
+    def _local_pairs(self, detach: bool) -> list[tuple[Any, torch.Tensor]]:
+        return [(shard.spec, m.weight.detach() if detach else m.weight) for shard, m in self.local]
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        device = self.local[0][1].weight.device if self.local else self._device
+        destination[prefix + "weight"] = save_table(self.table, self._local_pairs(not keep_vars), self._pg, device)
+
+    def _load_from_state_dict(  # type: ignore[override]
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
+        key = prefix + "weight"
+        if key not in state_dict:
+            missing_keys.append(key)
+            return
+        try:
+            copy_into_shards(key, state_dict[key], self._local_pairs(True))
+        except (ValueError, TypeError) as err:
+            error_msgs.append(str(err))
 
 
 def shard_param_name(k: int) -> str:
@@ -132,10 +157,34 @@ class ShardedTablesMixin:
             for table in tables:
                 for shard, weight in local[table.name]:
                     _init_shard(weight.weight, shard, source_weights[table.name])
-        setattr(self, container, nn.ModuleDict({t.name: TableShards(t, local[t.name]) for t in tables}))
+        tables_module = {t.name: TableShards(t, local[t.name], env.process_group, self._device) for t in tables}
+        setattr(self, container, nn.ModuleDict(tables_module))
         self._container = container
         self._local = local
         self._build_fused_optimizer()
+        self._register_state_dict_hook(drop_internal_keys)  # type: ignore[attr-defined]
+        self.register_load_state_dict_post_hook(ignore_internal_keys)  # type: ignore[attr-defined]
+
+    # ----------------------------------------------------------------------------------------- what state sees
+    def sharded_tables(self) -> list[ShardedTable]:
+        """Every table with its placement, in module order."""
+        return self._tables
+
+    def embedding_tables(self) -> dict[str, list[tuple[LocalShard, ShardWeight]]]:
+        """Table -> this rank's shards of it (shard order) with their weights."""
+        return self._local
+
+    @property
+    def process_group(self) -> Any:
+        return self._env.process_group
+
+    @property
+    def state_device(self) -> torch.device:
+        return self._device
+
+    @property
+    def lookup_options(self) -> LookupOptions:
+        return self._options
 
     def _build_fused_optimizer(self) -> None:
         slots, states, groups = [], [], []

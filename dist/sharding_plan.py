@@ -283,9 +283,17 @@ def grid_shard(host_indexes: Sequence[int], compute_kernel: str | None = None) -
 
 def get_default_sharders() -> list[ModuleSharder[Any]]:
     """One sharder per shardable module type, with default options (torchrec's ``get_default_sharders``)."""
+    from tritonrec.dist.embedding import EmbeddingCollectionSharder
     from tritonrec.dist.embeddingbag import EmbeddingBagCollectionSharder
+    from tritonrec.dist.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
+    from tritonrec.dist.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
 
-    return [EmbeddingBagCollectionSharder()]
+    return [
+        EmbeddingBagCollectionSharder(),
+        FeatureProcessedEmbeddingBagCollectionSharder(),
+        EmbeddingCollectionSharder(),
+        QuantEmbeddingBagCollectionSharder(),
+    ]
 
 
 def get_module_to_default_sharders() -> dict[type, ModuleSharder[Any]]:

@@ -83,6 +83,15 @@ class EmbeddingSharding(nn.Module, abc.ABC):
             self.shards_per_rank[self.rank], compute_kernel, device, fused, seed_base, bounds_check, backend
         )
         self._select_cache: dict[Any, list[int]] = {}
+        if not pooled:
+            widths = {s.spec.cols for shards in self.shards_per_rank for s in shards}
+            if len(widths) > 1:
+                raise ValueError(
+                    f"{self.sharding_type} sequence sharding sends one row width: tables "
+                    f"{sorted({t.name for t in tables})} give shards of widths {sorted(widths)} (tables of one "
+                    "sharding need equal dims, and column-wise tables equal block widths)"
+                )
+            self.row_width = widths.pop() if widths else 0
         if self.sharding_type in COLUMN_SPLIT_TYPES:
             keys = [
                 [ColumnShardKey(s.table.name, s.shard_index, r, s.spec.row_offset, s.spec.col_offset) for s in shards]
@@ -169,6 +178,19 @@ class _RecordingSplits(Awaitable[Awaitable[KeyedJaggedTensor]]):
         return tensors
 
 
+def sequence_rows(local: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
+    """The lookup's per-feature rows as one ``[N_me, D]`` block for the sequence all-to-all; a rank without rows
+    still sends an (empty) block that requires grad, so it joins the all-to-all's backward like every rank."""
+    if local:
+        return torch.cat(local)
+    return torch.zeros(0, width, device=device, requires_grad=torch.is_grad_enabled())
+
+
+def record_slots(ctx: ShardingContext, features: KeyedJaggedTensor, columns: list[tuple[str, int, int]]) -> None:
+    """For a sequence output dist: what each key of the sent KJT becomes (feature, column block) and its values."""
+    ctx.extra["slots"] = [(*c, n) for c, n in zip(columns, features.length_per_key(), strict=True)]
+
+
 def no_dist(features: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
     """The input dist of data parallel: nothing moves."""
     return NoWait(NoWait(features))
@@ -185,4 +207,4 @@ def columns_of(shards_per_rank: list[list[LocalShard]]) -> OutputColumns:
     )
 
 
-__all__ = ["EmbeddingSharding", "columns_of", "feature_dims", "no_dist"]
+__all__ = ["EmbeddingSharding", "columns_of", "feature_dims", "no_dist", "record_slots", "sequence_rows"]

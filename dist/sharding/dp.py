@@ -10,7 +10,7 @@ import torch
 from tritonrec.data import KeyedJaggedTensor
 from tritonrec.dist.awaitable import Awaitable, NoWait
 from tritonrec.dist.embedding_lookup import pad_variable_batch
-from tritonrec.dist.sharding.base import EmbeddingSharding, no_dist
+from tritonrec.dist.sharding.base import EmbeddingSharding, no_dist, record_slots, sequence_rows
 from tritonrec.dist.sharding.common import LocalShard, OutputColumns, ShardingContext
 from tritonrec.dist.types import ShardingType
 
@@ -41,6 +41,8 @@ class DpSharding(EmbeddingSharding):
 
     def input_dist(self, features: KeyedJaggedTensor, ctx: ShardingContext) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         selected = self.select(features, self._features)
+        if not self.pooled:
+            record_slots(ctx, selected, list(self._columns.blocks))
         ctx.variable_batch = selected.variable_stride_per_key()
         return no_dist(selected)
 
@@ -58,6 +60,8 @@ class DpSharding(EmbeddingSharding):
         return torch.cat(blocks, dim=1) if blocks else padded[:0]
 
     def output_dist(self, local: torch.Tensor, ctx: ShardingContext) -> Awaitable[torch.Tensor]:
+        if not self.pooled:  # the lookup's per-feature rows, already in this rank's order
+            return NoWait(sequence_rows(local, self.row_width, self.device))  # type: ignore[arg-type]
         return NoWait(local)
 
 

@@ -26,7 +26,7 @@ from tritonrec.dist.embedding_dist import (
 from tritonrec.dist.embedding_lookup import pad_variable_batch
 from tritonrec.dist.kjt_dist import get_recat
 from tritonrec.dist.qcomm_protocol import CommOp
-from tritonrec.dist.sharding.base import EmbeddingSharding, feature_dims
+from tritonrec.dist.sharding.base import EmbeddingSharding, feature_dims, record_slots, sequence_rows
 from tritonrec.dist.sharding.common import LocalShard, OutputColumns, ShardingContext, mean_divisor
 from tritonrec.dist.sharding.tw import expand_variable_batch, flatten_per_rank
 from tritonrec.dist.types import ShardingType
@@ -105,6 +105,8 @@ class RwSharding(EmbeddingSharding):
 
     def input_dist(self, features: KeyedJaggedTensor, ctx: ShardingContext) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         selected = self.select(features, self._features)
+        if not self.pooled:
+            record_slots(ctx, selected, list(self._columns.blocks))
         ctx.variable_batch = selected.variable_stride_per_key()
         ctx.lengths = selected.lengths()
         ctx.batch_size_per_feature_pre_a2a = selected.stride_per_key()
@@ -148,8 +150,7 @@ class RwSharding(EmbeddingSharding):
         return awaitable
 
     def _sequence_output_dist(self, local: list[torch.Tensor], ctx: ShardingContext) -> Awaitable[torch.Tensor]:
-        dim = self._dims[0] if self._dims else 0
-        rows = torch.cat(local) if local else torch.zeros(0, dim, device=self.device)
+        rows = sequence_rows(local, self.row_width, self.device)
         recat = None
         if len(set(ctx.batch_size_per_rank)) > 1:
             recat = get_recat(

@@ -27,7 +27,7 @@ from tritonrec.dist.embedding_dist import (
 from tritonrec.dist.embedding_lookup import pad_variable_batch
 from tritonrec.dist.kjt_dist import get_recat
 from tritonrec.dist.qcomm_protocol import CommOp
-from tritonrec.dist.sharding.base import EmbeddingSharding, columns_of, feature_dims
+from tritonrec.dist.sharding.base import EmbeddingSharding, columns_of, feature_dims, record_slots, sequence_rows
 from tritonrec.dist.sharding.common import LocalShard, OutputColumns, ShardingContext
 from tritonrec.dist.types import ShardingType
 
@@ -74,6 +74,8 @@ class TwCwSharding(EmbeddingSharding):
 
     def input_dist(self, features: KeyedJaggedTensor, ctx: ShardingContext) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         permuted = self.select(features, self._send_features)
+        if not self.pooled:
+            record_slots(ctx, permuted, list(self._columns.blocks))
         ctx.variable_batch = permuted.variable_stride_per_key()
         ctx.batch_size_per_feature_pre_a2a = permuted.stride_per_key()
         return self.all_to_all(permuted, self._splits, ctx)
@@ -107,7 +109,7 @@ class TwCwSharding(EmbeddingSharding):
         return awaitable
 
     def _sequence_output_dist(self, local: list[torch.Tensor], ctx: ShardingContext) -> Awaitable[torch.Tensor]:
-        rows = torch.cat(local) if local else torch.zeros(0, self.embedding_dim, device=self.device)
+        rows = sequence_rows(local, self.row_width, self.device)
         recat = None
         if len(set(ctx.batch_size_per_rank)) > 1:
             recat = get_recat(
@@ -124,10 +126,6 @@ class TwCwSharding(EmbeddingSharding):
             batch_size_per_rank=ctx.batch_size_per_rank,
             sparse_features_recat=recat,
         )
-
-    @property
-    def embedding_dim(self) -> int:
-        return self.tables[0].shards[0].cols
 
 
 def flatten_per_rank(padded: torch.Tensor, strides: list[list[int]], dims: list[int]) -> torch.Tensor:
