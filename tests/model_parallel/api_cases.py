@@ -56,12 +56,14 @@ def names_and_wrappers(rank: int, world: int) -> dict[str, Any]:
 
     model = build_dlrm()
     reference_names = dict(model.named_parameters())
+    reference_keys = sorted(model.state_dict())
     dmp = wrap(model, "tw", world)
     out: dict[str, Any] = {
         "param_names": sorted(n for n, _ in dmp.named_parameters()),
         "buffer_names": sorted(n for n, _ in dmp.named_buffers()),
         "state_dict_keys": sorted(dmp.state_dict()),
         "reference_names": sorted(reference_names),
+        "reference_keys": reference_keys,
         "get_module_is_ddp": isinstance(get_module(dmp), DistributedDataParallel)
         and dmp.get_module() is get_module(dmp),
         "unwrapped_is_model": get_unwrapped_module(dmp) is model and dmp.module is model,
@@ -95,22 +97,34 @@ def fused_lr_reaches_tables(rank: int, world: int) -> dict[str, Any]:
 
 
 def state_dict_round_trip(rank: int, world: int) -> dict[str, Any]:
+    """Save the unsharded state dict (gathered on rank 0, sent to every rank), train, load it back: each rank keeps
+    its slice of the full tensors."""
+    import torch.distributed as dist
+
+    from tritonrec.dist.sharded_state import gather_unsharded_state_dict
+
     dmp = wrap(build_dlrm(), "cw", world)
     optimizer = dense_optimizer(dmp.named_parameters())
-    saved = {k: v.detach().clone() for k, v in dmp.state_dict().items()}
+    box = [gather_unsharded_state_dict(dmp)]
+    dist.broadcast_object_list(box, src=0)
+    saved = box[0]
     _train_step(dmp, optimizer, 0, rank, world)
-    changed = any(not torch.equal(saved[k], v) for k, v in dmp.state_dict().items())
+    trained = gather_unsharded_state_dict(dmp)
     result = dmp.load_state_dict(saved)
-    restored = all(torch.equal(saved[k], v) for k, v in dmp.state_dict().items())
+    restored = gather_unsharded_state_dict(dmp)
     bad_key = dict(saved, **{"over_arch.extra": torch.zeros(1)})
-    return {
-        "changed_by_training": changed,
-        "restored": restored,
+    out = {
         "missing": list(result.missing_keys),
         "unexpected": list(result.unexpected_keys),
         "unexpected_strict": _raises(lambda: dmp.load_state_dict(bad_key)),
         "not_a_mapping": _raises(lambda: dmp.load_state_dict([1, 2])),
     }
+    if rank == 0:
+        out["changed_by_training"] = any(not torch.equal(saved[k], v) for k, v in trained.items())
+        out["restored"] = sorted(restored) == sorted(saved) and all(
+            torch.equal(saved[k], v) for k, v in restored.items()
+        )
+    return out
 
 
 def copies(rank: int, world: int) -> dict[str, Any]:
