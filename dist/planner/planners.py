@@ -146,6 +146,8 @@ class EmbeddingShardingPlanner:
             raise TypeError(f"topology must be a Topology, got {type(topology).__name__}")
         self._topology = topology
         self._batch_size = BATCH_SIZE if batch_size is None else batch_size
+        if isinstance(self._batch_size, bool) or not isinstance(self._batch_size, int) or self._batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got batch_size={batch_size!r}")
         self._constraints = constraints
         self._enumerator = enumerator or EmbeddingEnumerator(
             topology,
@@ -211,12 +213,17 @@ class EmbeddingShardingPlanner:
         if world != self._topology.world_size:
             raise ValueError(f"the process group has {world} ranks but the topology has {self._topology.world_size}")
         payload: list[Any] = [None]
+        failure: BaseException | None = None
         if dist.get_rank(group) == 0:
             try:
                 payload = [self.plan(module, sharders)]
-            except (PlannerError, ValueError, TypeError) as err:  # the other ranks must not wait forever
-                payload = [err]
+            except Exception as err:  # sent to the other ranks too, which must not wait for a plan forever
+                failure = err
+                known = isinstance(err, (PlannerError, ValueError, TypeError))
+                payload = [err if known else RuntimeError(f"planning failed on rank 0: {type(err).__name__}: {err}")]
         dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
+        if failure is not None:
+            raise failure
         if isinstance(payload[0], Exception):
             raise payload[0]
         return payload[0]

@@ -5,7 +5,7 @@ case naming the table, the need and the capacity, the stats table, and the candi
 from __future__ import annotations
 
 import pytest
-from planner.planner_testing import ALL_TYPES, DENSE, FUSED, Model, PlanOnlySharder, ebc, planner, topology
+from planner.planner_testing import ALL_TYPES, DENSE, FUSED, Model, PlanOnlySharder, ebc, ec, planner, topology
 
 from tritonrec.dist.planner import (
     EmbeddingEnumerator,
@@ -276,3 +276,34 @@ def test_candidate_plans_for_exhaustive_search() -> None:
     assert [sum(s.storage.ddr for o in options for s in o.shards if s.rank == r) for r in range(2)] == [
         storage[0].ddr, storage[1].ddr,
     ]  # fmt: skip
+
+
+def test_planner_checks_its_input() -> None:
+    with pytest.raises(ValueError, match="batch_size must be a positive int, got batch_size=0"):
+        planner(topology(), batch_size=0)
+    with pytest.raises(TypeError, match="topology must be a Topology, got int"):
+        planner(2)  # type: ignore[arg-type]
+    p = planner(topology())
+    with pytest.raises(ValueError, match=r"sharders must be a non-empty list of ModuleSharder, got \[\]"):
+        p.plan(ebc([(10, 4)]), [])
+    with pytest.raises(TypeError, match="sharders must hold ModuleSharder instances, got str"):
+        p.plan(ebc([(10, 4)]), ["ebc"])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="module must be an nn.Module, got dict"):
+        p.plan({}, [PlanOnlySharder()])  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="collective_plan needs an initialised torch.distributed process group"):
+        p.collective_plan(ebc([(10, 4)]), [PlanOnlySharder()])
+    with pytest.raises(ValueError, match="sort_by must be 'perf' or 'storage', got sort_by='size'"):
+        GreedyPerfPartitioner(sort_by="size")
+    with pytest.raises(ValueError, match="max_proposals must be a positive int, got max_proposals=0"):
+        GridSearchProposer(max_proposals=0)
+
+
+def test_plans_every_module_its_sharders_cover() -> None:
+    model = Model(ebc([(100, 8)]))
+    model.sequence = ec([(50, 16), (70, 16)])
+    sharders = [PlanOnlySharder(), PlanOnlySharder(module_type=type(model.sequence))]
+    plan = planner(topology()).plan(model, sharders)
+    assert sorted(plan.plan) == ["sequence", "sparse.ebc"]
+    assert set(plan.get_plan_for_module("sequence")) == {"t0", "t1"}
+    only_bags = planner(topology()).plan(model, sharders[:1])
+    assert list(only_bags.plan) == ["sparse.ebc"]
