@@ -217,9 +217,11 @@ def save_checkpoint(
     try:
         if async_save:
             group = _async_group(pg) if ranks.distributed else None
-            future = dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=not ranks.distributed)
+            with _dcp_quietly():
+                future = dcp.async_save(state, storage_writer=writer, process_group=group,
+                                        no_dist=not ranks.distributed)  # fmt: skip
             return PendingCheckpoint(future, staging, final, step, ranks, extra)
-        with _single_process_quietly():
+        with _dcp_quietly():
             dcp.save(state, storage_writer=writer, process_group=ranks.pg, no_dist=not ranks.distributed)
         return _finalize(staging, final, step, ranks, extra)
     except CheckpointException as err:  # a BaseException: make it one that `except Exception` sees
@@ -288,7 +290,7 @@ def load_checkpoint(
     reader = dcp.FileSystemReader(str(path))
     state = build_state(model, optimizers, extra_state, set(reader.read_metadata().state_dict_metadata))
     try:
-        with _single_process_quietly():
+        with _dcp_quietly():
             dcp.load(state, storage_reader=reader, planner=_LoadPlanner(),
                      process_group=ranks.pg, no_dist=not ranks.distributed)  # fmt: skip
     except (Exception, CheckpointException) as err:  # DCP reports a missing key or another size like this
@@ -316,7 +318,7 @@ def load_unsharded_checkpoint(path: str | Path) -> dict[str, Any]:
             flat[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
         else:
             flat[fqn] = None
-    with _single_process_quietly():
+    with _dcp_quietly():
         dcp.load(flat, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
     state = unflatten_state_dict(flat, metadata.planner_data)
     state["fused_hyperparameters"] = {k: json.loads(v) for k, v in state.get("fused_hyperparameters", {}).items()}
@@ -327,10 +329,12 @@ def load_unsharded_checkpoint(path: str | Path) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _single_process_quietly() -> Iterator[None]:
-    """DCP warns that it assumes a single process whenever no process group is initialised: that is the intent."""
+def _dcp_quietly() -> Iterator[None]:
+    """DCP warns that it assumes a single process whenever no process group is initialised (that is the intent),
+    and that ShardedTensor is deprecated each time it meets one (the sharded tables' form: see sharded_state)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
         yield
 
 
