@@ -30,7 +30,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.nn.parallel import DistributedDataParallel
 
@@ -51,12 +50,34 @@ __all__ = [
     "DataParallelWrapper",
     "DefaultDataParallelWrapper",
     "DistributedModelParallel",
+    "compressed_allreduce_hook",
     "get_module",
     "get_unwrapped_module",
 ]
 
 _DDP_PREFIX = "module."
-_COMM_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+_COMM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def compressed_allreduce_hook(dtype: torch.dtype) -> Any:
+    """A DDP comm hook averaging each gradient bucket in ``dtype`` (torch's fp16 / bf16 compress hooks, for every
+    backend: torch's bf16 hook refuses gloo, whose bf16 all-reduce works)."""
+
+    def hook(pg: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        compressed = buffer.to(dtype).div_(dist.get_world_size(pg))
+        future = dist.all_reduce(compressed, group=pg, async_op=True).get_future()  # type: ignore[union-attr]
+
+        def decompress(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            buffer.copy_(done.value()[0])
+            return buffer
+
+        return future.then(decompress)
+
+    # DDP checks the hook's annotations as objects; this module's are strings (postponed evaluation)
+    hook.__annotations__ = {"pg": dist.ProcessGroup, "bucket": dist.GradBucket,
+                            "return": torch.futures.Future[torch.Tensor]}  # fmt: skip
+    return hook
 
 
 class DataParallelWrapper(abc.ABC):
@@ -74,7 +95,8 @@ class DefaultDataParallelWrapper(DataParallelWrapper):
         bucket_cap_mb: DDP's gradient bucket size (MiB).
         static_graph: the graph (and the set of used parameters) is the same every step (DDP's optimisation).
         find_unused_parameters: let DDP look for parameters a step did not use.
-        allreduce_comm_precision: ``None`` (fp32 all-reduce), ``"fp16"`` or ``"bf16"`` (compressed by a comm hook).
+        allreduce_comm_precision: ``None`` (fp32 all-reduce), ``"fp16"`` or ``"bf16"`` (each bucket averaged in that
+            dtype by :func:`compressed_allreduce_hook`; on gloo too).
         params_to_ignore: further parameter names to keep out of DDP.
         ddp_kwargs: further ``DistributedDataParallel`` arguments.
     """
@@ -93,7 +115,7 @@ class DefaultDataParallelWrapper(DataParallelWrapper):
         for name, value in (("static_graph", static_graph), ("find_unused_parameters", find_unused_parameters)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {name}={value!r}")
-        if allreduce_comm_precision is not None and allreduce_comm_precision not in _COMM_HOOKS:
+        if allreduce_comm_precision is not None and allreduce_comm_precision not in _COMM_DTYPES:
             raise ValueError(
                 f"allreduce_comm_precision must be None, 'fp16' or 'bf16', got {allreduce_comm_precision!r}"
             )
@@ -127,7 +149,8 @@ class DefaultDataParallelWrapper(DataParallelWrapper):
             **self._ddp_kwargs,
         )
         if self._allreduce_comm_precision is not None:
-            ddp.register_comm_hook(env.process_group, _COMM_HOOKS[self._allreduce_comm_precision])
+            hook = compressed_allreduce_hook(_COMM_DTYPES[self._allreduce_comm_precision])
+            ddp.register_comm_hook(env.process_group, hook)
         dmp._dmp_wrapped_module = ddp
 
 
