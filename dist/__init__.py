@@ -50,7 +50,16 @@ from tritonrec.dist.dist_data import (
     VariableBatchPooledEmbeddingsAllToAll,
     VariableBatchPooledEmbeddingsReduceScatter,
 )
+from tritonrec.dist.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
+from tritonrec.dist.embeddingbag import (
+    EmbeddingBagCollectionSharder,
+    ShardedEmbeddingBagCollection,
+)
 from tritonrec.dist.error_feedback import ErrorFeedbackCodec
+from tritonrec.dist.fp_embeddingbag import (
+    FeatureProcessedEmbeddingBagCollectionSharder,
+    ShardedFeatureProcessedEmbeddingBagCollection,
+)
 from tritonrec.dist.kjt_dist import get_recat
 from tritonrec.dist.qcomm_codec import CommType, TritonQuantizedCommCodec
 from tritonrec.dist.qcomm_config import QCommsConfig, get_qcomm_codecs, get_qcomm_codecs_registry
@@ -62,11 +71,14 @@ from tritonrec.dist.qcomm_protocol import (
     QuantizedCommCodecs,
     RoundingMode,
 )
+from tritonrec.dist.quant_embeddingbag import QuantEmbeddingBagCollectionSharder, ShardedQuantEmbeddingBagCollection
 from tritonrec.dist.sharding_plan import (
     calculate_shard_sizes_and_offsets,
     column_wise,
     construct_module_sharding_plan,
     data_parallel,
+    get_default_sharders,
+    get_module_to_default_sharders,
     grid_shard,
     row_wise,
     table_column_wise,
@@ -76,6 +88,7 @@ from tritonrec.dist.sharding_plan import (
 from tritonrec.dist.types import (
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
+    FusedOptimizerModule,
     ModuleSharder,
     ParameterSharding,
     ShardedModule,
@@ -90,11 +103,15 @@ __all__ = [
     "CollectiveTimeoutError",
     "CommOp",
     "CommType",
+    "EmbeddingBagCollectionSharder",
+    "EmbeddingCollectionSharder",
     "EmbeddingComputeKernel",
     "EmbeddingModuleShardingPlan",
     "EmbeddingsAllToOne",
     "EmbeddingsAllToOneReduce",
     "ErrorFeedbackCodec",
+    "FeatureProcessedEmbeddingBagCollectionSharder",
+    "FusedOptimizerModule",
     "KJTAllToAll",
     "KJTAllToAllSplitsAwaitable",
     "KJTAllToAllTensorsAwaitable",
@@ -110,6 +127,7 @@ __all__ = [
     "PooledEmbeddingsAwaitable",
     "PooledEmbeddingsReduceScatter",
     "QCommsConfig",
+    "QuantEmbeddingBagCollectionSharder",
     "QuantizationContext",
     "QuantizedCommCodec",
     "QuantizedCommCodecs",
@@ -118,7 +136,11 @@ __all__ = [
     "SeqEmbeddingsAllToOne",
     "SequenceEmbeddingsAllToAll",
     "SequenceEmbeddingsAwaitable",
+    "ShardedEmbeddingBagCollection",
+    "ShardedEmbeddingCollection",
+    "ShardedFeatureProcessedEmbeddingBagCollection",
     "ShardedModule",
+    "ShardedQuantEmbeddingBagCollection",
     "ShardingEnv",
     "ShardingPlan",
     "ShardingType",
@@ -136,10 +158,12 @@ __all__ = [
     "construct_module_sharding_plan",
     "data_parallel",
     "get_collective_timeout",
+    "get_default_sharders",
     "get_gradient_division",
     "get_group_rank",
     "get_local_rank",
     "get_local_size",
+    "get_module_to_default_sharders",
     "get_num_groups",
     "get_qcomm_codecs",
     "get_qcomm_codecs_registry",

@@ -103,6 +103,11 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
         """Per label, entries received from each rank."""
         return self._output_splits
 
+    @property
+    def stride_per_rank(self) -> list[int] | None:
+        """Each source rank's batch size (fixed-stride inputs; ``None`` for variable stride per key)."""
+        return self._stride_per_rank
+
     def _wait_impl(self) -> KeyedJaggedTensor:
         for label, work in zip(self._labels, self._works, strict=True):
             wait_for_work(work, f"KJTAllToAll {label}", self._pg)

@@ -42,6 +42,8 @@ __all__ = [
     "column_wise",
     "construct_module_sharding_plan",
     "data_parallel",
+    "get_default_sharders",
+    "get_module_to_default_sharders",
     "grid_shard",
     "placement",
     "row_wise",
@@ -279,24 +281,60 @@ def grid_shard(host_indexes: Sequence[int], compute_kernel: str | None = None) -
     return generate
 
 
+def get_default_sharders() -> list[ModuleSharder[Any]]:
+    """One sharder per shardable module type, with default options (torchrec's ``get_default_sharders``)."""
+    from tritonrec.dist.embedding import EmbeddingCollectionSharder
+    from tritonrec.dist.embeddingbag import EmbeddingBagCollectionSharder
+    from tritonrec.dist.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
+    from tritonrec.dist.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
+
+    return [
+        EmbeddingBagCollectionSharder(),
+        FeatureProcessedEmbeddingBagCollectionSharder(),
+        EmbeddingCollectionSharder(),
+        QuantEmbeddingBagCollectionSharder(),
+    ]
+
+
+def get_module_to_default_sharders() -> dict[type, ModuleSharder[Any]]:
+    """Module type -> its default sharder."""
+    return {sharder.module_type: sharder for sharder in get_default_sharders()}
+
+
+def _default_sharder(module: nn.Module) -> ModuleSharder[Any]:
+    sharders = get_module_to_default_sharders()
+    if type(module) in sharders:
+        return sharders[type(module)]
+    for module_type, sharder in sharders.items():
+        if isinstance(module, module_type):
+            return sharder
+    raise ValueError(
+        f"no default sharder shards {type(module).__name__} (default sharders shard "
+        f"{sorted(t.__name__ for t in sharders)}); pass sharder="
+    )
+
+
 def construct_module_sharding_plan(
     module: nn.Module,
     per_param_sharding: dict[str, ParameterShardingGenerator],
-    sharder: ModuleSharder[Any],
+    sharder: ModuleSharder[Any] | None = None,
     local_size: int | None = None,
     world_size: int | None = None,
     device_type: str | None = None,
 ) -> EmbeddingModuleShardingPlan:
     """Plan for ``module``: table name -> the generator's :class:`ParameterSharding`.
 
-    Every shardable table must be named exactly once. ``world_size`` / ``local_size`` default to the default
-    process group's (``LOCAL_WORLD_SIZE`` or the whole world); ``device_type`` to ``"cuda"`` when available.
+    Every shardable table must be named exactly once. ``sharder`` defaults to the module type's default sharder
+    (:func:`get_module_to_default_sharders`). ``world_size`` / ``local_size`` default to the default process
+    group's (``LOCAL_WORLD_SIZE`` or the whole world); ``device_type`` to ``"cuda"`` when available.
     Raises ``ValueError`` naming the table and the reason for an impossible plan.
     """
     import torch.distributed as dist
 
     from tritonrec.dist.comm import get_local_size
 
+    if sharder is None:
+        sharder = _default_sharder(module)
     if not isinstance(sharder, ModuleSharder):
         raise TypeError(f"sharder must be a ModuleSharder, got {type(sharder).__name__}")
     if not isinstance(module, sharder.module_type):

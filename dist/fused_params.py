@@ -1,0 +1,95 @@
+"""``fused_params``: what a sharder passes to the local lookups (torchrec's / FBGEMM TBE's key names).
+
+Keys: ``optimizer`` (an ``OptimType``, its name, or ``torch.optim.SGD`` / ``torch.optim.Adam``), ``learning_rate``
+(or ``lr``), ``eps``, ``beta1``, ``beta2``, ``weight_decay``, ``stochastic_rounding``, ``bounds_check_mode`` (a
+``BoundsCheckMode``), ``weights_precision`` (a ``DataType``: the storage type of every table), and ours, ``backend``
+(``"auto"``/``"triton"``/``"torch"``). An unknown key raises ``ValueError`` naming it.
+
+A ``FusedEmbeddingBagCollection`` / ``FusedEmbeddingCollection`` carries its own optimizer; ``fused_params`` may
+override its hyperparameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tritonrec.dist.embedding_lookup import FusedConfig
+from tritonrec.kernels.embedding import BoundsCheckMode, TableBatchedLayout, TableSpec, create_fused_optimizer_state
+from tritonrec.modules.embedding_configs import DataType
+from tritonrec.modules.fused_embedding_modules import resolve_optimizer_type
+
+_HYPERPARAMS = {"learning_rate": "lr", "lr": "lr", "eps": "eps", "weight_decay": "weight_decay"}
+_KNOWN = {
+    "optimizer",
+    "beta1",
+    "beta2",
+    "stochastic_rounding",
+    "bounds_check_mode",
+    "weights_precision",
+    "backend",
+    *_HYPERPARAMS,
+}
+
+
+@dataclass
+class LookupOptions:
+    """What the local lookups of one sharded module share."""
+
+    fused: FusedConfig | None
+    bounds_check: BoundsCheckMode
+    backend: str
+    weights_precision: DataType | None
+
+
+def parse_fused_params(fused_params: dict[str, Any] | None, module: object = None) -> LookupOptions:
+    """Validate ``fused_params`` and merge them with a fused module's own optimizer (see module docstring)."""
+    if fused_params is not None and not isinstance(fused_params, dict):
+        raise TypeError(f"fused_params must be a dict or None, got {type(fused_params).__name__}")
+    params = dict(fused_params or {})
+    unknown = sorted(set(params) - _KNOWN)
+    if unknown:
+        raise ValueError(f"fused_params has unknown keys {unknown}; known keys are {sorted(_KNOWN)}")
+    kwargs: dict[str, Any] = {}
+    optim = None
+    stochastic = True
+    module_optimizer = getattr(module, "fused_optimizer", None)
+    if module_optimizer is not None and "optimizer" not in params:
+        state = module._fused_states[0]  # type: ignore[attr-defined]
+        optim, stochastic = state.optim, state.stochastic_rounding
+        kwargs = {k: v for k, v in module_optimizer.param_groups[0].items() if k != "params"}
+    if "optimizer" in params:
+        optim = resolve_optimizer_type(params["optimizer"])
+    for key, name in _HYPERPARAMS.items():
+        if key in params:
+            kwargs[name] = params[key]
+    if "beta1" in params or "beta2" in params:
+        beta1, beta2 = kwargs.get("betas", (0.9, 0.999))
+        kwargs["betas"] = (params.get("beta1", beta1), params.get("beta2", beta2))
+    if "stochastic_rounding" in params:
+        if not isinstance(params["stochastic_rounding"], bool):
+            raise TypeError(
+                f"fused_params['stochastic_rounding'] must be a bool, got {params['stochastic_rounding']!r}"
+            )
+        stochastic = params["stochastic_rounding"]
+    bounds = params.get("bounds_check_mode", getattr(module, "bounds_check", BoundsCheckMode.FATAL))
+    if not isinstance(bounds, BoundsCheckMode):
+        raise TypeError(f"fused_params['bounds_check_mode'] must be a BoundsCheckMode, got {bounds!r}")
+    backend = params.get("backend", getattr(module, "backend", "auto"))
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"fused_params['backend'] must be 'auto', 'triton' or 'torch', got {backend!r}")
+    precision = params.get("weights_precision")
+    if precision is not None and precision not in (DataType.FP32, DataType.FP16, DataType.BF16):
+        raise ValueError(f"fused_params['weights_precision'] must be DataType.FP32, FP16 or BF16, got {precision!r}")
+    fused = None
+    if optim is not None:
+        fused = FusedConfig(optim, kwargs, stochastic)
+        # validate the hyperparameters now, on every rank (a rank without local shards builds no state)
+        probe = create_fused_optimizer_state(TableBatchedLayout([TableSpec(1, 1)], [0]), optim, "cpu", **kwargs)
+        fused.hyperparams = probe.hyperparams  # the live dict every group of the module shares
+    elif kwargs:
+        raise ValueError(f"fused_params sets {sorted(kwargs)} but no 'optimizer' to apply them to")
+    return LookupOptions(fused, bounds, backend, precision)
+
+
+__all__ = ["LookupOptions", "parse_fused_params"]

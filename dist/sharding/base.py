@@ -1,0 +1,210 @@
+"""The base of every sharding: which local shards each rank holds, the grouped lookup over this rank's, and the
+three steps a sharded module chains (``input_dist`` -> ``compute`` -> ``output_dist``), each returning an awaitable.
+
+A sharding is built once per (sharding type, compute kernel) of a module. Every rank builds the same sharding objects
+from the same plan, so each knows every rank's feature list; that is what sizes the collectives.
+
+Output contract: ``output_dist`` gives this rank's ``[B_me, output_columns.width]`` pooled embeddings (or, for
+sequence shardings, ``[N_me, D]`` rows), whatever the input's batch layout (fixed or variable stride per feature).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tritonrec.data import KeyedJaggedTensor
+from tritonrec.dist.awaitable import Awaitable, NoWait
+from tritonrec.dist.dist_data import KJTAllToAll, KJTAllToAllTensorsAwaitable
+from tritonrec.dist.embedding_lookup import FusedConfig, GroupedEmbeddingLookup
+from tritonrec.dist.grad_sync import ColumnShardKey
+from tritonrec.dist.qcomm_protocol import CommOp, QuantizedCommCodecs
+from tritonrec.dist.sharding.common import (
+    COLUMN_SPLIT_TYPES,
+    LocalShard,
+    OutputColumns,
+    ShardedTable,
+    ShardingContext,
+    order_for_lookup,
+    select_features,
+)
+from tritonrec.dist.types import ShardingEnv
+from tritonrec.kernels.backend import Backend
+from tritonrec.kernels.embedding import BoundsCheckMode
+
+
+class EmbeddingSharding(nn.Module, abc.ABC):
+    """One sharding of a module's tables (all of one sharding type and compute kernel).
+
+    Args:
+        tables: the tables, in module order.
+        env: the process group (``env.process_group`` must be set: training).
+        device: where this rank's shards live.
+        compute_kernel: ``"dense"`` or ``"fused"``.
+        fused: the fused optimizer config (fused kernel).
+        codecs_registry: comm op name -> codecs for the output dist's wire.
+        pooled: pooled (EBC) or sequence (EC) outputs.
+        seed_base: stochastic-rounding seed of the lookup's first group.
+    """
+
+    sharding_type: str = ""
+    supports_variable_batch: bool = False
+
+    def __init__(
+        self,
+        tables: list[ShardedTable],
+        env: ShardingEnv,
+        device: torch.device,
+        compute_kernel: str,
+        fused: FusedConfig | None,
+        codecs_registry: dict[str, QuantizedCommCodecs] | None,
+        pooled: bool = True,
+        bounds_check: BoundsCheckMode = BoundsCheckMode.FATAL,
+        backend: Backend = "auto",
+        seed_base: int = 0,
+    ) -> None:
+        super().__init__()
+        if env.process_group is None:
+            raise ValueError(f"{type(self).__name__} needs a process group: use ShardingEnv.from_process_group(pg)")
+        self.tables = tables
+        self.env = env
+        self.pg: dist.ProcessGroup = env.process_group
+        self.world_size, self.rank = env.world_size, env.rank
+        self.device = device
+        self.pooled = pooled
+        self.codecs_registry = dict(codecs_registry or {})
+        self.shards_per_rank = [order_for_lookup(self.local_shards(r)) for r in range(self.world_size)]
+        self.lookup = GroupedEmbeddingLookup(
+            self.shards_per_rank[self.rank], compute_kernel, device, fused, seed_base, bounds_check, backend
+        )
+        self._select_cache: dict[Any, list[int]] = {}
+        if not pooled:
+            widths = {s.spec.cols for shards in self.shards_per_rank for s in shards}
+            if len(widths) > 1:
+                raise ValueError(
+                    f"{self.sharding_type} sequence sharding sends one row width: tables "
+                    f"{sorted({t.name for t in tables})} give shards of widths {sorted(widths)} (tables of one "
+                    "sharding need equal dims, and column-wise tables equal block widths)"
+                )
+            self.row_width = widths.pop() if widths else 0
+        if self.sharding_type in COLUMN_SPLIT_TYPES:
+            keys = [
+                [ColumnShardKey(s.table.name, s.shard_index, r, s.spec.row_offset, s.spec.col_offset) for s in shards]
+                for r, shards in enumerate(self.shards_per_rank)
+            ]
+            full_dims = {t.name: t.config.embedding_dim for t in tables}
+            self.lookup.exchange_column_squares(self.pg, keys, full_dims)
+
+    # ------------------------------------------------------------------------------------------------ placement
+    @abc.abstractmethod
+    def local_shards(self, rank: int) -> list[LocalShard]:
+        """The shards rank ``rank`` looks up (any order; the base orders them by dtype for the lookup)."""
+
+    @property
+    @abc.abstractmethod
+    def output_columns(self) -> OutputColumns:
+        """The columns of this rank's output, in order (pooled)."""
+
+    def feature_names(self) -> list[str]:
+        """The module features this sharding reads (each once, in table order)."""
+        return list(dict.fromkeys(f for t in self.tables for f in t.config.feature_names))
+
+    def rank_features(self, rank: int) -> list[str]:
+        """The features rank ``rank``'s lookup reads, in its input order."""
+        return [f for s in self.shards_per_rank[rank] for f in s.features]
+
+    def codecs(self, op: CommOp) -> QuantizedCommCodecs | None:
+        return self.codecs_registry.get(op.name)
+
+    # ------------------------------------------------------------------------------------------------ the steps
+    @abc.abstractmethod
+    def input_dist(self, features: KeyedJaggedTensor, ctx: ShardingContext) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+        """Launch the sparse redistribution of ``features`` (this rank's batch)."""
+
+    def compute(self, features: KeyedJaggedTensor, ctx: ShardingContext) -> Any:
+        """Local lookup of what the input dist delivered."""
+        self.lookup.ensure_packed()
+        if self.pooled:
+            return self.lookup.forward_pooled(features)
+        return self.lookup.forward_sequence(features)
+
+    @abc.abstractmethod
+    def output_dist(self, local: Any, ctx: ShardingContext) -> Awaitable[torch.Tensor]:
+        """Launch the redistribution of the lookup's output back to the sample-owning ranks."""
+
+    # -------------------------------------------------------------------------------------------------- helpers
+    def select(self, features: KeyedJaggedTensor, names: list[str]) -> KeyedJaggedTensor:
+        return select_features(features, names, self._select_cache)
+
+    def all_to_all(
+        self,
+        features: KeyedJaggedTensor,
+        splits: list[int],
+        ctx: ShardingContext,
+        stagger: int = 1,
+        then: Callable[[KeyedJaggedTensor], KeyedJaggedTensor] | None = None,
+    ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+        """``KJTAllToAll`` of ``features`` whose second round records batch sizes and splits into ``ctx``."""
+        splits_awaitable = KJTAllToAll(self.pg, splits, stagger)(features)
+        return _RecordingSplits(splits_awaitable, ctx, then)
+
+
+class _RecordingSplits(Awaitable[Awaitable[KeyedJaggedTensor]]):
+    """The first round of a KJTAllToAll; its wait records what the second round knows into the context."""
+
+    def __init__(
+        self,
+        splits_awaitable: Awaitable[KJTAllToAllTensorsAwaitable],
+        ctx: ShardingContext,
+        then: Callable[[KeyedJaggedTensor], KeyedJaggedTensor] | None,
+    ) -> None:
+        super().__init__()
+        self._splits = splits_awaitable
+        self._ctx = ctx
+        self._then = then
+
+    def _wait_impl(self) -> Awaitable[KeyedJaggedTensor]:
+        tensors = self._splits.wait()
+        self._ctx.batch_size_per_rank = list(tensors.stride_per_rank or [])
+        self._ctx.input_splits = list(tensors.input_splits["values"])
+        self._ctx.output_splits = list(tensors.output_splits["values"])
+        if self._then is not None:
+            tensors.callbacks.append(self._then)
+        return tensors
+
+
+def sequence_rows(local: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
+    """The lookup's per-feature rows as one ``[N_me, D]`` block for the sequence all-to-all; a rank without rows
+    still sends an (empty) block that requires grad, so it joins the all-to-all's backward like every rank."""
+    if local:
+        return torch.cat(local)
+    return torch.zeros(0, width, device=device, requires_grad=torch.is_grad_enabled())
+
+
+def record_slots(ctx: ShardingContext, features: KeyedJaggedTensor, columns: list[tuple[str, int, int]]) -> None:
+    """For a sequence output dist: what each key of the sent KJT becomes (feature, column block) and its values."""
+    ctx.extra["slots"] = [(*c, n) for c, n in zip(columns, features.length_per_key(), strict=True)]
+
+
+def no_dist(features: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+    """The input dist of data parallel: nothing moves."""
+    return NoWait(NoWait(features))
+
+
+def feature_dims(shards: list[LocalShard]) -> list[int]:
+    return [s.spec.cols for s in shards for _ in s.features]
+
+
+def columns_of(shards_per_rank: list[list[LocalShard]]) -> OutputColumns:
+    """Columns of an all-to-all output: every rank's shards' features, rank by rank."""
+    return OutputColumns(
+        tuple((f, s.spec.col_offset, s.spec.cols) for shards in shards_per_rank for s in shards for f in s.features)
+    )
+
+
+__all__ = ["EmbeddingSharding", "columns_of", "feature_dims", "no_dist", "record_slots", "sequence_rows"]

@@ -1,0 +1,50 @@
+"""Sharded EBC on 2 gloo ranks: bad plans and inputs raise clear errors naming the culprit; a meta-device module is
+sharded without touching its weights (each shard initialised by its config's init_fn); gradient division scales
+every sharding's gradient by 1/W alike. Rank-side code: misc_cases.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.sharding.spawned import suite_results
+
+pytestmark = pytest.mark.dist
+
+EXPECTED_ERRORS = {
+    "fused_without_optimizer": r"ValueError: table 't0': the fused compute kernel needs an optimizer",
+    "plan_missing_table": r"ValueError: tables \['t2'\] have no ParameterSharding",
+    "unknown_fused_param": r"ValueError: fused_params has unknown keys \['lrr'\]",
+    "bad_hyperparameter": r"ValueError: lr must be a non-negative number, got lr=-1",
+    "no_process_group": r"ValueError: TwCwSharding needs a process group",
+    "not_an_ebc": r"TypeError: module must be an EmbeddingBagCollection, got Linear",
+    "missing_key": r"ValueError: features is missing keys \['f4'\]",
+    "index_out_of_range": r"ValueError: index 12 of feature 'f1' is outside its table's \[0, 12\) rows",
+    "not_a_kjt": r"TypeError: features must be a KeyedJaggedTensor, got Tensor",
+    "vbe_without_inverse": r"ValueError: a variable batch per feature \(VBE\) needs the KJT's inverse_indices",
+    "weighted_without_weights": r"ValueError: ShardedEmbeddingBagCollection is weighted .* but features has no weights",
+    "vbe_on_twrw": r"ValueError: table_row_wise sharding does not take a variable batch per feature",
+    "default_sharder": r"EmbeddingBagCollectionSharder",
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED_ERRORS))
+def test_bad_plans_and_inputs_raise_clear_errors(case: str) -> None:
+    import re
+
+    for rank, results in enumerate(suite_results("misc", 2)):
+        message = results["errors"][case]
+        assert re.search(EXPECTED_ERRORS[case], message), f"rank {rank}: {message}"
+
+
+def test_meta_module_is_sharded_with_init_fn() -> None:
+    for rank, results in enumerate(suite_results("misc", 2)):
+        meta = results["meta"]
+        assert meta["devices"] == ["cpu"], f"rank {rank}: {meta['devices']}"
+        assert meta["init"], f"rank {rank}: a local shard is not its table's init_fn output"
+        assert meta["forward_shape"] == [[3, 5][rank], 8 * 2 + 3 + 1 + 64]
+        assert all(name.startswith("embedding_bags.") for name in meta["names"]), meta["names"]
+
+
+def test_gradient_division_divides_every_sharding_by_world_size() -> None:
+    for rank, results in enumerate(suite_results("misc", 2)):
+        assert results["division"]["grad_times_world"] <= 1e-6, f"rank {rank}: {results['division']}"
