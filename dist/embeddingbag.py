@@ -17,6 +17,7 @@ Example (2 ranks, each a process in a gloo group)::
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -143,6 +144,8 @@ class ShardedEmbeddingBagCollection(
         blocks = [b for s in self._shardings for b in s.output_columns.blocks]
         order = _column_order(blocks, self._embedding_names, dims)
         self._column_order = None if order is None else torch.tensor(order, device=self._device)
+        # FATAL bounds check on the global ids before the input dist: row-wise bucketizing would spread an id past its
+        # table round-robin into a shard (where it may look valid), and the error names the global id
         self._limits = {f: c.num_embeddings for c in self._configs for f in c.feature_names}
         # set by a wrapper (feature processors) to transform each sharding's distributed KJT before its lookup
         self.input_transform: Callable[[Any, Any, KeyedJaggedTensor], KeyedJaggedTensor] | None = None
@@ -203,7 +206,7 @@ class ShardedEmbeddingBagCollection(
             for sharding in self._shardings:
                 if not sharding.supports_variable_batch:
                     raise ValueError(f"{sharding.sharding_type} sharding does not take a variable batch per feature")
-        if self._options.bounds_check == BoundsCheckMode.FATAL:
+        if self._options.bounds_check == BoundsCheckMode.FATAL and self._limits:
             check_index_bounds(features, self._limits)
 
     # -------------------------------------------------------------------------------------------------- module
@@ -224,18 +227,21 @@ class ShardedEmbeddingBagCollection(
 
 
 def check_index_bounds(features: KeyedJaggedTensor, limits: dict[str, int]) -> None:
-    """FATAL bounds check on the global indices, before they are distributed (one host sync)."""
+    """FATAL bounds check on the global indices of the features in ``limits``, before they are distributed (one
+    host sync)."""
     keys = features.keys()
-    lengths = features.length_per_key()
+    lengths = [n if k in limits else 0 for k, n in zip(keys, features.length_per_key(), strict=True)]
     if not any(lengths):
         return
     rows = torch.tensor([limits.get(k, 2**62) for k in keys], device=features.device())
     bound = rows.repeat_interleave(torch.tensor(lengths, device=features.device()), output_size=sum(lengths))
-    values = features.values()[: sum(lengths)]
+    starts = features.offset_per_key()
+    values = torch.cat([features.values()[starts[i] : starts[i] + n] for i, n in enumerate(lengths) if n])
     bad = (values < 0) | (values >= bound)
     if bool(bad.any()):
         where = int(bad.nonzero()[0].item())
-        key = keys[next(i for i, end in enumerate(features.offset_per_key()[1:]) if where < end)]
+        ends = list(itertools.accumulate(lengths))
+        key = keys[next(i for i, end in enumerate(ends) if where < end)]
         raise ValueError(
             f"index {int(values[where])} of feature {key!r} is outside its table's [0, {limits[key]}) rows "
             "(bounds_check_mode=FATAL)"

@@ -139,19 +139,21 @@ def apply_fused_rule(
     if rows.numel() == 0:
         return
     table = layout.table_view(group.weights, t)
-    w = table.index_select(0, rows).float()
     g = grad.float()
+    # fp32 SGD / rowwise Adagrad add their delta in place (one read-modify-write per row, as the kernels' twin)
+    in_place = table.dtype == torch.float32 and state.optim != OptimType.ADAM
+    w = table.index_select(0, rows).float() if scalars.weight_decay != 0.0 or not in_place else None
     if scalars.weight_decay != 0.0:
         g = g + scalars.weight_decay * w
     dim = table.shape[1]
     if state.optim == OptimType.EXACT_SGD:
-        new = w - scalars.lr * g
+        delta = g * -scalars.lr
     elif state.optim == OptimType.EXACT_ROWWISE_ADAGRAD:
         first = layout.table_row_offsets[t]
         momentum = state.momentum1[first : first + table.shape[0]]
         squares = (g * g).sum(dim=1) if row_square_sums is None else row_square_sums
         momentum.index_add_(0, rows, squares / (full_dim or dim))
-        new = w - (scalars.lr / (momentum.index_select(0, rows).sqrt() + scalars.eps))[:, None] * g
+        delta = g * (-scalars.lr / (momentum.index_select(0, rows).sqrt() + scalars.eps))[:, None]
     else:
         base = layout.table_weight_offsets[t]
         m1_table = state.momentum1[base : base + table.numel()].view(table.shape)
@@ -160,11 +162,14 @@ def apply_fused_rule(
         m2 = scalars.beta2 * m2_table.index_select(0, rows) + scalars.one_minus_beta2 * (g * g)
         m1_table.index_copy_(0, rows, m1)
         m2_table.index_copy_(0, rows, m2)
-        new = w - scalars.lr * ((m1 / scalars.bias1[t]) / ((m2 / scalars.bias2[t]).sqrt() + scalars.eps))
+        delta = -scalars.lr * ((m1 / scalars.bias1[t]) / ((m2 / scalars.bias2[t]).sqrt() + scalars.eps))
+    if in_place:
+        table.index_add_(0, rows, delta)
+        return
     element = None
     if table.dtype != torch.float32 and state.stochastic_rounding:
         element = layout.table_weight_offsets[t] + rows[:, None] * dim + torch.arange(dim, device=rows.device)
-    stored = round_fp32_to_storage_reference(new, table.dtype, state.stochastic_rounding, element, scalars.seed)
+    stored = round_fp32_to_storage_reference(w + delta, table.dtype, state.stochastic_rounding, element, scalars.seed)
     table.index_copy_(0, rows, stored)
 
 
@@ -180,36 +185,89 @@ def _sparse_rows(grad: torch.Tensor | None, rows: int, dim: int) -> tuple[torch.
 
 
 class DataParallelFusedUpdate:
-    """Fused update of replicated tables: all-reduce each group's gradient (dense, with a touched-row mask) over
-    ``pg``, then apply the rule to every row touched on any rank."""
+    """Fused update of replicated tables: combine every rank's touched rows and their gradients, then apply the rule
+    to each row touched on any rank, identically everywhere.
 
-    def __init__(self, pg: dist.ProcessGroup, groups: Sequence[FusedTables]) -> None:
+    Two exchanges, chosen by size (every rank decides alike from the first, a tiny all-gather of row counts): the
+    touched rows and their gradients all-gathered (sparse: ``W x`` the largest rank's rows), or a dense all-reduce of
+    every table with a touched-row mask (small tables, or batches touching most rows). Sparse sums are taken in rank
+    order, so replicas stay bit-identical."""
+
+    def __init__(self, pg: dist.ProcessGroup, groups: Sequence[FusedTables], exchange: str = "auto") -> None:
+        if exchange not in ("auto", "sparse", "dense"):
+            raise ValueError(f"exchange must be 'auto', 'sparse' or 'dense', got exchange={exchange!r}")
         self.pg = pg
         self.groups = list(groups)
+        self.specs = [(g, t, spec) for g in self.groups for t, spec in enumerate(g.layout.tables)]
+        self.exchange = exchange
 
     def __call__(self, grads: Sequence[torch.Tensor | None]) -> None:
-        parts, k = [], 0
-        for group in self.groups:
-            for spec in group.layout.tables:
-                rows, values = _sparse_rows(grads[k], spec.num_rows, spec.dim)
-                k += 1
-                block = torch.zeros(spec.num_rows, spec.dim + 1, device=group.weights.device)
-                block[rows, : spec.dim] = values.float()
-                block[rows, spec.dim] = 1.0  # touched on this rank
-                parts.append(block.reshape(-1))
-        flat = torch.cat(parts) if parts else torch.zeros(0)
-        all_reduce_(flat, self.pg, False, "data-parallel fused gradient all-reduce")
+        local = [_sparse_rows(g, spec.num_rows, spec.dim) for g, (_, _, spec) in zip(grads, self.specs, strict=True)]
+        device = self.groups[0].weights.device
+        counts = torch.tensor([r.numel() for r, _ in local], dtype=torch.int64, device=device)
+        every = [torch.empty_like(counts) for _ in range(self.pg.size())]
+        wait_for_work(dist.all_gather(every, counts, group=self.pg, async_op=True), "data-parallel row counts", self.pg)
+        per_rank = [c.tolist() for c in every]
+        widths = [spec.dim + 1 for _, _, spec in self.specs]
+        sparse_words = max(sum(n * w for n, w in zip(c, widths, strict=True)) for c in per_rank) * self.pg.size()
+        dense_words = 2 * sum(spec.num_rows * w for (_, _, spec), w in zip(self.specs, widths, strict=True))
+        if self.exchange == "sparse" or (self.exchange == "auto" and sparse_words < dense_words):
+            summed = self._sparse(local, per_rank)
+        else:
+            summed = self._dense(local)
         divisor = float(self.pg.size()) if get_gradient_division() and self.pg.size() > 1 else 1.0
-        start = 0
         with torch.no_grad():
-            for group in self.groups:
-                scalars = begin_step(group.state)
-                for t, spec in enumerate(group.layout.tables):
-                    block = flat[start : start + spec.num_rows * (spec.dim + 1)].view(spec.num_rows, spec.dim + 1)
-                    start += block.numel()
-                    rows = (block[:, spec.dim] > 0).nonzero().squeeze(1)
-                    grad = block.index_select(0, rows)[:, : spec.dim]
-                    apply_fused_rule(group, scalars, t, rows, grad / divisor if divisor != 1.0 else grad)
+            scalars = {id(g): begin_step(g.state) for g in self.groups}
+            for (group, t, _), (rows, grad) in zip(self.specs, summed, strict=True):
+                apply_fused_rule(group, scalars[id(group)], t, rows, grad / divisor if divisor != 1.0 else grad)
+
+    def _dense(self, local: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        parts = []
+        for (group, _, spec), (rows, values) in zip(self.specs, local, strict=True):
+            block = torch.zeros(spec.num_rows, spec.dim + 1, device=group.weights.device)
+            block[rows, : spec.dim] = values.float()
+            block[rows, spec.dim] = 1.0  # touched on this rank
+            parts.append(block.reshape(-1))
+        flat = torch.cat(parts)
+        all_reduce_(flat, self.pg, False, "data-parallel fused gradient all-reduce")
+        out, start = [], 0
+        for _, _, spec in self.specs:
+            block = flat[start : start + spec.num_rows * (spec.dim + 1)].view(spec.num_rows, spec.dim + 1)
+            start += block.numel()
+            rows = (block[:, spec.dim] > 0).nonzero().squeeze(1)
+            out.append((rows, block.index_select(0, rows)[:, : spec.dim]))
+        return out
+
+    def _sparse(
+        self, local: list[tuple[torch.Tensor, torch.Tensor]], per_rank: list[list[int]]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """All-gather each rank's (row ids, gradients) as one fp32 buffer (ids bit-cast from int32), padded to the
+        largest rank's, then sum per row in rank order."""
+        dims = [spec.dim for _, _, spec in self.specs]
+        sizes = [sum(n * (d + 1) for n, d in zip(c, dims, strict=True)) for c in per_rank]
+        ids = [rows.to(torch.int32).view(torch.float32) for rows, _ in local]
+        mine = torch.cat([*ids, *(v.float().reshape(-1) for _, v in local)])
+        padded = torch.zeros(max(sizes), device=mine.device)
+        padded[: mine.numel()] = mine
+        gathered = [torch.empty_like(padded) for _ in range(self.pg.size())]
+        wait_for_work(dist.all_gather(gathered, padded, group=self.pg, async_op=True), "data-parallel rows", self.pg)
+        parsed = []  # per rank, per table: (rows, values)
+        for buffer, counts in zip(gathered, per_rank, strict=True):
+            value_sizes = [n * d for n, d in zip(counts, dims, strict=True)]
+            pieces = buffer[: sum(counts) + sum(value_sizes)].split(counts + value_sizes)
+            tables = len(counts)
+            parsed.append(
+                [(pieces[i].view(torch.int32).long(), pieces[tables + i].view(-1, dims[i])) for i in range(tables)]
+            )
+        out = []
+        for i, (_, _, spec) in enumerate(self.specs):
+            union = torch.unique(torch.cat([rank_tables[i][0] for rank_tables in parsed]))
+            total = torch.zeros(union.numel(), spec.dim, device=union.device)
+            for rank_tables in parsed:  # rank order: every replica sums alike
+                rows, values = rank_tables[i]
+                total.index_add_(0, torch.searchsorted(union, rows), values)
+            out.append((union, total))
+        return out
 
 
 @dataclass(frozen=True)

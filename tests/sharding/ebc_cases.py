@@ -109,6 +109,9 @@ def build_pair(case: Case, rank: int, world: int, codecs: Any = None):
     sharded = sharder.shard(source, plan, ShardingEnv.from_process_group(dist.group.WORLD), torch.device("cpu"))
     for sharding in sharded.shardings:
         sharding.lookup.backend = "torch"
+        handler = getattr(sharding.lookup, "_handler", None)
+        if "exchange" in case.extra and handler is not None:  # data-parallel fused: force one exchange
+            handler.exchange = case.extra["exchange"]
     return reference, sharded
 
 
@@ -249,6 +252,10 @@ def ebc_cases(types: list[str]) -> list[Case]:
         for j, optimizer in enumerate(OPTIMIZERS):
             label, pooling, weighted = POOLINGS[(j + k) % len(POOLINGS)]
             cases.append(Case(f"{kind}-{optimizer}-{label}", plans[kind], pooling, weighted, optimizer, steps=10))
+        if kind == "data_parallel":  # both exchanges of the fused data-parallel update, whatever "auto" picks
+            for exchange in ("sparse", "dense"):
+                extra = {"exchange": exchange}
+                cases.append(Case(f"{kind}-ADAM-{exchange}", plans[kind], "MEAN", True, "ADAM", 5, extra=extra))
     return cases
 
 

@@ -1,0 +1,375 @@
+"""Sharded EmbeddingBagCollection training steps on 2 gloo ranks (CPU), per sharding type, next to torchrec 1.8's
+sharded EBC on the same configuration in the same run (where installed).
+
+    python benchmarks/bench_sharded_ebc.py                       # 8 tables x 100k rows x D=64, B=512 per rank
+    python benchmarks/bench_sharded_ebc.py --rows 20000 --steps 6 --types table_wise row_wise --plot
+
+Each rank runs fused rowwise Adagrad steps (forward, backward, update) on a stream of DISTINCT batches (pooling
+lengths ~ U[0, 40), ids uniform), built through the API a user calls: ``EmbeddingBagCollectionSharder.shard`` for
+ours; ``DistributedModelParallel`` for torchrec (its data-parallel tables use the dense kernel, so they train with
+DDP's all-reduce and torchrec's ``RowWiseAdagrad`` stepped after the backward).
+
+Reported per (implementation, sharding type): the slowest rank's median ms per step; bytes handed to the
+collectives per rank per step (every ``torch.distributed`` send buffer, counted by wrapping the Python collectives;
+DDP's C++ all-reduce escapes the count); the largest rank's resident memory after its steps, and the run's peak RSS.
+A sharding type torchrec cannot build on CPU (or has no plan helper for) is recorded as ``refused`` with its error.
+Implementations and sharding types are timed in interleaved rounds, so load drifting during the run biases no row
+against another.
+
+Appends to ``benchmarks/results/sharded_ebc_cpu.csv`` (``--plot``: ``sharded_ebc_cpu.png``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import resource
+import socket
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import append_csv, print_table
+
+TYPES = ["table_wise", "row_wise", "column_wise", "table_column_wise", "data_parallel", "table_row_wise", "grid_shard"]
+TORCHREC_TYPES = {"table_wise", "column_wise", "table_column_wise", "data_parallel", "row_wise", "table_row_wise"}
+
+
+# ------------------------------------------------------------------------------------------------- wire counting
+class WireCounter:
+    """Counts the bytes every collective is handed to send (wraps ``torch.distributed``'s functions)."""
+
+    # point-to-point sends are counted through batch_isend_irecv (P2POp checks that its op IS dist.isend)
+    NAMES = ("all_to_all_single", "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor",
+             "_reduce_scatter_base", "_all_gather_base", "all_gather", "reduce_scatter", "all_to_all",
+             "batch_isend_irecv")  # fmt: skip
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._originals: dict[str, Any] = {}
+
+    def install(self) -> None:
+        for name in self.NAMES:
+            original = getattr(dist, name, None)
+            if original is None or name in self._originals:
+                continue
+            self._originals[name] = original
+            setattr(dist, name, self._wrap(name, original))
+
+    def _wrap(self, name: str, original: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            tensors = args[1:2] if name in ("all_to_all_single", "reduce_scatter_tensor", "_reduce_scatter_base",
+                                            "all_gather_into_tensor", "_all_gather_base") else args[:1]  # fmt: skip
+            if name in ("all_gather", "reduce_scatter", "all_to_all"):
+                tensors = args[1:2]
+            if name == "batch_isend_irecv":
+                tensors = [[op.tensor for op in args[0] if op.op is dist.isend]]
+            for t in tensors:
+                if isinstance(t, torch.Tensor):
+                    self.bytes += t.numel() * t.element_size()
+                elif isinstance(t, (list, tuple)):
+                    self.bytes += sum(x.numel() * x.element_size() for x in t if isinstance(x, torch.Tensor))
+            return original(*args, **kwargs)
+
+        return counted
+
+
+# ------------------------------------------------------------------------------------------------------ batches
+def make_batches(args: argparse.Namespace, rank: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` distinct (lengths [F * B], values) pairs for this rank."""
+    g = torch.Generator().manual_seed(1234 + rank)
+    out = []
+    for _ in range(count):
+        lengths = torch.randint(0, args.max_length, (args.tables * args.batch,), generator=g)
+        values = torch.randint(0, args.rows, (int(lengths.sum()),), generator=g)
+        out.append((lengths, values))
+    return out
+
+
+def plan_generators(kind: str, tables: int, world: int, lib: Any) -> dict[str, Any]:
+    """Per table, the plan generator of ``kind`` (``lib``: tritonrec.dist or torchrec's sharding_plan)."""
+    names = [f"t{i}" for i in range(tables)]
+    if kind == "table_wise":
+        return {n: lib.table_wise(rank=i % world) for i, n in enumerate(names)}
+    if kind == "row_wise":
+        return {n: lib.row_wise() for n in names}
+    if kind == "column_wise":
+        return {n: lib.column_wise(ranks=list(range(world))) for n in names}
+    if kind == "table_column_wise":
+        return {n: lib.table_column_wise(ranks=list(range(world))) for n in names}
+    if kind == "data_parallel":
+        return {n: lib.data_parallel() for n in names}
+    if kind == "table_row_wise":
+        return {n: lib.table_row_wise(host_index=0) for n in names}
+    return {n: lib.grid_shard(host_indexes=[0, 0]) for n in names}
+
+
+# ------------------------------------------------------------------------------------------------------- ours
+def build_ours(args: argparse.Namespace, kind: str, world: int) -> tuple[Any, Any]:
+    from tritonrec.data import KeyedJaggedTensor
+    from tritonrec.dist import EmbeddingBagCollectionSharder, ShardingEnv, construct_module_sharding_plan
+    from tritonrec.dist import sharding_plan as lib
+    from tritonrec.kernels.embedding import OptimType
+    from tritonrec.modules import EmbeddingBagCollection, EmbeddingBagConfig
+
+    tables = [
+        EmbeddingBagConfig(num_embeddings=args.rows, embedding_dim=args.dim, name=f"t{i}", feature_names=[f"f{i}"])
+        for i in range(args.tables)
+    ]
+    ebc = EmbeddingBagCollection(tables, device="meta")
+    fused = {"optimizer": OptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01}
+    sharder = EmbeddingBagCollectionSharder(fused_params=fused)
+    plan = construct_module_sharding_plan(
+        ebc, plan_generators(kind, args.tables, world, lib), sharder, world, world, "cpu"
+    )
+    for sharding in plan.values():
+        sharding.compute_kernel = "fused"
+    model = sharder.shard(ebc, plan, ShardingEnv.from_process_group(dist.group.WORLD), torch.device("cpu"))
+    keys = [f"f{i}" for i in range(args.tables)]
+
+    def step(batch: tuple[torch.Tensor, torch.Tensor], grad: torch.Tensor) -> None:
+        lengths, values = batch
+        out = model(KeyedJaggedTensor(keys, values, lengths=lengths)).wait()
+        out.values().backward(grad)
+
+    return model, step
+
+
+# ----------------------------------------------------------------------------------------------------- torchrec
+def build_torchrec(args: argparse.Namespace, kind: str, world: int) -> tuple[Any, Any]:
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+    from torchrec.distributed import sharding_plan as lib
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    tables = [
+        EmbeddingBagConfig(num_embeddings=args.rows, embedding_dim=args.dim, name=f"t{i}", feature_names=[f"f{i}"])
+        for i in range(args.tables)
+    ]
+    ebc = EmbeddingBagCollection(tables, device=torch.device("meta"))
+    fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01}
+    sharder = EmbeddingBagCollectionSharder(fused_params=fused)
+    generators = plan_generators(kind, args.tables, world, lib)
+    module_plan = construct_module_sharding_plan(ebc, generators, sharder, world, world, "cpu")
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    model = DistributedModelParallel(
+        ebc, env=env, device=torch.device("cpu"), plan=ShardingPlan({"": module_plan}), sharders=[sharder]
+    )
+    optimizer = CombinedOptimizer([model.fused_optimizer])
+    if kind == "data_parallel":  # torchrec's data-parallel tables are dense: DDP all-reduces, RowWiseAdagrad steps
+        dense = dict(in_backward_optimizer_filter(model.named_parameters()))
+        rowwise = KeyedOptimizerWrapper(dense, lambda params: RowWiseAdagrad(params, lr=0.01))
+        optimizer = CombinedOptimizer([model.fused_optimizer, rowwise])
+    keys = [f"f{i}" for i in range(args.tables)]
+
+    def step(batch: tuple[torch.Tensor, torch.Tensor], grad: torch.Tensor) -> None:
+        lengths, values = batch
+        out = model(KeyedJaggedTensor(keys=keys, values=values, lengths=lengths))
+        out = out.wait() if hasattr(out, "wait") else out
+        out.values().backward(grad)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return model, step
+
+
+# ------------------------------------------------------------------------------------------------------- ranks
+def _rss_mb() -> float:
+    """This process's resident set now (Linux), MB."""
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    return float("nan")
+
+
+def _time_steps(step: Any, batches: list, grad: torch.Tensor, steps: int, warmup: int, counter: WireCounter) -> dict:
+    for i in range(warmup):
+        step(batches[i % len(batches)], grad)
+    dist.barrier()
+    counter.bytes = 0
+    samples = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        step(batches[(warmup + i) % len(batches)], grad)
+        samples.append((time.perf_counter() - t0) * 1e3)
+    wire = counter.bytes / steps
+    worst = torch.tensor([statistics.median(samples), _rss_mb()], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return {"median_ms": float(worst[0]), "wire_bytes_per_rank": wire, "rss_mb": float(worst[1])}
+
+
+def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, results: Any) -> None:
+    try:
+        os.environ["LOCAL_WORLD_SIZE"] = str(world)
+        torch.set_num_threads(args.threads)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        counter = WireCounter()
+        counter.install()
+        batches = make_batches(args, rank, args.steps + args.warmup)
+        grad = torch.randn(args.batch, args.tables * args.dim, generator=torch.Generator().manual_seed(rank))
+        impls = ["tritonrec"] + (["torchrec"] if args.torchrec else [])
+        rows: dict[tuple[str, str], dict[str, Any]] = {}
+        for round_ in range(args.rounds):
+            for kind in args.types:
+                for impl in impls:
+                    key = (impl, kind)
+                    if rows.get(key, {}).get("status", "ok") != "ok":
+                        continue
+                    if impl == "torchrec" and kind not in TORCHREC_TYPES:
+                        rows[key] = {"status": "not in torchrec"}
+                        continue
+                    gc.collect()
+                    try:
+                        build = build_ours if impl == "tritonrec" else build_torchrec
+                        model, step = build(args, kind, world)
+                        timing = _time_steps(step, batches, grad, args.steps, args.warmup, counter)
+                    except Exception as err:  # torchrec refusing a sharding type on CPU is a result, not a crash
+                        message = f"{type(err).__name__}: {err}".splitlines()[0][:160]
+                        rows[key] = {"status": "refused", "error": message}
+                        if rank == 0 and args.verbose:
+                            traceback.print_exc()
+                        dist.barrier()
+                        continue
+                    entry = rows.setdefault(key, {"status": "ok", "medians": [], "wire": timing["wire_bytes_per_rank"]})
+                    entry["medians"].append(timing["median_ms"])
+                    entry["rss_mb"] = max(entry.get("rss_mb", 0.0), timing["rss_mb"])
+                    del model, step
+            if rank == 0:
+                print(f"round {round_ + 1}/{args.rounds} done", flush=True)
+        peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        results.put((rank, True, {"rows": rows, "peak_rss_mb": float(peak)}))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tables", type=int, default=8)
+    parser.add_argument("--rows", type=int, default=100_000)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=512, help="samples per rank")
+    parser.add_argument("--max-length", type=int, default=40, help="pooling lengths ~ U[0, max_length)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--types", nargs="+", default=TYPES, choices=TYPES)
+    parser.add_argument("--no-torchrec", dest="torchrec", action="store_false")
+    parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--csv", default="sharded_ebc_cpu.csv")
+    parser.add_argument("--plot", action="store_true")
+    args = parser.parse_args()
+    if args.torchrec:
+        try:
+            import torchrec  # noqa: F401
+        except Exception:
+            print("torchrec is not installed: no anchor rows")
+            args.torchrec = False
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, args.world, port, args, queue)) for r in range(args.world)]
+    for proc in procs:
+        proc.start()
+    outputs = {}
+    for _ in procs:
+        rank, ok, payload = queue.get()
+        if not ok:
+            raise RuntimeError(f"rank {rank} failed:\n{payload}")
+        outputs[rank] = payload
+    for proc in procs:
+        proc.join()
+    report(args, outputs[0])
+
+
+def report(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    rows = []
+    peak = result["peak_rss_mb"]
+    ours = {k: v for (impl, k), v in result["rows"].items() if impl == "tritonrec"}
+    for (impl, kind), entry in result["rows"].items():
+        row: dict[str, Any] = {"impl": impl, "sharding": kind, "status": entry["status"], "tables": args.tables,
+                               "rows": args.rows, "dim": args.dim, "batch_per_rank": args.batch, "world": args.world,
+                               "steps": args.steps * args.rounds}  # fmt: skip
+        if entry["status"] == "ok":
+            row["ms_per_step"] = statistics.median(entry["medians"])
+            row["steps_per_s"] = 1e3 / row["ms_per_step"]
+            row["wire_mb_per_rank_step"] = entry["wire"] / 1e6
+            row["rss_mb_max_rank"] = entry["rss_mb"]
+            if impl == "torchrec" and kind == "data_parallel":
+                row["wire_mb_per_rank_step"] = float("nan")
+                row["note"] = "DDP's all-reduce runs in C++: its bytes are not counted"
+        else:
+            row["note"] = entry.get("error", entry["status"])
+        row["peak_rss_mb_max_rank"] = peak
+        rows.append(row)
+    for row in rows:
+        if row["impl"] == "torchrec" and row["status"] == "ok" and ours.get(row["sharding"], {}).get("status") == "ok":
+            mine = next(r for r in rows if r["impl"] == "tritonrec" and r["sharding"] == row["sharding"])
+            mine["speedup_vs_torchrec"] = row["ms_per_step"] / mine["ms_per_step"]
+    print_table(rows, ["impl", "sharding", "status", "ms_per_step", "steps_per_s", "wire_mb_per_rank_step",
+                       "rss_mb_max_rank", "speedup_vs_torchrec", "note"])  # fmt: skip
+    print(f"peak RSS (max over ranks, whole run): {peak:.0f} MB; threads per rank: {args.threads}")
+    columns = ["impl", "sharding", "status", "ms_per_step", "steps_per_s", "wire_mb_per_rank_step",
+               "speedup_vs_torchrec", "rss_mb_max_rank", "peak_rss_mb_max_rank", "tables", "rows", "dim",
+               "batch_per_rank", "world", "steps", "note"]  # fmt: skip
+    path = append_csv(args.csv, [{c: row.get(c, "") for c in columns} for row in rows])
+    if args.plot:
+        plot(rows, path.with_suffix(".png"))
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = list(dict.fromkeys(r["sharding"] for r in rows))
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.38
+    for offset, impl in ((-width / 2, "tritonrec"), (width / 2, "torchrec")):
+        values = []
+        for kind in kinds:
+            match = [r for r in rows if r["impl"] == impl and r["sharding"] == kind and r["status"] == "ok"]
+            values.append(match[0]["steps_per_s"] if match else 0.0)
+        bars = ax.bar([i + offset for i in range(len(kinds))], values, width, label=impl)
+        for bar, value in zip(bars, values, strict=True):
+            if value == 0.0:
+                ax.annotate("refused" if impl == "torchrec" else "-", (bar.get_x() + width / 2, 0), ha="center",
+                            va="bottom", fontsize=7, rotation=90)  # fmt: skip
+    ax.set_xticks(range(len(kinds)), kinds, rotation=20, fontsize=8)
+    ax.set_ylabel("training steps / s (higher is better)")
+    ax.set_title("Sharded EBC, fused rowwise Adagrad, 2 gloo ranks on CPU")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
