@@ -1,8 +1,10 @@
 """``Batcher``: groups :class:`RecElement` samples into :class:`Batch` es (datarax's batcher semantics).
 
-``process(elements, batch_size, drop_remainder=False)`` yields one Batch per ``batch_size`` elements. Without
-``drop_remainder`` a short last batch is padded up to ``batch_size`` (zero dense rows, empty bags, zero labels) and its
-``valid_mask`` marks the real rows, so every step sees one shape; with it the short batch is dropped, as in datarax.
+``process(elements, batch_size, drop_remainder=False)`` (also ``batcher(elements, batch_size)``) yields one Batch per
+``batch_size`` elements. Without ``drop_remainder`` a short last batch is padded up to ``batch_size`` (zero dense
+rows, empty bags, zero labels) and its ``valid_mask`` marks the real rows, so every step sees one shape; with it the
+short batch is dropped, as in datarax. Sources that stream :class:`ElementChunk` s (``iter_chunks``: the built-in
+synthetic and Criteo sources) are collated chunk-wise, without one Python object per sample; the batches are the same.
 
 The Batcher remembers where its stream stands: ``get_state()`` returns ``{"epoch", "position", "batches"}`` (the
 number of completed passes, the elements consumed by the batches yielded so far in this pass, and those batches).
@@ -10,20 +12,30 @@ number of completed passes, the elements consumed by the batches yielded so far 
 exactly the batches it would have seen. Sources with ``iter_from`` (:class:`ElementSource`) jump there directly; any
 other iterable is replayed from its start and the consumed elements are skipped. A pass that runs to its end bumps
 ``epoch`` and resets ``position``, so ``while True: for batch in batcher.process(source, B)`` walks epochs.
+
+Statistics (datarax's module statistics): a :class:`BatcherConfig` may carry a ``batch_stats_fn`` (``data ->
+mapping``, run by :meth:`Batcher.compute_statistics`) or fixed ``precomputed_stats``; ``get_statistics`` returns
+them (``None`` after ``reset_statistics`` until new ones are set or computed). ``copy(config=...)`` builds the same
+Batcher under another config (same spec and stream position, statistics of the new config); ``clone()`` is an
+independent duplicate, statistics included.
 """
 
 from __future__ import annotations
 
+import copy as copy_module
 import itertools
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from tritonrec.data.batch import Batch
+from tritonrec.data.element_chunk import ElementChunk
 from tritonrec.data.elements import BatchSpec, ElementSource, ElementSpec, RecElement, TensorSpec
 from tritonrec.data.keyed_jagged_tensor import KeyedJaggedTensor
+from tritonrec.data.sharding import ChunkReader
 
 _STATE_KEYS = ("epoch", "position", "batches")
 
@@ -34,14 +46,36 @@ def _check_batch_size(batch_size: object) -> int:
     return batch_size
 
 
+@dataclass(frozen=True)
+class BatcherConfig:
+    """datarax's module config: statistics computed by ``batch_stats_fn`` or given as ``precomputed_stats`` (not
+    both)."""
+
+    batch_stats_fn: Callable[[Any], Mapping[str, Any]] | None = None
+    precomputed_stats: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.batch_stats_fn is not None and not callable(self.batch_stats_fn):
+            raise TypeError(f"batch_stats_fn must be callable or None, got {type(self.batch_stats_fn).__name__}")
+        if self.precomputed_stats is not None and not isinstance(self.precomputed_stats, Mapping):
+            raise TypeError(f"precomputed_stats must be a mapping or None, got {type(self.precomputed_stats).__name__}")
+        if self.batch_stats_fn is not None and self.precomputed_stats is not None:
+            raise ValueError("batch_stats_fn and precomputed_stats are exclusive: give one or neither")
+
+
 class Batcher:
     """Collates elements described by ``element_spec`` into padded, masked batches (see module docstring)."""
 
-    def __init__(self, element_spec: ElementSpec) -> None:
+    def __init__(self, element_spec: ElementSpec, config: BatcherConfig | None = None) -> None:
         if not isinstance(element_spec, ElementSpec):
             raise TypeError(f"element_spec must be an ElementSpec, got {type(element_spec).__name__}")
+        if config is not None and not isinstance(config, BatcherConfig):
+            raise TypeError(f"config must be a BatcherConfig or None, got {type(config).__name__}")
         self.element_spec = element_spec
+        self.config = config if config is not None else BatcherConfig()
         self._state = {"epoch": 0, "position": 0, "batches": 0}
+        self._computed_stats: dict[str, Any] | None = None
+        self._stats_reset = False
 
     # ------------------------------------------------------------------------------------------------------ state
     def get_state(self) -> dict[str, int]:
@@ -60,6 +94,52 @@ class Batcher:
                 raise ValueError(f"state[{key!r}] must be a non-negative int, got {value!r}")
         self._state = {key: int(state[key]) for key in _STATE_KEYS}
 
+    # ------------------------------------------------------------------------------------------------- statistics
+    def compute_statistics(self, data: Any) -> dict[str, Any] | None:
+        """Run ``config.batch_stats_fn(data)``, keep and return its result (``None`` without a batch_stats_fn)."""
+        if self.config.batch_stats_fn is None:
+            return None
+        stats = self.config.batch_stats_fn(data)
+        if not isinstance(stats, Mapping):
+            raise TypeError(f"batch_stats_fn must return a mapping, got {type(stats).__name__}")
+        self._computed_stats, self._stats_reset = dict(stats), False
+        return dict(stats)
+
+    def get_statistics(self) -> dict[str, Any] | None:
+        """The precomputed statistics of the config, else the last computed or set ones; ``None`` after a reset."""
+        if self._stats_reset:
+            return None
+        if self.config.precomputed_stats is not None:
+            return dict(self.config.precomputed_stats)
+        return None if self._computed_stats is None else dict(self._computed_stats)
+
+    def set_statistics(self, stats: Mapping[str, Any]) -> None:
+        """Replace the statistics (also over precomputed ones) and clear a reset."""
+        if not isinstance(stats, Mapping):
+            raise TypeError(f"stats must be a mapping, got {type(stats).__name__}")
+        self._computed_stats, self._stats_reset = dict(stats), False
+        if self.config.precomputed_stats is not None:  # set statistics win over the config's fixed ones
+            self.config = BatcherConfig(batch_stats_fn=self.config.batch_stats_fn)
+
+    def reset_statistics(self) -> None:
+        """Forget every statistic: :meth:`get_statistics` returns ``None`` until new ones are computed or set."""
+        self._computed_stats, self._stats_reset = None, True
+
+    # ----------------------------------------------------------------------------------------------- duplication
+    def copy(self, config: BatcherConfig | None = None) -> Batcher:
+        """The same Batcher (spec, stream position) under ``config`` (default: this one's), with that config's
+        statistics: computed or set statistics stay behind."""
+        duplicate = Batcher(self.element_spec, self.config if config is None else config)
+        duplicate.set_state(self.get_state())
+        return duplicate
+
+    def clone(self) -> Batcher:
+        """An independent duplicate: same spec, config, stream position and statistics."""
+        duplicate = self.copy()
+        duplicate._computed_stats = copy_module.deepcopy(self._computed_stats)
+        duplicate._stats_reset = self._stats_reset
+        return duplicate
+
     # ---------------------------------------------------------------------------------------------------- batching
     def batch_spec(self, element_spec: ElementSpec, batch_size: int) -> BatchSpec:
         """The shape of every batch ``process`` yields from elements like ``element_spec`` (padding included)."""
@@ -76,6 +156,12 @@ class Batcher:
             valid_mask=TensorSpec((batch_size,), torch.bool),
         )
 
+    def __call__(
+        self, elements: Iterable[RecElement] | ElementSource, batch_size: int, drop_remainder: bool = False
+    ) -> Iterator[Batch]:
+        """Same as :meth:`process` (datarax modules are called)."""
+        return self.process(elements, batch_size, drop_remainder)
+
     def process(
         self, elements: Iterable[RecElement] | ElementSource, batch_size: int, drop_remainder: bool = False
     ) -> Iterator[Batch]:
@@ -91,12 +177,10 @@ class Batcher:
         self, elements: Iterable[RecElement] | ElementSource, batch_size: int, drop_remainder: bool
     ) -> Iterator[Batch]:
         epoch, position, batches = self._state["epoch"], self._state["position"], self._state["batches"]
-        stream = self._stream_from(elements, epoch, position)
-        while True:
-            chunk = list(itertools.islice(stream, batch_size))
-            if not chunk or (len(chunk) < batch_size and drop_remainder):
+        for chunk in self._chunks_from(elements, epoch, position, batch_size):
+            if len(chunk) < batch_size and drop_remainder:
                 break
-            batch = collate(chunk, self.element_spec, batch_size, first_index=position)
+            batch = collate_chunk(chunk, self.element_spec, batch_size)
             position += len(chunk)
             batches += 1
             self._state = {"epoch": epoch, "position": position, "batches": batches}
@@ -104,6 +188,24 @@ class Batcher:
             if len(chunk) < batch_size:
                 break
         self._state = {"epoch": epoch + 1, "position": 0, "batches": 0}
+
+    def _chunks_from(
+        self, elements: Iterable[RecElement] | ElementSource, epoch: int, position: int, batch_size: int
+    ) -> Iterator[ElementChunk]:
+        """The stream as chunks of ``batch_size`` elements (the last may be short), starting at ``position``."""
+        iter_chunks = getattr(elements, "iter_chunks", None)
+        if isinstance(elements, ElementSource) and callable(iter_chunks):
+            reader = ChunkReader(iter(iter_chunks(position, epoch)))
+            while (rows := reader.take(batch_size)) is not None:
+                yield rows
+            return
+        samples = self._stream_from(elements, epoch, position)
+        while True:
+            chunk = list(itertools.islice(samples, batch_size))
+            if not chunk:
+                return
+            yield chunk_from_elements(chunk, self.element_spec, first_index=position)
+            position += len(chunk)
 
     @staticmethod
     def _stream_from(elements: Iterable[RecElement] | ElementSource, epoch: int, position: int) -> Iterator[RecElement]:
@@ -119,33 +221,32 @@ class Batcher:
 
 
 def collate(elements: list[RecElement], spec: ElementSpec, batch_size: int, first_index: int = 0) -> Batch:
-    """``n <= batch_size`` elements -> one Batch of ``batch_size`` rows, the last ``batch_size - n`` padding.
+    """``n <= batch_size`` elements -> one Batch of ``batch_size`` rows, the last ``batch_size - n`` padding."""
+    return collate_chunk(chunk_from_elements(elements, spec, first_index), spec, batch_size)
 
-    Ids arrive sample-major (each element's features back to back); the KJT wants them key-major, so one gather
-    reorders them: bag ``(f, b)`` starts at its sample-major offset.
-    """
-    n, num_keys = len(elements), len(spec.sparse_keys)
+
+def chunk_from_elements(elements: list[RecElement], spec: ElementSpec, first_index: int = 0) -> ElementChunk:
+    """Stack elements into one :class:`ElementChunk`, naming the first bad element (its index in the stream)."""
+    n = len(elements)
     for i, element in enumerate(elements):
         if not isinstance(element, RecElement):
             raise TypeError(f"element {first_index + i} must be a RecElement, got {type(element).__name__}")
-    dense = np.zeros((batch_size, spec.dense_dim), dtype=np.float32)
-    lengths = np.zeros((batch_size, num_keys), dtype=np.int64)
-    labels = np.zeros(batch_size, dtype=np.float32)
     try:
-        dense[:n] = np.stack([e.dense for e in elements])
-        lengths[:n] = np.stack([e.sparse_lengths for e in elements])
+        dense = np.stack([e.dense for e in elements]).astype(np.float32, copy=False)
+        lengths = np.stack([e.sparse_lengths for e in elements]).astype(np.int64, copy=False)
     except ValueError:
         _raise_shape_mismatch(elements, spec, first_index)
         raise
-    labels[:n] = [e.label for e in elements]
+    if dense.shape[1:] != (spec.dense_dim,) or lengths.shape[1:] != (len(spec.sparse_keys),):
+        _raise_shape_mismatch(elements, spec, first_index)
+    labels = np.fromiter((e.label for e in elements), dtype=np.float32, count=n)
     ids = np.concatenate([e.sparse_ids for e in elements])
     if not np.issubdtype(ids.dtype, np.integer):
         i = next(i for i, e in enumerate(elements) if not np.issubdtype(np.asarray(e.sparse_ids).dtype, np.integer))
         dtype = np.asarray(elements[i].sparse_ids).dtype
         raise TypeError(f"element {first_index + i} has sparse_ids of dtype {dtype}, not an integer dtype")
-    ids = ids.astype(np.int64, copy=False)
     id_counts = np.fromiter((e.sparse_ids.shape[0] for e in elements), dtype=np.int64, count=n)
-    mismatch = np.flatnonzero(id_counts != lengths[:n].sum(1))
+    mismatch = np.flatnonzero(id_counts != lengths.sum(1))
     if mismatch.size:
         i = int(mismatch[0])
         raise ValueError(
@@ -155,13 +256,45 @@ def collate(elements: list[RecElement], spec: ElementSpec, batch_size: int, firs
     if (lengths < 0).any():
         i = int(np.flatnonzero((lengths < 0).any(1))[0])
         raise ValueError(f"element {first_index + i} has negative sparse_lengths {elements[i].sparse_lengths.tolist()}")
+    return ElementChunk(dense, ids.astype(np.int64, copy=False), lengths, labels)
+
+
+def collate_chunk(chunk: ElementChunk, spec: ElementSpec, batch_size: int) -> Batch:
+    """``n <= batch_size`` stacked samples -> one Batch of ``batch_size`` rows, the last ``batch_size - n`` padding.
+
+    Ids arrive sample-major (each sample's features back to back); the KJT wants them key-major, so one gather
+    reorders them: bag ``(f, b)`` starts at its sample-major offset.
+    """
+    n, num_keys = len(chunk), len(spec.sparse_keys)
+    if n > batch_size:
+        raise ValueError(f"a chunk of {n} samples does not fit batch_size={batch_size}")
+    sparse_shape = (chunk.id_matrix if chunk.id_matrix is not None else chunk.lengths).shape
+    if chunk.dense.shape != (n, spec.dense_dim) or sparse_shape != (n, num_keys):
+        raise ValueError(
+            f"chunk arrays dense {chunk.dense.shape} and lengths/id matrix {sparse_shape} do not fit the element "
+            f"spec (dense_dim={spec.dense_dim}, {num_keys} sparse keys)"
+        )
+    dense = np.zeros((batch_size, spec.dense_dim), dtype=np.float32)
+    labels = np.zeros(batch_size, dtype=np.float32)
+    dense[:n] = chunk.dense
+    labels[:n] = chunk.labels
+    valid = np.zeros(batch_size, dtype=bool)
+    valid[:n] = True
+    if chunk.id_matrix is not None:
+        sparse = _kjt_from_id_matrix(chunk.id_matrix, spec.sparse_keys, batch_size)
+        return Batch(torch.from_numpy(dense), sparse, torch.from_numpy(labels), torch.from_numpy(valid))
+    if not np.issubdtype(chunk.ids.dtype, np.integer):
+        raise TypeError(f"chunk ids must have an integer dtype, got {chunk.ids.dtype}")
+    lengths = np.zeros((batch_size, num_keys), dtype=np.int64)
+    lengths[:n] = chunk.lengths
+    ids = chunk.ids.astype(np.int64, copy=False)
+    if ids.shape[0] != int(lengths.sum()) or (lengths < 0).any():
+        raise ValueError(f"chunk holds {ids.shape[0]} ids but its lengths (some negative?) sum to {int(lengths.sum())}")
     starts = np.cumsum(lengths.reshape(-1)) - lengths.reshape(-1)  # sample-major start of bag (b, f)
     lengths_key_major = lengths.T.reshape(-1)
     starts_key_major = starts.reshape(batch_size, num_keys).T.reshape(-1)
     out_starts = np.cumsum(lengths_key_major) - lengths_key_major
     gather = np.repeat(starts_key_major - out_starts, lengths_key_major) + np.arange(ids.shape[0])
-    valid = np.zeros(batch_size, dtype=bool)
-    valid[:n] = True
     sparse = KeyedJaggedTensor(
         keys=list(spec.sparse_keys),
         values=torch.from_numpy(ids[gather]),
@@ -170,6 +303,27 @@ def collate(elements: list[RecElement], spec: ElementSpec, batch_size: int, firs
         length_per_key=lengths.sum(0).tolist(),
     )
     return Batch(torch.from_numpy(dense), sparse, torch.from_numpy(labels), torch.from_numpy(valid))
+
+
+def _kjt_from_id_matrix(id_matrix: np.ndarray, keys: tuple[str, ...], batch_size: int) -> KeyedJaggedTensor:
+    """``[n, F]`` ids (-1: empty bag), ``n <= batch_size`` -> a KJT of stride ``batch_size`` (padding rows empty):
+    key-major is the transpose, and the present ids are one mask away."""
+    if not np.issubdtype(id_matrix.dtype, np.integer):
+        raise TypeError(f"chunk id_matrix must have an integer dtype, got {id_matrix.dtype}")
+    n = id_matrix.shape[0]
+    if n == batch_size:
+        key_major = np.ascontiguousarray(id_matrix.T, dtype=np.int64)
+    else:  # a short last batch: its padding rows are empty bags
+        key_major = np.full((len(keys), batch_size), -1, dtype=np.int64)
+        key_major[:, :n] = id_matrix.T
+    present = key_major >= 0
+    return KeyedJaggedTensor(
+        keys=list(keys),
+        values=torch.from_numpy(key_major[present]),
+        lengths=torch.from_numpy(present.reshape(-1).astype(np.int32)),
+        stride=batch_size,
+        length_per_key=present.sum(1).tolist(),
+    )
 
 
 def _raise_shape_mismatch(elements: list[RecElement], spec: ElementSpec, first_index: int) -> None:

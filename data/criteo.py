@@ -2,42 +2,67 @@
 
 Each line holds 40 tab-separated fields: the label (0 or 1), 13 integer features and 26 categorical features written
 as hex strings (torchrec's column names: ``label``, ``int_0..int_12``, ``cat_0..cat_25``). Any feature may be empty.
-
-How a line becomes a :class:`RecElement`:
+What a valid line is, and how it becomes numbers, is :mod:`tritonrec.data.criteo_parse`:
 
 * integer ``x`` -> ``log(1 + x)``; an empty field counts as 0. Criteo has a few negative counts, which map to
   ``-log(1 + |x|)`` (the same curve mirrored) rather than being clipped;
 * hex ``h`` -> id ``int(h, 16) % num_embeddings[f]`` (ids are already hashes; the modulo folds them into the table,
   as torchrec's ``hashes`` do); an empty field is an empty bag;
-* a malformed line (wrong field count, a label other than 0/1, a non-integer count, a non-hex id) either raises a
-  ``ValueError`` naming the file, the line number and the field (``malformed="error"``), or is skipped and counted
-  (``malformed="skip"``; see :attr:`CriteoTSVSource.num_skipped`).
+* a malformed line (wrong field count, a label other than 0/1, a count that is not a plain ASCII integer of at most
+  18 digits, an id that is not 1-15 hex digits, bytes that are not UTF-8) and a ``.gz`` file that ends early either
+  raise :class:`MalformedLineError` naming the file, the line number and the field (``malformed="error"``), or are
+  skipped and counted (``malformed="skip"``; see :attr:`CriteoTSVSource.num_skipped`).
 
-Files are read in order, line by line (``.gz`` files through gzip), so memory stays flat. ``iter_from(position)``
-re-reads the lines before ``position`` (a TSV line's validity is only known by parsing it), so resuming mid-file costs
-a rescan of the consumed part; convert to npy (:func:`tritonrec.data.criteo_npy.criteo_tsv_to_npy`) for random access.
+Files are read in order, in 1 MiB blocks parsed with a handful of vectorised numpy passes (``.gz`` through gzip), so
+memory stays flat. Across ranks (``rank``, ``world_size``) each plain file is split by bytes and each ``.gz`` file by
+line stride (:mod:`tritonrec.data.criteo_files`): every line of an epoch goes to exactly one rank, and a malformed
+line is reported by the rank that owns it. ``shuffle_buffer > 1`` permutes each rank's rows within blocks of that
+many, differently every epoch. ``iter_from(position)`` re-reads the shard's rows before ``position`` (a line's
+validity is only known by parsing it); convert to npy (:func:`tritonrec.data.criteo_npy.criteo_tsv_to_npy`) for
+random access.
 """
 
 from __future__ import annotations
 
-import gzip
-import math
+import copy
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import IO
 
 import numpy as np
 
+from tritonrec.data.criteo_files import ShardLines, TruncatedGzipError
+from tritonrec.data.criteo_parse import (
+    CAT_FEATURE_COUNT,
+    DEFAULT_CAT_NAMES,
+    DEFAULT_COLUMN_NAMES,
+    DEFAULT_INT_NAMES,
+    DEFAULT_LABEL_NAME,
+    INT_FEATURE_COUNT,
+    ParsedBlock,
+    parse_criteo_block,
+    parse_criteo_line,
+    signed_log1p,
+)
+from tritonrec.data.element_chunk import ElementChunk
 from tritonrec.data.elements import ElementSpec, RecElement, check_position
+from tritonrec.data.sharding import Shard, block_shuffled, check_seed, check_shuffle_buffer, elements_of
 
-INT_FEATURE_COUNT = 13
-CAT_FEATURE_COUNT = 26
-DEFAULT_LABEL_NAME = "label"
-DEFAULT_INT_NAMES: list[str] = [f"int_{i}" for i in range(INT_FEATURE_COUNT)]
-DEFAULT_CAT_NAMES: list[str] = [f"cat_{i}" for i in range(CAT_FEATURE_COUNT)]
-DEFAULT_COLUMN_NAMES: list[str] = [DEFAULT_LABEL_NAME, *DEFAULT_INT_NAMES, *DEFAULT_CAT_NAMES]
+__all__ = [
+    "CAT_FEATURE_COUNT",
+    "DEFAULT_CAT_NAMES",
+    "DEFAULT_COLUMN_NAMES",
+    "DEFAULT_INT_NAMES",
+    "DEFAULT_LABEL_NAME",
+    "INT_FEATURE_COUNT",
+    "CriteoTSVSource",
+    "MalformedLineError",
+    "hash_id_matrix",
+    "parse_criteo_line",
+    "resolve_num_embeddings",
+    "signed_log1p",
+]
 MALFORMED_POLICIES = ("error", "skip")
-_HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
+_MAX_EXAMPLES = 5
 
 
 class MalformedLineError(ValueError):
@@ -57,65 +82,34 @@ def resolve_num_embeddings(num_embeddings: int | Sequence[int], num_features: in
     return [int(s) for s in sizes]
 
 
-def signed_log1p(x: float) -> float:
-    """``log(1 + x)``, mirrored for negative ``x`` so no count is clipped."""
-    return math.copysign(math.log1p(abs(x)), x)
-
-
-def parse_criteo_line(line: str) -> tuple[np.ndarray, np.ndarray, float]:
-    """One TSV line (without its newline) -> ``(dense [13] float32, raw_ids [26] int64, label)``.
-
-    ``raw_ids`` holds each hex id's value, -1 for an empty field. Raises ``ValueError`` naming the offending column
-    (the caller adds file and line number).
-    """
-    fields = line.split("\t")
-    if len(fields) != len(DEFAULT_COLUMN_NAMES):
-        raise ValueError(f"expected {len(DEFAULT_COLUMN_NAMES)} tab-separated fields, got {len(fields)}")
-    label_text = fields[0]
-    if label_text not in ("0", "1"):
-        raise ValueError(f"column 'label' must be 0 or 1, got {label_text!r}")
-    dense = np.zeros(INT_FEATURE_COUNT, dtype=np.float32)
-    for i in range(INT_FEATURE_COUNT):
-        text = fields[1 + i]
-        if text:
-            try:
-                dense[i] = signed_log1p(int(text))
-            except ValueError:
-                raise ValueError(f"column {DEFAULT_INT_NAMES[i]!r} must be an integer, got {text!r}") from None
-    raw_ids = np.full(CAT_FEATURE_COUNT, -1, dtype=np.int64)
-    for f in range(CAT_FEATURE_COUNT):
-        text = fields[1 + INT_FEATURE_COUNT + f]
-        if text:
-            if len(text) > 15 or not _HEX_DIGITS.issuperset(text):  # 15 hex digits always fit an int64
-                raise ValueError(f"column {DEFAULT_CAT_NAMES[f]!r} must be a hex id of at most 15 digits, got {text!r}")
-            raw_ids[f] = int(text, 16)
-    return dense, raw_ids, float(label_text)
-
-
-def hash_ids(raw_ids: np.ndarray, num_embeddings: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``raw_ids [..., 26]`` (-1 = missing) -> ``(ids, lengths [..., 26])``: present ids folded into their table by
-    modulo, in row-major (sample-major) order; a missing id is an empty bag."""
-    present = raw_ids >= 0
-    return (raw_ids % num_embeddings)[present], present.astype(np.int64)
-
-
-def _open_text(path: Path) -> IO[str]:
-    if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8", newline="")
-    return path.open("r", encoding="utf-8", newline="")
+def hash_id_matrix(raw_ids: np.ndarray, num_embeddings: np.ndarray) -> np.ndarray:
+    """``raw_ids [n, F]`` (negative = missing) -> the same ids folded into their tables by modulo, -1 where missing."""
+    hashed = raw_ids % num_embeddings
+    np.copyto(hashed, -1, where=raw_ids < 0)
+    return hashed
 
 
 class CriteoTSVSource:
-    """Streams Criteo TSV files as :class:`RecElement` s (see module docstring).
+    """Streams Criteo TSV files as :class:`RecElement` s or :class:`ElementChunk` s (see module docstring).
 
     Args:
         paths: one TSV file or a list of them, read in order (``.gz`` allowed).
         num_embeddings: hash size of every categorical feature, or one per feature (26 ints).
         malformed: ``"error"`` raises on the first malformed line; ``"skip"`` drops it and counts it.
+        rank, world_size: this process's shard of the lines.
+        shuffle_buffer: shuffle each epoch within blocks of this many rows (0 or 1: file order).
+        shuffle_seed: seeds the shuffle (with the epoch and the shard).
     """
 
     def __init__(
-        self, paths: str | Path | Sequence[str | Path], num_embeddings: int | Sequence[int], malformed: str = "error"
+        self,
+        paths: str | Path | Sequence[str | Path],
+        num_embeddings: int | Sequence[int],
+        malformed: str = "error",
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle_buffer: int = 0,
+        shuffle_seed: int = 0,
     ) -> None:
         path_list = [paths] if isinstance(paths, (str, Path)) else list(paths)
         if not path_list:
@@ -132,9 +126,23 @@ class CriteoTSVSource:
         if malformed not in MALFORMED_POLICIES:
             raise ValueError(f"malformed must be one of {MALFORMED_POLICIES}, got malformed={malformed!r}")
         self.malformed = malformed
+        self.shuffle_buffer = check_shuffle_buffer(shuffle_buffer)
+        self.shuffle_seed = check_seed(shuffle_seed, "shuffle_seed")
+        self._set_shard(Shard.of(rank, world_size))
         self.element_spec = ElementSpec(INT_FEATURE_COUNT, tuple(DEFAULT_CAT_NAMES))
         self.num_skipped = 0
         self.skipped_examples: list[str] = []
+
+    def _set_shard(self, shard: Shard) -> None:
+        self.shard = shard
+        self.rank, self.world_size = shard.rank, shard.world_size
+
+    def sub_shard(self, index: int, count: int) -> CriteoTSVSource:
+        """This source's part ``index`` of ``count`` (a loader worker's share of the rank's lines)."""
+        part = copy.copy(self)
+        part._set_shard(self.shard.split(index, count))
+        part.skipped_examples = []
+        return part
 
     @property
     def num_embeddings(self) -> dict[str, int]:
@@ -144,37 +152,70 @@ class CriteoTSVSource:
         return self.iter_from(0)
 
     def iter_from(self, position: int = 0, epoch: int = 0) -> Iterator[RecElement]:
-        """Valid rows from the ``position``-th on (the files are read in the same order every ``epoch``).
+        """Valid rows of this shard from the ``position``-th on (``epoch`` only changes the order when shuffling).
 
-        Resets :attr:`num_skipped` (the malformed lines of this pass, those before ``position`` included).
+        Each pass resets :attr:`num_skipped` (the malformed lines of this pass, those before ``position`` included).
         """
+        return elements_of(self.iter_chunks(position, epoch))
+
+    def iter_chunks(self, position: int = 0, epoch: int = 0) -> Iterator[ElementChunk]:
+        """The rows of :meth:`iter_from` as chunks."""
         check_position(position, epoch)
-        return self._elements(position)
+        if self.shuffle_buffer > 1:
+            return block_shuffled(
+                self._file_chunks, position, self.shuffle_buffer, self.shuffle_seed, epoch, self.shard
+            )
+        return self._file_chunks(position)
 
-    def _elements(self, position: int) -> Iterator[RecElement]:
-        for dense, raw_ids, label in self.iter_parsed(position):
-            ids, lengths = hash_ids(raw_ids, self._hash_sizes)
-            yield RecElement(dense, ids, lengths, label)
+    def _file_chunks(self, position: int) -> Iterator[ElementChunk]:
+        for dense, raw_ids, labels in self.iter_parsed_chunks(position):
+            yield ElementChunk.from_id_matrix(dense, hash_id_matrix(raw_ids, self._hash_sizes), labels)
 
-    def iter_parsed(self, position: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray, float]]:
-        """``(dense [13], raw_ids [26], label)`` of each valid row from the ``position``-th on (raw_ids -1 = empty)."""
+    def iter_parsed_chunks(self, position: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """``(dense [n, 13] float32, raw_ids [n, 26] int64 (-1 = empty), labels [n] float32)`` blocks of this shard's
+        valid rows, in file order, from the ``position``-th on."""
         self.num_skipped, self.skipped_examples = 0, []
         index = 0
         for path in self.paths:
-            with _open_text(path) as handle:
-                for line_number, raw in enumerate(handle, start=1):
-                    try:
-                        parsed = parse_criteo_line(raw.rstrip("\r\n"))
-                    except ValueError as error:
-                        where = f"{path}:{line_number}"
-                        if self.malformed == "error":
-                            raise MalformedLineError(f"malformed Criteo line in file {where}: {error}") from None
-                        self.num_skipped += 1
-                        if len(self.skipped_examples) < 5:
-                            self.skipped_examples.append(f"{where}: {error}")
-                        continue
-                    if index >= position:
-                        yield parsed
-                    index += 1
+            lines = ShardLines(path, self.shard)
+            try:
+                for block, first, step in lines:
+                    parsed = parse_criteo_block(block)
+                    malformed = parsed.bad_rows.size > 0
+                    rows = self._handle_malformed(parsed, lines, first, step) if malformed else len(parsed.labels)
+                    if index + rows > position:
+                        start = max(position - index, 0)
+                        yield parsed.dense[start:rows], parsed.raw_ids[start:rows], parsed.labels[start:rows]
+                    index += rows
+                    if malformed and self.malformed == "error":  # after the valid rows before the bad line
+                        self._raise_first(parsed, lines, first, step)
+            except TruncatedGzipError as error:
+                self._handle_truncated(error, lines)
         if index < position:
             raise ValueError(f"position={position} is past the end of the data ({index} valid rows in {self.paths})")
+
+    def _handle_malformed(self, parsed: ParsedBlock, lines: ShardLines, first: int, step: int) -> int:
+        """Count the bad lines (skip) or say how many valid rows precede the first one (error)."""
+        if self.malformed == "error":
+            return int(parsed.bad_rows[0])  # every line before the first bad one is valid
+        self.num_skipped += int(parsed.bad_rows.size)
+        for row, reason in zip(parsed.bad_rows, parsed.reasons, strict=True):
+            if len(self.skipped_examples) >= _MAX_EXAMPLES:
+                break
+            self.skipped_examples.append(f"{lines.path}:{lines.line_number(first + int(row) * step)}: {reason}")
+        return len(parsed.labels)
+
+    def _raise_first(self, parsed: ParsedBlock, lines: ShardLines, first: int, step: int) -> None:
+        where = f"{lines.path}:{lines.line_number(first + int(parsed.bad_rows[0]) * step)}"
+        raise MalformedLineError(f"malformed Criteo line in file {where}: {parsed.reasons[0]}")
+
+    def _handle_truncated(self, error: TruncatedGzipError, lines: ShardLines) -> None:
+        where = f"{error.path}:{lines.line_number(error.line_index)}"
+        reason = f"the gzip stream ends early or is corrupt ({error.cause})"
+        if self.malformed == "error":
+            raise MalformedLineError(f"malformed Criteo line in file {where}: {reason}") from None
+        offset, step = self.shard.stride()
+        if error.line_index % step == offset:  # the cut line belongs to one shard, which counts it
+            self.num_skipped += 1
+            if len(self.skipped_examples) < _MAX_EXAMPLES:
+                self.skipped_examples.append(f"{where}: {reason}")

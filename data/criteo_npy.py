@@ -9,18 +9,23 @@ For each ``prefix`` (e.g. ``/data/criteo/day_0``, torchrec's file naming):
 
 Ids are folded into ``num_embeddings`` by modulo when read (torchrec's ``hashes``), so one file serves any table
 size. Arrays are memory-mapped: opening a day costs nothing and ``iter_from(position)`` jumps straight to a row.
-:func:`criteo_tsv_to_npy` writes these files from raw TSV.
+Across ranks (``rank``, ``world_size``) the rows of all days, end to end, are cut into contiguous balanced ranges
+(:mod:`tritonrec.data.sharding`); ``shuffle_buffer > 1`` permutes each rank's rows within blocks of that many,
+differently every epoch. :func:`criteo_tsv_to_npy` writes these files from raw TSV.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from tritonrec.data.criteo import CriteoTSVSource, hash_ids, resolve_num_embeddings
+from tritonrec.data.criteo import CriteoTSVSource, hash_id_matrix, resolve_num_embeddings
+from tritonrec.data.element_chunk import ElementChunk
 from tritonrec.data.elements import ElementSpec, RecElement, check_position
+from tritonrec.data.sharding import Shard, block_shuffled, check_seed, check_shuffle_buffer, elements_of
 
 _READ_ROWS = 4096  # rows converted per vectorised read
 
@@ -60,9 +65,20 @@ class CriteoNPYSource:
     Args:
         prefixes: one day's path prefix or a list of them, read in order.
         num_embeddings: hash size of every categorical feature, or one per feature.
+        rank, world_size: this process's shard of the rows.
+        shuffle_buffer: shuffle each epoch within blocks of this many rows (0 or 1: file order).
+        shuffle_seed: seeds the shuffle (with the epoch and the shard).
     """
 
-    def __init__(self, prefixes: str | Path | Sequence[str | Path], num_embeddings: int | Sequence[int]) -> None:
+    def __init__(
+        self,
+        prefixes: str | Path | Sequence[str | Path],
+        num_embeddings: int | Sequence[int],
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle_buffer: int = 0,
+        shuffle_seed: int = 0,
+    ) -> None:
         prefix_list = [prefixes] if isinstance(prefixes, (str, Path)) else list(prefixes)
         if not prefix_list:
             raise ValueError(f"prefixes must name at least one day, got prefixes={prefixes!r}")
@@ -79,43 +95,63 @@ class CriteoNPYSource:
         self._hash_sizes = np.asarray(self._num_rows, dtype=np.int64)
         self.element_spec = ElementSpec(dense_dims.pop(), tuple(f"cat_{i}" for i in range(num_sparse)))
         self._day_starts = np.cumsum([0] + [labels.shape[0] for _, _, labels in self.days])
+        self.shuffle_buffer = check_shuffle_buffer(shuffle_buffer)
+        self.shuffle_seed = check_seed(shuffle_seed, "shuffle_seed")
+        self._set_shard(Shard.of(rank, world_size))
+
+    def _set_shard(self, shard: Shard) -> None:
+        self.shard = shard
+        self.rank, self.world_size = shard.rank, shard.world_size
+        self._rows = shard.range_of(0, int(self._day_starts[-1]))
+
+    def sub_shard(self, index: int, count: int) -> CriteoNPYSource:
+        """This source's part ``index`` of ``count`` (a loader worker's share of the rank's rows)."""
+        part = copy.copy(self)
+        part._set_shard(self.shard.split(index, count))
+        return part
 
     @property
     def num_embeddings(self) -> dict[str, int]:
         return dict(zip(self.element_spec.sparse_keys, self._num_rows, strict=True))
 
     def __len__(self) -> int:
-        return int(self._day_starts[-1])
+        """Rows of this shard."""
+        return self._rows[1] - self._rows[0]
 
     def __iter__(self) -> Iterator[RecElement]:
         return self.iter_from(0)
 
     def iter_from(self, position: int = 0, epoch: int = 0) -> Iterator[RecElement]:
-        """Rows from ``position`` on (same order every ``epoch``)."""
+        """Rows of this shard from ``position`` on (``epoch`` only changes the order when shuffling)."""
+        return elements_of(self.iter_chunks(position, epoch))
+
+    def iter_chunks(self, position: int = 0, epoch: int = 0) -> Iterator[ElementChunk]:
+        """The rows of :meth:`iter_from` as chunks."""
         check_position(position, epoch)
         if position > len(self):
             raise ValueError(f"position={position} is past the end of the data ({len(self)} rows)")
-        return self._iterate(position)
+        if self.shuffle_buffer > 1:
+            return block_shuffled(self._row_chunks, position, self.shuffle_buffer, self.shuffle_seed, epoch, self.shard)
+        return self._row_chunks(position)
 
-    def _iterate(self, position: int) -> Iterator[RecElement]:
-        day = int(np.searchsorted(self._day_starts, position, side="right")) - 1
-        row = position - int(self._day_starts[day]) if day < len(self.days) else 0
-        for (dense, sparse, labels), prefix in zip(self.days[day:], self.prefixes[day:], strict=True):
-            for start in range(row, labels.shape[0], _READ_ROWS):
-                stop = min(start + _READ_ROWS, labels.shape[0])
-                dense_rows = np.asarray(dense[start:stop], dtype=np.float32)
-                label_rows = np.asarray(labels[start:stop], dtype=np.float32)
-                bad = np.flatnonzero((label_rows != 0) & (label_rows != 1))
-                if bad.size:
-                    raise ValueError(
-                        f"{prefix}_labels.npy row {start + int(bad[0])}: labels must be 0 or 1, "
-                        f"got {label_rows[bad[0]]}"
-                    )
-                ids, lengths = hash_ids(np.asarray(sparse[start:stop], dtype=np.int64), self._hash_sizes)
-                offsets = np.concatenate(([0], np.cumsum(lengths.sum(1))))
-                for i in range(stop - start):
-                    yield RecElement(dense_rows[i], ids[offsets[i] : offsets[i + 1]], lengths[i], float(label_rows[i]))
-            row = 0
+    def _row_chunks(self, position: int) -> Iterator[ElementChunk]:
+        """Global rows ``[first + position, last)`` of this shard, ``_READ_ROWS`` at a time, across days."""
+        row, stop = self._rows[0] + position, self._rows[1]
+        while row < stop:
+            day = int(np.searchsorted(self._day_starts, row, side="right")) - 1
+            dense, sparse, labels = self.days[day]
+            begin = row - int(self._day_starts[day])
+            end = min(begin + _READ_ROWS, labels.shape[0], stop - int(self._day_starts[day]))
+            label_rows = np.asarray(labels[begin:end], dtype=np.float32)
+            bad = np.flatnonzero((label_rows != 0) & (label_rows != 1))
+            if bad.size:
+                raise ValueError(
+                    f"{self.prefixes[day]}_labels.npy row {begin + int(bad[0])}: labels must be 0 or 1, "
+                    f"got {label_rows[bad[0]]}"
+                )
+            ids = hash_id_matrix(np.asarray(sparse[begin:end], dtype=np.int64), self._hash_sizes)
+            yield ElementChunk.from_id_matrix(np.asarray(dense[begin:end], dtype=np.float32), ids, label_rows)
+            row += end - begin
 
 
 def criteo_tsv_to_npy(
@@ -128,14 +164,14 @@ def criteo_tsv_to_npy(
     """
     reader = CriteoTSVSource(tsv_paths, num_embeddings=1, malformed=malformed)
     dense_rows, sparse_rows, labels = [], [], []
-    for dense, raw_ids, label in reader.iter_parsed():
+    for dense, raw_ids, label in reader.iter_parsed_chunks():
         dense_rows.append(dense)
         sparse_rows.append(raw_ids)
         labels.append(label)
     dense_path, sparse_path, labels_path = npy_paths(prefix)
     dense_path.parent.mkdir(parents=True, exist_ok=True)
     num_dense, num_sparse = reader.element_spec.dense_dim, len(reader.element_spec.sparse_keys)
-    np.save(dense_path, np.asarray(dense_rows, dtype=np.float32).reshape(-1, num_dense))
-    np.save(sparse_path, np.asarray(sparse_rows, dtype=np.int64).reshape(-1, num_sparse))
-    np.save(labels_path, np.asarray(labels, dtype=np.int32))
-    return len(labels)
+    np.save(dense_path, np.concatenate([np.zeros((0, num_dense), np.float32), *dense_rows]))
+    np.save(sparse_path, np.concatenate([np.zeros((0, num_sparse), np.int64), *sparse_rows]))
+    np.save(labels_path, np.concatenate([np.zeros(0, np.float32), *labels]).astype(np.int32))
+    return sum(len(chunk) for chunk in labels)

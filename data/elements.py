@@ -3,11 +3,14 @@
 A :class:`RecElement` holds one sample's dense features ``[Dd]``, the ids of all its sparse features back to back
 (feature after feature, in the spec's key order) with one bag length per feature ``[F]``, and its label. The flat
 layout keeps a sample to three small arrays, so sources yield elements cheaply and the Batcher collates a batch with a
-handful of vectorised numpy calls.
+handful of vectorised numpy calls. An :class:`~tritonrec.data.element_chunk.ElementChunk` holds many samples
+stacked: the built-in sources produce chunks (a vectorised parse or draw), and the Batcher collates straight from
+them without one Python object per sample.
 
 Sources (synthetic, Criteo TSV, Criteo npy) follow :class:`ElementSource`: ``iter_from(position, epoch)`` starts at
 any element without replaying the ones before it where the format allows, which is what makes mid-epoch resume exact
-and cheap.
+and cheap. Those that also have ``iter_chunks(position, epoch)``
+(:class:`~tritonrec.data.element_chunk.ChunkSource`) stream the same elements as chunks.
 """
 
 from __future__ import annotations

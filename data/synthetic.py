@@ -14,15 +14,23 @@ stream 0 trains and stream 1 evaluates.
 Samples are generated in chunks of ``chunk_size``; chunk ``c`` is drawn from its own generator seeded by
 ``(seed, stream, c)``, so ``iter_from(position)`` starts anywhere without replaying earlier samples and yields exactly
 the samples an uninterrupted pass would.
+
+Across ranks (``rank``, ``world_size``; see :mod:`tritonrec.data.sharding`): a stream of ``num_samples`` is cut into
+contiguous row ranges, an endless one by chunks (rank ``r`` of ``W`` draws chunks ``r, r + W, ...``), so the ranks
+together draw every sample of the single-process stream once. ``shuffle_buffer > 1`` permutes each rank's samples
+within blocks of that many, differently every epoch.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from tritonrec.data.element_chunk import ElementChunk
 from tritonrec.data.elements import ElementSpec, RecElement, check_position
+from tritonrec.data.sharding import Shard, block_shuffled, check_seed, check_shuffle_buffer, elements_of
 
 POOLING_DISTRIBUTIONS = ("fixed", "poisson", "uniform")
 _HIDDEN_MODEL_STREAM = 2**31 - 1  # generator stream of the hidden weights, disjoint from any sample stream
@@ -64,6 +72,9 @@ class SyntheticRecSource:
         dense_share: fraction of the logit's variance carried by the dense features.
         bias: constant of the hidden logit (sets the positive rate; -1 gives about 30% positives).
         chunk_size: samples generated per vectorised draw.
+        rank, world_size: this process's shard of the stream (see module docstring).
+        shuffle_buffer: shuffle each epoch within blocks of this many samples (0 or 1: stream order).
+        shuffle_seed: seeds the shuffle (with the epoch and the shard); ``seed`` fixes the samples themselves.
     """
 
     def __init__(
@@ -83,6 +94,10 @@ class SyntheticRecSource:
         dense_share: float = 0.25,
         bias: float = -1.0,
         chunk_size: int = 4096,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle_buffer: int = 0,
+        shuffle_seed: int = 0,
     ) -> None:
         if not isinstance(num_embeddings, (list, tuple)) or not num_embeddings:
             raise ValueError(f"num_embeddings must be a non-empty list of positive ints, got {num_embeddings!r}")
@@ -114,7 +129,21 @@ class SyntheticRecSource:
                 raise ValueError(f"{name} must be a non-negative int, got {name}={value!r}")
         self.seed, self.stream = seed, stream
         self.chunk_size = _positive_int(chunk_size, "chunk_size")
+        self.shuffle_buffer = check_shuffle_buffer(shuffle_buffer)
+        self.shuffle_seed = check_seed(shuffle_seed, "shuffle_seed")
+        self._set_shard(Shard.of(rank, world_size))
         self._build_hidden_model(float(zipf_alpha), float(signal_std), float(dense_share), float(bias))
+
+    def _set_shard(self, shard: Shard) -> None:
+        self.shard = shard
+        self.rank, self.world_size = shard.rank, shard.world_size
+        self._rows = shard.range_of(0, self.num_samples) if self.num_samples is not None else None
+
+    def sub_shard(self, index: int, count: int) -> SyntheticRecSource:
+        """This source's part ``index`` of ``count`` (a loader worker's share of the rank's samples)."""
+        part = copy.copy(self)
+        part._set_shard(self.shard.split(index, count))
+        return part
 
     def _check_pooling(self, pooling: object, min_pooling: object, max_pooling: object) -> None:
         if pooling not in POOLING_DISTRIBUTIONS:
@@ -148,33 +177,53 @@ class SyntheticRecSource:
         return dict(zip(self.element_spec.sparse_keys, self._num_rows, strict=True))
 
     def __len__(self) -> int:
-        if self.num_samples is None:
+        """Samples of this shard in one pass."""
+        if self._rows is None:
             raise TypeError("this SyntheticRecSource streams forever (num_samples=None) and has no length")
-        return self.num_samples
+        return self._rows[1] - self._rows[0]
 
     def __iter__(self) -> Iterator[RecElement]:
         return self.iter_from(0)
 
     def iter_from(self, position: int = 0, epoch: int = 0) -> Iterator[RecElement]:
-        """Samples from ``position`` on (the stream is the same every epoch; ``epoch`` is accepted and ignored)."""
-        check_position(position, epoch)
-        if self.num_samples is not None and position > self.num_samples:
-            raise ValueError(f"position={position} is past the end of the stream ({self.num_samples} samples)")
-        return self._iterate(position)
+        """Samples of this shard from ``position`` on (``epoch`` only changes the order when shuffling)."""
+        return elements_of(self.iter_chunks(position, epoch))
 
-    def _iterate(self, position: int) -> Iterator[RecElement]:
-        chunk_index, skip = divmod(position, self.chunk_size)
+    def iter_chunks(self, position: int = 0, epoch: int = 0) -> Iterator[ElementChunk]:
+        """The samples of :meth:`iter_from` as chunks."""
+        check_position(position, epoch)
+        if self._rows is not None and position > len(self):
+            raise ValueError(f"position={position} is past the end of the stream ({len(self)} samples)")
+        if self.shuffle_buffer > 1:
+            return block_shuffled(
+                self._stream_chunks, position, self.shuffle_buffer, self.shuffle_seed, epoch, self.shard
+            )
+        return self._stream_chunks(position)
+
+    def _stream_chunks(self, position: int) -> Iterator[ElementChunk]:
+        """This shard's samples in stream order from ``position``: a row range of a finite stream, every
+        ``step``-th chunk of an endless one."""
+        size = self.chunk_size
+        if self._rows is not None:
+            index, stop = self._rows[0] + position, self._rows[1]
+            while index < stop:
+                chunk_index, start = divmod(index, size)
+                first = chunk_index * size
+                chunk = self._chunk(chunk_index, min(size, self.num_samples - first))  # type: ignore[operator]
+                end = min(stop - first, len(chunk))
+                yield chunk.slice(start, end)
+                index = first + end
+            return
+        offset, step = self.shard.stride()
+        local_chunk, skip = divmod(position, size)
         while True:
-            start = chunk_index * self.chunk_size
-            count = self.chunk_size
-            if self.num_samples is not None:
-                count = min(count, self.num_samples - start)
-                if count <= 0:
-                    return
-            dense, ids, lengths, offsets, labels = self.generate_chunk(chunk_index, count)
-            for i in range(skip, count):
-                yield RecElement(dense[i], ids[offsets[i] : offsets[i + 1]], lengths[i], float(labels[i]))
-            chunk_index, skip = chunk_index + 1, 0
+            chunk = self._chunk(offset + local_chunk * step, size)
+            yield chunk.slice(skip, size) if skip else chunk
+            local_chunk, skip = local_chunk + 1, 0
+
+    def _chunk(self, chunk_index: int, count: int) -> ElementChunk:
+        dense, ids, lengths, _, labels = self.generate_chunk(chunk_index, count)
+        return ElementChunk(dense, ids, lengths, labels)
 
     # ------------------------------------------------------------------------------------------------- generation
     def generate_chunk(

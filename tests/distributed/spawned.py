@@ -25,6 +25,7 @@ from tests.distributed.bad_input_cases import run_bad_input_cases
 from tests.distributed.codec_cases import run_codec_cases
 from tests.distributed.comm_cases import build_op_cases, request_semantics, run_case
 from tests.distributed.data_cases import run_data_cases
+from tests.distributed.loader_cases import run_loader_cases
 from tests.distributed.pg_cases import run_pg_cases
 
 SPAWN_TIMEOUT_S = 240.0
@@ -45,6 +46,7 @@ SUITES: dict[str, tuple[Callable[[int, int], Any], tuple[int, ...]]] = {
     "codecs": (run_codec_cases, (2,)),
     "bad_input": (run_bad_input_cases, (2,)),
     "pg": (run_pg_cases, (4,)),
+    "loader": (run_loader_cases, (2, 4)),
 }
 
 

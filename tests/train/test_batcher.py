@@ -1,6 +1,9 @@
-"""Batcher: collation into key-major KJTs, padding + valid_mask of the last batch, exact resume, bad input."""
+"""Batcher: collation into key-major KJTs, padding + valid_mask of the last batch, exact resume, datarax's module
+API (statistics, copy, clone, __call__), bad input."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -10,7 +13,7 @@ from hypothesis import strategies as st
 
 from tritonrec.data import KeyedJaggedTensor
 from tritonrec.data.batch import Batch
-from tritonrec.data.batcher import Batcher
+from tritonrec.data.batcher import Batcher, BatcherConfig
 from tritonrec.data.elements import ElementSpec, RecElement
 from tritonrec.data.synthetic import SyntheticRecSource
 
@@ -212,3 +215,72 @@ def test_batch_checks_its_parts() -> None:
         Batch(torch.zeros(2), kjt, labels, mask)
     with pytest.raises(TypeError, match="labels must be a torch.Tensor, got list"):
         Batch(dense, kjt, [0, 1], mask)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------ datarax module API: stats, copies
+def _positive_rate(batch: Batch) -> dict[str, float]:
+    return {"positive_rate": float(batch.labels[batch.valid_mask].mean()), "rows": batch.num_valid()}
+
+
+def test_statistics_compute_get_set_reset() -> None:
+    elements = [_element(i) for i in range(6)]
+    batcher = Batcher(SPEC, BatcherConfig(batch_stats_fn=_positive_rate))
+    assert batcher.get_statistics() is None
+    batch = next(batcher(elements, 4))  # __call__ is process
+    assert batcher.compute_statistics(batch) == {"positive_rate": 0.5, "rows": 4}
+    assert batcher.get_statistics() == {"positive_rate": 0.5, "rows": 4}
+    batcher.reset_statistics()
+    assert batcher.get_statistics() is None
+    batcher.set_statistics({"rows": 9})
+    assert batcher.get_statistics() == {"rows": 9}
+    assert Batcher(SPEC).compute_statistics(batch) is None  # no batch_stats_fn: nothing to compute
+
+    fixed = Batcher(SPEC, BatcherConfig(precomputed_stats={"mean": 1.5}))
+    assert fixed.get_statistics() == {"mean": 1.5}
+    fixed.reset_statistics()
+    assert fixed.get_statistics() is None  # a reset hides the precomputed statistics too
+    fixed.set_statistics({"mean": 2.0})
+    assert fixed.get_statistics() == {"mean": 2.0}
+
+
+def test_copy_and_clone() -> None:
+    elements = [_element(i) for i in range(10)]
+    batcher = Batcher(SPEC, BatcherConfig(batch_stats_fn=_positive_rate))
+    stream = batcher(elements, 4)
+    batcher.compute_statistics(next(stream))
+    clone = batcher.clone()
+    assert clone.get_state() == batcher.get_state() == {"epoch": 0, "position": 4, "batches": 1}
+    assert clone.get_statistics() == batcher.get_statistics() and clone.config is batcher.config
+    assert _same_batch(next(clone(elements, 4)), next(stream))  # the clone continues where the original was
+    clone.set_statistics({"other": 1})
+    assert batcher.get_statistics() == {"positive_rate": 0.5, "rows": 4}  # independent statistics
+
+    other = BatcherConfig(precomputed_stats={"fixed": 3})
+    copied = batcher.copy(config=other)
+    assert copied.config is other and copied.get_statistics() == {"fixed": 3}
+    assert copied.get_state() == batcher.get_state() and copied.element_spec == batcher.element_spec
+    assert batcher.copy().get_statistics() is None  # computed statistics stay with the original
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "pattern"),
+    [
+        (lambda: BatcherConfig(batch_stats_fn=5), TypeError, "batch_stats_fn must be callable or None, got int"),
+        (lambda: BatcherConfig(precomputed_stats=[1]), TypeError, "precomputed_stats must be a mapping or None"),
+        (
+            lambda: BatcherConfig(batch_stats_fn=len, precomputed_stats={}),
+            ValueError,
+            "batch_stats_fn and precomputed_stats are exclusive",
+        ),
+        (lambda: Batcher(SPEC, config={}), TypeError, "config must be a BatcherConfig or None, got dict"),
+        (lambda: Batcher(SPEC).set_statistics([1]), TypeError, "stats must be a mapping, got list"),
+        (
+            lambda: Batcher(SPEC, BatcherConfig(batch_stats_fn=len)).compute_statistics([1, 2]),
+            TypeError,
+            "batch_stats_fn must return a mapping, got int",
+        ),
+    ],
+)
+def test_statistics_bad_input(make: Callable[[], object], error: type[Exception], pattern: str) -> None:
+    with pytest.raises(error, match=pattern):
+        make()

@@ -1,5 +1,6 @@
 """Criteo readers on small generated files: TSV (empty fields, hex ids, malformed lines under each policy, gzip)
-and the preprocessed npy days (hashing, missing ids, random access, TSV round trip), with their bad inputs."""
+and the preprocessed npy days (hashing, missing ids, random access, TSV round trip), with their bad inputs.
+Sharding, shuffling and the malformed inputs that used to escape both policies: tests/data/test_criteo_robustness.py."""
 
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ def _good_lines() -> list[str]:
     return [_line(), _line("0", sparse_ints, sparse_cats), _line("0"), _line("1", cats=[""] * 26)]
 
 
-def _write(path: Path, lines: list[str]) -> Path:
-    path.write_text("".join(line + "\n" for line in lines))
+def _write(path: Path, lines: list[str | bytes]) -> Path:
+    path.write_bytes(b"".join((line.encode() if isinstance(line, str) else line) + b"\n" for line in lines))
     return path
 
 
@@ -80,7 +81,10 @@ def test_tsv_multiple_files_gzip_and_seeking(tmp_path: Path) -> None:
 BAD_LINES = [
     (_line()[:-9], "expected 40 tab-separated fields, got 39"),
     (_line("2"), "column 'label' must be 0 or 1, got '2'"),
-    (_line(ints=["x1", *[""] * 12]), "column 'int_0' must be an integer, got 'x1'"),
+    (
+        _line(ints=["x1", *[""] * 12]),
+        "column 'int_0' must be an integer (ASCII digits with an optional leading '-', at most 18 digits), got 'x1'",
+    ),
     (_line(cats=["zz", *[""] * 25]), "column 'cat_0' must be a hex id of at most 15 digits, got 'zz'"),
     ("", "expected 40 tab-separated fields, got 1"),
 ]

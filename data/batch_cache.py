@@ -1,0 +1,342 @@
+"""A hydrax-style batch cache: features that are expensive to produce and fixed across epochs (a frozen encoder's
+outputs, hashed ids) are computed once, stored per batch, and read back in later epochs.
+
+A :class:`DataGroup` holds the items (any sequence of descriptors), the batch size and two array layouts, each
+``{name: (per-item shape, dtype)}``: ``loader_layouts`` are the arrays the loader function fills item by item,
+``cache_layouts`` the arrays stored in the cache. The :class:`~tritonrec.data.group_loader.GroupLoader` yields
+:class:`Batch` es: an *uncached* batch holds loader arrays; the training code turns it into its cached form with
+:meth:`Batch.cache` (for example after running the frozen encoder), which also writes it to ``cache_location``
+unless the group is ``cache_readonly``, ``persist=False`` or the call says ``persist=False``. Later epochs read the
+stored batch (a memory-mapped ``.npy`` file per array and the pickled additional data) instead of calling the loader.
+
+Batch ``b`` of a group always holds items ``[b * batch_size, (b + 1) * batch_size)`` (a partial last batch is not
+produced, as in hydrax), so a stored batch stays valid across epochs; shuffling reorders batches, not their items.
+A ``cache.json`` descriptor in ``cache_location`` records the batch size, the item count and the cache layouts; a
+group that disagrees with an existing cache is refused. Each batch is written to a temporary directory and renamed,
+so a job killed mid-write leaves no half batch behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+import torch
+
+Layouts = Mapping[str, tuple[tuple[int, ...], Any]]
+CheckedLayouts = dict[str, tuple[tuple[int, ...], torch.dtype]]
+_FORMAT = "tritonrec-batch-cache-1"
+
+
+def _torch_dtype(dtype: object, where: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return torch.from_numpy(np.empty(0, dtype=np.dtype(dtype))).dtype  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: dtype must be a torch or numpy dtype, got {dtype!r}") from None
+
+
+def _check_layouts(layouts: Layouts | None, name: str, storable: bool) -> CheckedLayouts:
+    if layouts is None:
+        return {}
+    if not isinstance(layouts, Mapping) or not layouts:
+        raise ValueError(f"{name} must be a non-empty mapping name -> (shape, dtype) or None, got {layouts!r}")
+    checked = {}
+    for key, layout in layouts.items():
+        where = f"{name}[{key!r}]"
+        if not isinstance(key, str) or not key or "/" in key:
+            raise ValueError(f"{name}: array names must be non-empty str without '/', got {key!r}")
+        if not isinstance(layout, (tuple, list)) or len(layout) != 2:
+            raise ValueError(f"{where} must be a (shape, dtype) pair, got {layout!r}")
+        shape, dtype = layout
+        if not isinstance(shape, (tuple, list)) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise ValueError(f"{where}: shape must be a tuple of non-negative ints, got {shape!r}")
+        dtype = _torch_dtype(dtype, where)
+        if storable and dtype == torch.bfloat16:
+            raise ValueError(f"{where}: dtype torch.bfloat16 cannot be stored as .npy; cache it as float32")
+        checked[key] = (tuple(shape), dtype)
+    return checked
+
+
+class DataGroup:
+    """Items of one kind with a batch size, loader layouts, cache layouts and a cache location (module docstring).
+
+    Args:
+        batch_size: items per batch.
+        data: the item descriptors (a sequence, or an iterable that is materialised).
+        loader_layouts: arrays the loader function fills, ``{name: (per-item shape, dtype)}``; ``None`` for a group
+            read only from an existing cache.
+        cache_layouts: arrays of a cached batch; ``None``: batches are never cached.
+        cache_location: directory of the cache (created unless ``cache_readonly``); ``None``: cached batches live
+            only as long as the Batch object.
+        cache_readonly: read an existing cache, never write to it.
+        persist: write cached batches to ``cache_location`` (the default of :meth:`Batch.cache`'s ``persist``).
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        data: Sequence[Any] | Iterable[Any],
+        loader_layouts: Layouts | None = None,
+        cache_layouts: Layouts | None = None,
+        cache_location: str | os.PathLike | None = None,
+        cache_readonly: bool = False,
+        persist: bool = True,
+    ) -> None:
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got batch_size={batch_size!r}")
+        if not isinstance(data, Iterable):
+            raise TypeError(f"data must be a sequence or iterable of item descriptors, got {type(data).__name__}")
+        self.data: Sequence[Any] = data if isinstance(data, Sequence) else list(data)
+        if len(self.data) < batch_size:
+            raise ValueError(f"data holds {len(self.data)} items, fewer than batch_size={batch_size}: no batch")
+        self.batch_size = batch_size
+        for name, flag in (("cache_readonly", cache_readonly), ("persist", persist)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {name}={flag!r}")
+        self._loader_layouts = _check_layouts(loader_layouts, "loader_layouts", storable=False)
+        self._cache_layouts = _check_layouts(cache_layouts, "cache_layouts", storable=cache_location is not None)
+        if not self._loader_layouts and not self._cache_layouts:
+            raise ValueError("loader_layouts and cache_layouts are both None: a group needs one of them")
+        if not self._loader_layouts and cache_location is None:
+            raise ValueError("a group without loader_layouts is read from its cache, so it needs a cache_location")
+        self.cache_location = Path(cache_location) if cache_location is not None else None
+        self.cache_readonly = cache_readonly or not self._loader_layouts
+        self.persist = persist
+        if self.cache_location is not None:
+            if not self._cache_layouts:
+                raise ValueError("cache_location is set but cache_layouts is None: there is nothing to cache")
+            self._prepare_location()
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.data[index]
+
+    @property
+    def batch_count(self) -> int:
+        """Batches per epoch: ``len(data) // batch_size`` (no partial batch)."""
+        return len(self.data) // self.batch_size
+
+    @property
+    def loader_layouts(self) -> MappingProxyType[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Loader arrays with the leading batch dimension: ``{name: ((batch_size, *shape), dtype)}``."""
+        return MappingProxyType({k: ((self.batch_size, *s), d) for k, (s, d) in self._loader_layouts.items()})
+
+    @property
+    def cache_layouts(self) -> MappingProxyType[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Cached arrays with the leading batch dimension (empty when the group does not cache)."""
+        return MappingProxyType({k: ((self.batch_size, *s), d) for k, (s, d) in self._cache_layouts.items()})
+
+    def batch_path(self, index: int) -> Path | None:
+        """Directory of stored batch ``index`` (None without a cache location)."""
+        return None if self.cache_location is None else self.cache_location / f"batch_{index:08d}"
+
+    def _descriptor(self) -> dict[str, Any]:
+        layouts = {k: [list(s), str(d).removeprefix("torch.")] for k, (s, d) in self._cache_layouts.items()}
+        return {"format": _FORMAT, "batch_size": self.batch_size, "num_items": len(self.data), "cache_layouts": layouts}
+
+    def _prepare_location(self) -> None:
+        location = self.cache_location
+        assert location is not None
+        descriptor_path = location / "cache.json"
+        if self.cache_readonly and not descriptor_path.is_file():
+            raise ValueError(f"cache_location {str(location)!r} holds no cache (no cache.json) and is read-only")
+        mine = self._descriptor()
+        if descriptor_path.is_file():
+            theirs = json.loads(descriptor_path.read_text())
+            for key, value in mine.items():
+                if theirs.get(key) != value:
+                    raise ValueError(
+                        f"cache_location {str(location)!r} holds a cache with {key}={theirs.get(key)!r}, but this "
+                        f"group has {key}={value!r}; use another location or delete the old cache"
+                    )
+            return
+        location.mkdir(parents=True, exist_ok=True)
+        partial = descriptor_path.with_name(f"cache.json.{os.getpid()}")
+        partial.write_text(json.dumps(mine, indent=1))
+        os.replace(partial, descriptor_path)
+
+    def read_batch(self, index: int) -> tuple[dict[str, torch.Tensor], dict[str, list[Any]]] | None:
+        """Stored batch ``index`` (memory-mapped arrays and its additional data), or None when it is not stored."""
+        path = self.batch_path(index)
+        if path is None or not path.is_dir():
+            return None
+        arrays = {
+            name: torch.from_numpy(np.load(path / f"{name}.npy", mmap_mode="c"))  # copy-on-write: writable views
+            for name in self._cache_layouts
+        }
+        with (path / "additional.pkl").open("rb") as handle:
+            additional = pickle.load(handle)
+        return arrays, additional
+
+    def write_batch(self, index: int, arrays: Mapping[str, torch.Tensor], additional: Mapping[str, list]) -> None:
+        """Store batch ``index`` atomically (a temporary directory renamed into place)."""
+        path = self.batch_path(index)
+        assert path is not None
+        partial = path.with_name(f"{path.name}.partial{os.getpid()}")
+        partial.mkdir(parents=True, exist_ok=True)
+        for name, tensor in arrays.items():
+            np.save(partial / f"{name}.npy", tensor.detach().cpu().numpy())
+        with (partial / "additional.pkl").open("wb") as handle:
+            pickle.dump(dict(additional), handle)
+        try:
+            os.rename(partial, path)
+        except OSError:  # another writer stored it first: theirs is the same batch
+            for child in partial.iterdir():
+                child.unlink()
+            partial.rmdir()
+
+
+class Batch:
+    """One batch of a :class:`DataGroup`, as yielded by :class:`~tritonrec.data.group_loader.GroupLoader`.
+
+    ``arrays`` holds the loader arrays while the batch is :attr:`uncached`, the cache arrays after :meth:`cache` or
+    when read from the cache; ``additional`` maps each key the loader returned to one value per item (``None`` where
+    an item did not return it). The batch holds one of the loader's ``depth`` slots until :meth:`release` (or a
+    ``with`` block, or garbage collection) frees it.
+    """
+
+    def __init__(
+        self,
+        group: DataGroup,
+        group_index: int,
+        epoch: int,
+        is_validation: bool,
+        arrays: dict[str, torch.Tensor],
+        additional: dict[str, list[Any]],
+        uncached: bool,
+        on_release: Callable[[], None] | None = None,
+    ) -> None:
+        self._group, self._group_index, self._epoch = group, group_index, epoch
+        self._is_validation = is_validation
+        self._arrays, self._additional, self._uncached = arrays, additional, uncached
+        self._release = weakref.finalize(self, on_release) if on_release is not None else None
+
+    def __len__(self) -> int:
+        return self._group.batch_size
+
+    def release(self) -> None:
+        """Free this batch's depth slot (idempotent); the producer may then load the next batch."""
+        if self._release is not None:
+            self._release()
+
+    def __enter__(self) -> Batch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    @property
+    def group(self) -> DataGroup:
+        return self._group
+
+    @property
+    def group_index(self) -> int:
+        """The index of this batch within :attr:`group` (its items are ``group_index * batch_size + i``)."""
+        return self._group_index
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def is_validation(self) -> bool:
+        return self._is_validation
+
+    @property
+    def is_training(self) -> bool:
+        return not self._is_validation
+
+    @property
+    def indices(self) -> range:
+        """The items' indices in :attr:`group`."""
+        start = self._group_index * self._group.batch_size
+        return range(start, start + self._group.batch_size)
+
+    @property
+    def data(self) -> list[Any]:
+        """The items' descriptors."""
+        return [self._group[i] for i in self.indices]
+
+    def get_data(self, index: int) -> Any:
+        return self._group[self.indices[index]]
+
+    @property
+    def uncached(self) -> bool:
+        """True while :attr:`arrays` are in the loader layouts, False once cached (or read from the cache)."""
+        return self._uncached
+
+    @property
+    def layouts(self) -> MappingProxyType[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The layouts of :attr:`arrays`: the group's loader layouts while uncached, its cache layouts after."""
+        return self._group.loader_layouts if self._uncached else self._group.cache_layouts
+
+    @property
+    def arrays(self) -> MappingProxyType[str, torch.Tensor]:
+        return MappingProxyType(self._arrays)
+
+    def get_array(self, name: str) -> torch.Tensor:
+        if name not in self._arrays:
+            raise KeyError(f"this batch has no array {name!r}; it has {sorted(self._arrays)}")
+        return self._arrays[name]
+
+    @property
+    def additional(self) -> MappingProxyType[str, list[Any]]:
+        return MappingProxyType(self._additional)
+
+    def get_additional(self, key: str, index: int | None = None, default: Any = None) -> Any:
+        """Item ``index``'s value for ``key`` (``default`` where absent), or the list of every item's value."""
+        values = self._additional.get(key, [None] * len(self))
+        if index is None:
+            return [default if v is None else v for v in values]
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"index {index} is out of range for a batch of {len(self)} items")
+        return default if values[index] is None else values[index]
+
+    def cache(
+        self,
+        arrays: Mapping[str, torch.Tensor],
+        additional: Mapping[str, Sequence[Any]] | None = None,
+        persist: bool = True,
+    ) -> None:
+        """Turn this uncached batch into its cached form; store it unless the group or ``persist`` says not to.
+
+        ``arrays`` must match the group's cache layouts exactly (names, ``(batch_size, *shape)`` shapes, dtypes);
+        ``additional`` (one value per item for each key) replaces the loader's additional data when given.
+        """
+        if not self._uncached:
+            raise RuntimeError(f"batch {self._group_index} is already cached")
+        layouts = self._group.cache_layouts
+        if not layouts:
+            raise RuntimeError("this batch's group has no cache_layouts, so its batches cannot be cached")
+        if not isinstance(arrays, Mapping):
+            raise TypeError(f"arrays must be a mapping name -> tensor, got {type(arrays).__name__}")
+        missing, extra = sorted(set(layouts) - set(arrays)), sorted(set(arrays) - set(layouts))
+        if missing or extra:
+            raise ValueError(f"arrays must match cache_layouts exactly: missing {missing}, unexpected {extra}")
+        for name, (shape, dtype) in layouts.items():
+            tensor = arrays[name]
+            if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                got = f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor) else type(tensor)
+                raise ValueError(f"array {name!r} must be a tensor of shape {shape} and dtype {dtype}, got {got}")
+        if additional is not None:
+            if not isinstance(additional, Mapping):
+                raise TypeError(f"additional must be a mapping key -> values, got {type(additional).__name__}")
+            for key, values in additional.items():
+                if not isinstance(values, Sequence) or len(values) != len(self):
+                    raise ValueError(f"additional[{key!r}] must hold one value per item ({len(self)})")
+            self._additional = {key: list(values) for key, values in additional.items()}
+        self._arrays, self._uncached = dict(arrays), False
+        group = self._group
+        if persist and group.persist and not group.cache_readonly and group.cache_location is not None:
+            group.write_batch(self._group_index, self._arrays, self._additional)

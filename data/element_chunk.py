@@ -1,0 +1,114 @@
+"""``ElementChunk``: many samples stacked, in one of two layouts, and the protocol of sources that stream them.
+
+* **jagged** (any bag lengths): ``ids [N]`` sample-major (sample ``i``'s ids, feature after feature, are
+  ``ids[offsets[i]:offsets[i + 1]]``) with ``lengths [n, F]``;
+* **id matrix** (each bag empty or one id, as in Criteo): ``id_matrix [n, F]`` int64 with -1 for an empty bag. The
+  Batcher builds a KJT from it with a transpose and one mask instead of a gather over jagged offsets, and no
+  sample-major copy of the ids ever exists.
+
+Both hold ``dense [n, Dd]`` float32 and ``labels [n]`` float32. ``ids`` / ``lengths`` of an id-matrix chunk are
+derived on first use (for per-sample access), so every consumer can read either layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from tritonrec.data.elements import ElementSource, RecElement
+
+
+class ElementChunk:
+    """``n`` samples stacked (see module docstring); ``ElementChunk(dense, ids, lengths, labels)`` is the jagged
+    layout, :meth:`from_id_matrix` the id-matrix one."""
+
+    __slots__ = ("_ids", "_lengths", "_offsets", "dense", "id_matrix", "labels")
+
+    def __init__(
+        self, dense: np.ndarray, ids: np.ndarray | None, lengths: np.ndarray | None, labels: np.ndarray
+    ) -> None:
+        self.dense, self.labels = dense, labels
+        self._ids, self._lengths = ids, lengths
+        self.id_matrix: np.ndarray | None = None
+        self._offsets: np.ndarray | None = None
+
+    @classmethod
+    def from_id_matrix(cls, dense: np.ndarray, id_matrix: np.ndarray, labels: np.ndarray) -> ElementChunk:
+        """Samples whose every bag is empty (-1) or holds the one id in ``id_matrix [n, F]``."""
+        chunk = cls(dense, None, None, labels)
+        chunk.id_matrix = id_matrix
+        return chunk
+
+    def __len__(self) -> int:
+        return self.labels.shape[0]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """``[n, F]`` int64 bag lengths."""
+        if self._lengths is None:
+            self._lengths = (self.id_matrix >= 0).astype(np.int64)  # type: ignore[operator]
+        return self._lengths
+
+    @property
+    def ids(self) -> np.ndarray:
+        """``[N]`` sample-major ids."""
+        if self._ids is None:
+            self._ids = self.id_matrix[self.id_matrix >= 0]  # type: ignore[index, operator]
+        return self._ids
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """``[n + 1]`` start of each sample's ids in :attr:`ids`."""
+        if self._offsets is None:
+            offsets = np.zeros(len(self) + 1, dtype=np.int64)
+            np.cumsum(self.lengths.sum(1), out=offsets[1:])
+            self._offsets = offsets
+        return self._offsets
+
+    def slice(self, start: int, stop: int) -> ElementChunk:
+        """Samples ``[start, stop)`` (views, no copy)."""
+        if self.id_matrix is not None:
+            return ElementChunk.from_id_matrix(
+                self.dense[start:stop], self.id_matrix[start:stop], self.labels[start:stop]
+            )
+        offsets = self.offsets
+        return ElementChunk(
+            self.dense[start:stop], self.ids[offsets[start] : offsets[stop]], self.lengths[start:stop],
+            self.labels[start:stop],
+        )  # fmt: skip
+
+    def take(self, rows: np.ndarray) -> ElementChunk:
+        """Samples ``rows`` in that order: one gather per array (the jagged ids by their per-sample ranges)."""
+        if self.id_matrix is not None:
+            return ElementChunk.from_id_matrix(self.dense[rows], self.id_matrix[rows], self.labels[rows])
+        offsets = self.offsets
+        counts = offsets[1:][rows] - offsets[:-1][rows]
+        out_starts = np.cumsum(counts) - counts
+        gather = np.repeat(offsets[:-1][rows] - out_starts, counts) + np.arange(int(counts.sum()))
+        return ElementChunk(self.dense[rows], self.ids[gather], self.lengths[rows], self.labels[rows])
+
+    @staticmethod
+    def concat(chunks: list[ElementChunk]) -> ElementChunk:
+        if len(chunks) == 1:
+            return chunks[0]
+        dense = np.concatenate([c.dense for c in chunks])
+        labels = np.concatenate([c.labels for c in chunks])
+        if all(c.id_matrix is not None for c in chunks):
+            return ElementChunk.from_id_matrix(dense, np.concatenate([c.id_matrix for c in chunks]), labels)
+        ids = np.concatenate([c.ids for c in chunks])
+        return ElementChunk(dense, ids, np.concatenate([c.lengths for c in chunks]), labels)
+
+    def elements(self) -> Iterator[RecElement]:
+        offsets, ids, lengths = self.offsets, self.ids, self.lengths
+        for i in range(len(self)):
+            yield RecElement(self.dense[i], ids[offsets[i] : offsets[i + 1]], lengths[i], float(self.labels[i]))
+
+
+@runtime_checkable
+class ChunkSource(ElementSource, Protocol):
+    """An :class:`~tritonrec.data.elements.ElementSource` that also streams its elements as :class:`ElementChunk` s
+    (the same elements, in the same order)."""
+
+    def iter_chunks(self, position: int = 0, epoch: int = 0) -> Iterator[ElementChunk]: ...

@@ -1,0 +1,180 @@
+"""``GroupLoader``: yields the batches of :class:`~tritonrec.data.batch_cache.DataGroup` s, at most ``depth`` alive.
+
+A producer thread walks the schedule (every epoch: the training group's batches, shuffled per epoch when asked, then
+the validation group's in order) and makes each batch: read from the cache when the group has stored it, otherwise
+by calling ``loader_fn(item, arrays, seed)`` for each item, where ``arrays`` are that item's rows of freshly
+allocated loader arrays (to fill in place) and ``seed`` is an int for training items (derived from ``seed``, the
+epoch and the item; for augmentation) and ``None`` for validation items. ``loader_fn`` returns the item's
+additional data (a mapping, or None).
+
+At most ``depth`` batches exist at once, counting the ones waiting in the queue: before making a batch the producer
+takes a slot, and a batch gives its slot back when released (``batch.release()``, a ``with`` block, or garbage
+collection). A slow consumer therefore stalls the producer instead of letting batches pile up. Errors in
+``loader_fn`` reach the consumer, raised from ``next()``. The producer works up to ``depth - 1`` batches ahead, so a
+batch whose previous-epoch copy is cached only after its next copy was made is loaded once more (with 2 batches an
+epoch and ``depth=3``, epoch 1 still loads; from epoch 2 on everything comes from the cache).
+"""
+
+from __future__ import annotations
+
+import gc
+import queue
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from tritonrec.data.batch_cache import Batch, DataGroup
+
+LoaderFn = Callable[[Any, dict[str, torch.Tensor], int | None], Mapping[str, Any] | None]
+_END = object()
+
+
+class _Failure:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class GroupLoader:
+    """Batches of ``training`` (and ``validation``) for ``epochs`` epochs with at most ``depth`` alive.
+
+    Args:
+        loader_fn: ``(item, arrays, seed) -> additional data or None``; fills ``arrays`` (one item's rows).
+        training: the training group.
+        validation: a validation group, iterated after the training batches of every epoch.
+        epochs: passes over the schedule.
+        depth: the most batches alive at once (at least 1; 2+ lets loading overlap the consumer's work).
+        shuffle: visit the training batches in a new order every epoch (their items stay together, so stored
+            batches remain valid).
+        seed: seeds the batch order and the per-item seeds given to ``loader_fn``.
+    """
+
+    def __init__(
+        self,
+        loader_fn: LoaderFn,
+        training: DataGroup,
+        validation: DataGroup | None = None,
+        epochs: int = 1,
+        depth: int = 3,
+        shuffle: bool = False,
+        seed: int = 0,
+    ) -> None:
+        if not callable(loader_fn):
+            raise TypeError(f"loader_fn must be callable, got {type(loader_fn).__name__}")
+        for name, group in (("training", training), ("validation", validation)):
+            if group is not None and not isinstance(group, DataGroup):
+                raise TypeError(f"{name} must be a DataGroup, got {type(group).__name__}")
+        for name, value, minimum in (("epochs", epochs, 1), ("depth", depth, 1), ("seed", seed, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise ValueError(f"{name} must be an int >= {minimum}, got {name}={value!r}")
+        if not isinstance(shuffle, bool):
+            raise TypeError(f"shuffle must be a bool, got shuffle={shuffle!r}")
+        self.loader_fn, self.training, self.validation = loader_fn, training, validation
+        self.epochs, self.depth, self.shuffle, self.seed = epochs, depth, shuffle, seed
+        self._lock = threading.Lock()
+        self.alive = 0  # batches made and not yet released
+        self.max_alive = 0
+        self.loaded_batches = 0  # batches made by loader_fn (the rest came from the cache)
+        self._thread: threading.Thread | None = None
+
+    def schedule(self) -> Iterator[tuple[DataGroup, int, int, bool]]:
+        """``(group, batch index, epoch, is_validation)`` in the order batches are made."""
+        for epoch in range(self.epochs):
+            order = np.arange(self.training.batch_count)
+            if self.shuffle:
+                order = np.random.default_rng([self.seed, epoch]).permutation(order)
+            for index in order:
+                yield self.training, int(index), epoch, False
+            if self.validation is not None:
+                for index in range(self.validation.batch_count):
+                    yield self.validation, index, epoch, True
+
+    def __iter__(self) -> Iterator[Batch]:
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("this GroupLoader is already being iterated; finish or close() that iteration first")
+        self._slots = threading.Semaphore(self.depth)
+        self._queue: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce, name="GroupLoader", daemon=True)
+        self._thread.start()
+        return self._consume()
+
+    def _consume(self) -> Iterator[Batch]:
+        try:
+            while (item := self._next_item()) is not _END:
+                if isinstance(item, _Failure):
+                    raise item.error
+                yield item
+        finally:
+            self.close()
+
+    def _next_item(self) -> Any:
+        while True:
+            try:
+                return self._queue.get(timeout=0.05)
+            except queue.Empty:
+                with self._lock:
+                    stalled = self.alive >= self.depth and self._queue.empty()
+                if stalled:  # every slot is held by a batch the consumer still has: nothing can ever arrive
+                    gc.collect()  # batches only reachable through reference cycles give their slots back here
+                    with self._lock:
+                        stalled = self.alive >= self.depth and self._queue.empty()
+                    if stalled:
+                        raise RuntimeError(
+                            f"all depth={self.depth} batches are still alive, so no next batch can be loaded: "
+                            "release() batches (or use them in a with block) before asking for more"
+                        ) from None
+
+    def close(self) -> None:
+        """Stop the producer (a consumer that leaves early calls this through the generator's cleanup)."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+
+    def _release_slot(self) -> None:
+        with self._lock:
+            self.alive -= 1
+        self._slots.release()
+
+    def _produce(self) -> None:
+        try:
+            for group, index, epoch, is_validation in self.schedule():
+                while not self._slots.acquire(timeout=0.05):
+                    if self._stop.is_set():
+                        return
+                if self._stop.is_set():
+                    self._slots.release()
+                    return
+                with self._lock:
+                    self.alive += 1
+                    self.max_alive = max(self.max_alive, self.alive)
+                self._queue.put(self._make(group, index, epoch, is_validation))
+        except BaseException as error:  # handed to the consumer, raised from next()
+            self._queue.put(_Failure(error))
+        self._queue.put(_END)
+
+    def _make(self, group: DataGroup, index: int, epoch: int, is_validation: bool) -> Batch:
+        stored = group.read_batch(index)
+        if stored is not None:
+            arrays, additional = stored
+            return Batch(group, index, epoch, is_validation, arrays, additional, False, self._release_slot)
+        if not group.loader_layouts:
+            raise FileNotFoundError(f"batch {index} of a cache-only group is not stored at {group.batch_path(index)}")
+        arrays = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in group.loader_layouts.items()}
+        additional: dict[str, list[Any]] = {}
+        start = index * group.batch_size
+        for row in range(group.batch_size):
+            item = start + row
+            seed = None if is_validation else int(np.random.SeedSequence([self.seed, epoch, item]).generate_state(1)[0])
+            extra = self.loader_fn(group[item], {name: array[row] for name, array in arrays.items()}, seed)
+            if extra is not None:
+                if not isinstance(extra, Mapping):
+                    kind = type(extra).__name__
+                    raise TypeError(f"loader_fn must return a mapping or None, got {kind} for item {item}")
+                for key, value in extra.items():
+                    additional.setdefault(key, [None] * group.batch_size)[row] = value
+        with self._lock:
+            self.loaded_batches += 1
+        return Batch(group, index, epoch, is_validation, arrays, additional, True, self._release_slot)

@@ -1,0 +1,144 @@
+"""Parallel loading of one rank's shard: Batches from DataLoader workers, with exact mid-epoch resume.
+
+:class:`ShardedBatchDataset` is a ``torch.utils.data.IterableDataset`` that collates a source's elements into
+:class:`~tritonrec.data.batch.Batch` es inside the loader's workers. Worker ``w`` of ``K`` reads part ``w`` of ``K``
+of the rank's shard (``source.sub_shard(w, K)``), so the workers never read the same sample and together read the
+rank's shard once per pass. The dataset's state is its :class:`~tritonrec.data.batcher.Batcher` state (epoch,
+position, batches), exposed as ``state_dict`` / ``load_state_dict``: the Stateful protocol of torchdata's
+``StatefulDataLoader``, which snapshots every worker's state with each batch and restores them, so a loader built by
+:func:`make_rank_loader` resumes mid-epoch exactly, with or without workers. We use that library rather than
+tracking which worker produced which prefetched batch ourselves.
+
+The batch order depends on ``num_workers`` (the loader takes one batch from each worker in turn, each worker reading
+its own part), so resume with the ``num_workers`` the state was taken with. ``num_passes`` passes over the shard make
+one iteration of the loader (``None``: endless, for training streams); each pass after the first is the next epoch
+(reshuffled when the source shuffles). As with any torch loader, a new iteration starts a new pass: the next epoch
+(an interrupted pass is abandoned), except right after ``load_state_dict``, which resumes the interrupted pass.
+Workers are persistent, so their epochs advance across iterations as a single-process loader's do.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from torch.utils.data import IterableDataset, get_worker_info
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from tritonrec.data.batch import Batch
+from tritonrec.data.batcher import Batcher
+from tritonrec.data.elements import ElementSource
+
+
+def _check_count(value: object, name: str, allow_none: bool = False, minimum: int = 1) -> int | None:
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        kind = "a positive int" if minimum == 1 else "a non-negative int"
+        raise ValueError(f"{name} must be {kind}{' or None' if allow_none else ''}, got {name}={value!r}")
+    return value
+
+
+class ShardedBatchDataset(IterableDataset):
+    """Batches of ``batch_size`` from ``source`` (one rank's shard), split over loader workers (module docstring).
+
+    Args:
+        source: an :class:`~tritonrec.data.elements.ElementSource` with ``sub_shard(index, count)`` (every built-in
+            source); without it, only ``num_workers=0`` works.
+        batch_size: rows per batch (a short last batch of a pass is padded and masked, unless ``drop_remainder``).
+        drop_remainder: drop a pass's short last batch instead.
+        num_passes: passes over the shard per iteration of the loader; ``None`` streams forever.
+    """
+
+    def __init__(
+        self, source: ElementSource, batch_size: int, drop_remainder: bool = False, num_passes: int | None = 1
+    ) -> None:
+        if not isinstance(source, ElementSource):
+            raise TypeError(f"source must be an ElementSource (iter_from, element_spec), got {type(source).__name__}")
+        self.source = source
+        self.batch_size = _check_count(batch_size, "batch_size")
+        if not isinstance(drop_remainder, bool):
+            raise TypeError(f"drop_remainder must be a bool, got drop_remainder={drop_remainder!r}")
+        self.drop_remainder = drop_remainder
+        self.num_passes = _check_count(num_passes, "num_passes", allow_none=True)
+        self.batcher = Batcher(source.element_spec)
+        self._resuming = False  # load_state_dict was called: the next iteration continues that state
+
+    def _worker_source(self) -> ElementSource:
+        info = get_worker_info()
+        if info is None or info.num_workers == 1:
+            return self.source
+        sub_shard = getattr(self.source, "sub_shard", None)
+        if not callable(sub_shard):
+            raise TypeError(
+                f"{type(self.source).__name__} has no sub_shard(index, count), so it cannot be split over "
+                f"{info.num_workers} loader workers: use num_workers=0"
+            )
+        return sub_shard(info.id, info.num_workers)
+
+    def __iter__(self) -> Iterator[Batch]:
+        source = self._worker_source()
+        state = self.batcher.get_state()
+        if self._resuming:
+            self._resuming = False
+        elif state["position"] > 0:  # a pass abandoned by the previous iteration: start the next epoch
+            self.set_epoch(state["epoch"] + 1)
+        passes = 0
+        while self.num_passes is None or passes < self.num_passes:
+            fresh, produced = self.batcher.get_state()["position"] == 0, False
+            for batch in self.batcher.process(source, self.batch_size, self.drop_remainder):
+                produced = True
+                yield batch
+            passes += 1
+            if fresh and not produced:  # an empty shard (or one shorter than a dropped batch): nothing will come
+                return
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start the next iteration at the beginning of pass ``epoch`` (call before iterating the loader)."""
+        self.batcher.set_state({"epoch": _check_count(epoch, "epoch", minimum=0), "position": 0, "batches": 0})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"batcher": self.batcher.get_state()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if not isinstance(state, Mapping) or set(state) != {"batcher"}:
+            raise ValueError(f"state must be a ShardedBatchDataset.state_dict() ({{'batcher': ...}}), got {state!r}")
+        self.batcher.set_state(state["batcher"])
+        self._resuming = True
+
+
+def _no_collate(batch: Batch) -> Batch:
+    """The dataset already yields whole batches."""
+    return batch
+
+
+def make_rank_loader(
+    source: ElementSource,
+    batch_size: int,
+    num_workers: int = 0,
+    drop_remainder: bool = False,
+    num_passes: int | None = 1,
+    pin_memory: bool = False,
+    prefetch_factor: int | None = None,
+    multiprocessing_context: str | None = None,
+) -> StatefulDataLoader:
+    """A ``StatefulDataLoader`` over :class:`ShardedBatchDataset` (``state_dict`` / ``load_state_dict`` resume it
+    exactly); ``num_workers`` processes collate in parallel, each on its part of ``source``'s shard.
+
+    ``multiprocessing_context`` starts the workers (``"fork"``, ``"spawn"``, ...; ``None``: the process's default).
+    A process that was itself spawned (a rank started by ``torch.multiprocessing.spawn``) defaults to ``"spawn"``,
+    whose workers import torch anew: ``"fork"`` starts them in milliseconds where it is safe (CPU, no CUDA yet)."""
+    dataset = ShardedBatchDataset(source, batch_size, drop_remainder, num_passes)
+    _check_count(num_workers, "num_workers", minimum=0)
+    options: dict[str, Any] = {"batch_size": None, "collate_fn": _no_collate, "pin_memory": pin_memory}
+    if num_workers > 0:
+        options.update(
+            num_workers=num_workers,
+            persistent_workers=True,
+            prefetch_factor=prefetch_factor,
+            multiprocessing_context=multiprocessing_context,
+        )
+    with warnings.catch_warnings():  # torchdata 0.11's constructor calls torch.set_vital, deprecated in torch 2.13
+        warnings.filterwarnings("ignore", message=".*set_vital.* is deprecated")
+        return StatefulDataLoader(dataset, **options)

@@ -1,0 +1,156 @@
+"""Parallel loading in one process (the gloo-rank versions are in tests/distributed/test_multihost_loader.py):
+ShardedBatchDataset under torchdata's StatefulDataLoader with 0 and 2 workers (workers split the shard, exact
+resume mid-epoch and across epochs), and MultiHostDataLoadIterator's single-process semantics (epochs, reset, kept
+batches, state round trip with stateful and plain loaders, bad input)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from tritonrec.data.batch import Batch
+from tritonrec.data.loader import ShardedBatchDataset, make_rank_loader
+from tritonrec.data.multihost import MultiHostDataLoadIterator
+from tritonrec.data.synthetic import SyntheticRecSource
+
+
+def _source(**kwargs: object) -> SyntheticRecSource:
+    return SyntheticRecSource([50, 20], num_dense=3, num_samples=101, chunk_size=16, **kwargs)
+
+
+def same_batch(a: Batch, b: Batch) -> bool:
+    return (
+        torch.equal(a.dense_features, b.dense_features)
+        and torch.equal(a.labels, b.labels)
+        and torch.equal(a.valid_mask, b.valid_mask)
+        and torch.equal(a.sparse_features.values(), b.sparse_features.values())
+        and torch.equal(a.sparse_features.lengths(), b.sparse_features.lengths())
+    )
+
+
+def _rows(batch: Batch) -> list[bytes]:
+    return [row.numpy().tobytes() for row in batch.dense_features[batch.valid_mask]]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_workers_split_the_shard_and_resume_exactly(num_workers: int) -> None:
+    source = _source(rank=1, world_size=2, shuffle_buffer=24)  # 50 samples on this rank
+    expected = Counter(e.dense.tobytes() for e in source.iter_from(0))
+    one_pass = list(make_rank_loader(source, 8, num_workers=num_workers))
+    assert Counter(r for batch in one_pass for r in _rows(batch)) == expected
+    assert len(one_pass) == (7 if num_workers == 0 else 8)  # 2 workers: 25 rows each -> 4 batches each
+
+    loader = make_rank_loader(source, 8, num_workers=num_workers, num_passes=None)
+    stream = iter(loader)
+    for _ in range(5):
+        next(stream)
+    state = loader.state_dict()
+    uninterrupted = [next(stream) for _ in range(20)]  # crosses two epoch ends (reshuffled each epoch)
+    del stream, loader
+    resumed = make_rank_loader(source, 8, num_workers=num_workers, num_passes=None)
+    resumed.load_state_dict(state)
+    stream = iter(resumed)
+    assert all(same_batch(a, next(stream)) for a in uninterrupted)
+
+
+def test_a_new_iteration_is_the_next_epoch_with_or_without_workers() -> None:
+    source = _source(shuffle_buffer=32)
+    first_epochs = []
+    for num_workers in (0, 2):
+        loader = make_rank_loader(source, 101, num_workers=num_workers)  # one batch per worker and pass
+        passes = [sorted(r for batch in loader for r in _rows(batch)) for _ in range(2)]
+        first = [r for batch in loader for r in _rows(batch)]
+        assert passes[0] == passes[1]  # every pass is the whole shard
+        first_epochs.append(first)
+    dataset = ShardedBatchDataset(source, 101)
+    dataset.set_epoch(2)
+    assert _rows(next(iter(dataset))) == first_epochs[0]  # the third iteration of the 0-worker loader was epoch 2
+
+
+def test_dataset_bad_input() -> None:
+    with pytest.raises(TypeError, match="source must be an ElementSource"):
+        ShardedBatchDataset([1, 2, 3], 4)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="batch_size must be a positive int, got batch_size=0"):
+        ShardedBatchDataset(_source(), 0)
+    with pytest.raises(ValueError, match="num_passes must be a positive int or None, got num_passes=0"):
+        ShardedBatchDataset(_source(), 4, num_passes=0)
+    with pytest.raises(ValueError, match="num_workers must be a non-negative int, got num_workers=-1"):
+        make_rank_loader(_source(), 4, num_workers=-1)
+    with pytest.raises(ValueError, match=r"state must be a ShardedBatchDataset.state_dict\(\)"):
+        ShardedBatchDataset(_source(), 4).load_state_dict({"epoch": 1})
+
+
+# --------------------------------------------------------------------------------------- MultiHostDataLoadIterator
+def test_iterator_length_cuts_an_endless_stream_into_epochs() -> None:
+    loader = list(range(5))  # a finite loader: with a length and no reset it is cycled
+    iterator = MultiHostDataLoadIterator(loader, iterator_length=3)
+    assert [list(iterator) for _ in range(3)] == [[0, 1, 2], [3, 4, 0], [1, 2, 3]]
+    assert len(iterator) == 3 and iterator.get_dataset_size() is None
+
+
+def test_reset_after_epoch_restarts_and_no_reset_continues() -> None:
+    validation = MultiHostDataLoadIterator(list(range(5)), iterator_length=3, reset_after_epoch=True)
+    assert [list(validation) for _ in range(2)] == [[0, 1, 2], [0, 1, 2]]
+    stream = MultiHostDataLoadIterator(list(range(5)), dataset_size=5)  # no length: epochs end with the loader
+    assert [list(stream) for _ in range(2)] == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4]]
+    assert stream.get_dataset_size() == 5
+    half = iter(stream)
+    assert [next(half), next(half)] == [0, 1]
+    stream.reset()  # no reset_after_epoch: a new epoch at step 0 that continues the loader
+    assert stream.step == 0 and next(stream) == 2
+
+
+@pytest.mark.parametrize("kind", ["stateful", "plain"])
+def test_state_round_trip(kind: str) -> None:
+    def make() -> object:
+        return make_rank_loader(_source(), 6, num_passes=None) if kind == "stateful" else list(range(40))
+
+    iterator = MultiHostDataLoadIterator(make(), iterator_length=7)
+    stream = iter(iterator)
+    for _ in range(4):
+        next(stream)
+    state = iterator.get_state()
+    assert state["step"] == 4 and state["iterator_length"] == 7 and state["world_size"] == 1
+    rest = [next(stream) for _ in range(3)]  # (list(stream) would call iter(), which starts a new epoch)
+    with pytest.raises(StopIteration):
+        next(stream)
+    rest += list(iterator)  # a whole epoch
+    restored = MultiHostDataLoadIterator(make(), iterator_length=7)
+    restored.set_state(state)
+    again = list(restored) + list(restored)  # iter() right after set_state continues the interrupted epoch
+    assert len(again) == len(rest) == 10
+    check = same_batch if kind == "stateful" else (lambda a, b: a == b)
+    assert all(check(a, b) for a, b in zip(rest, again, strict=True))
+
+
+def test_set_state_refuses_another_length_or_world_size() -> None:
+    state = MultiHostDataLoadIterator(list(range(4)), iterator_length=2).get_state()
+    with pytest.raises(ValueError, match="state was taken with iterator_length=2, but this iterator has "
+                       "iterator_length=3"):  # fmt: skip
+        MultiHostDataLoadIterator(list(range(4)), iterator_length=3).set_state(state)
+    with pytest.raises(ValueError, match="state was taken on world_size=4 ranks, but this iterator runs on "
+                       "world_size=1"):  # fmt: skip
+        MultiHostDataLoadIterator(list(range(4)), iterator_length=2).set_state({**state, "world_size": 4})
+    with pytest.raises(ValueError, match="state must be a get_state"):
+        MultiHostDataLoadIterator(list(range(4))).set_state({"step": 1})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        ({"dataloader": 5}, TypeError, "dataloader must be iterable, got int"),
+        ({"iterator_length": 0}, ValueError, "iterator_length must be a positive int or None, got iterator_length=0"),
+        ({"dataset_size": -1}, ValueError, "dataset_size must be a non-negative int or None, got dataset_size=-1"),
+        ({"reset_after_epoch": 1}, TypeError, "reset_after_epoch must be a bool, got reset_after_epoch=1"),
+        ({"pad_shapes": "yes"}, TypeError, "pad_shapes must be a bool, got pad_shapes='yes'"),
+        ({"pad_value": None}, TypeError, "pad_value must be a number, got pad_value=None"),
+        ({"process_group": object()}, ValueError, "process_group was given but torch.distributed is not initialised"),
+    ],
+)
+def test_iterator_bad_input(kwargs: dict, error: type[Exception], pattern: str) -> None:
+    with pytest.raises(error, match=pattern):
+        MultiHostDataLoadIterator(**{"dataloader": [1], **kwargs})
+    with pytest.raises(TypeError, match="has no iterator_length, so no length"):
+        len(MultiHostDataLoadIterator([1]))
