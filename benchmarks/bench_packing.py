@@ -29,7 +29,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from harness import RESULTS_DIR, append_csv, copy_bandwidth_gbps, gbps, measure, print_table, tensor_bytes
+from harness import (
+    RESULTS_DIR,
+    append_csv,
+    copy_bandwidth_gbps,
+    gbps,
+    measure,
+    print_table,
+    results_dir,
+    tensor_bytes,
+)
 
 from tritonrec.data.packing import (
     PackingAlgorithm,
@@ -48,7 +57,7 @@ ANCHOR = "nemo_rl_mffd (re-implementation)"
 ALGORITHMS_CSV = "packing_algorithms.csv"
 BALANCE_CSV = "packing_rank_balance.csv"
 KERNEL_CSV = "packing_kernel.csv"
-PLOT = RESULTS_DIR / "packing_algorithms.png"
+PLOT = "packing_algorithms.png"  # next to the CSVs (see harness.results_dir)
 
 
 def make_lengths(distribution: str, count: int, seed: int = 0) -> np.ndarray:
@@ -226,11 +235,15 @@ def kernel_rows(count: int) -> list[dict]:
 
 
 def read_rows(name: str) -> list[dict]:
-    with (RESULTS_DIR / name).open() as handle:
+    """This run's CSV, or the committed one when this run wrote none (``--plot-only``)."""
+    path = results_dir() / name
+    with (path if path.exists() else RESULTS_DIR / name).open() as handle:
         return list(csv.DictReader(handle))
 
 
-def plot(path: Path = PLOT) -> None:
+def plot(path: Path | None = None) -> None:
+    path = path or results_dir() / PLOT
+    path.parent.mkdir(parents=True, exist_ok=True)
     import matplotlib
 
     matplotlib.use("Agg")

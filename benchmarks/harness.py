@@ -6,6 +6,11 @@ flush); on CPU, wall-clock ``perf_counter`` over individually timed calls.
 
 Rows appended with :func:`append_csv` carry device, versions, thread count and date, so a committed CSV is
 self-describing.
+
+Where results go: a run writes under ``benchmarks/results/runs/<date>/`` (git-ignored), so trying a benchmark never
+rewrites the committed CSVs and plots. To update those, pass ``--commit-results`` to any benchmark script (the
+harness takes the flag off ``sys.argv`` when imported, before the script parses its arguments), set
+``TRITONREC_COMMIT_RESULTS=1``, or call :func:`set_commit_results`; files then go to ``benchmarks/results/``.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import logging
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -24,6 +30,41 @@ from typing import Any
 import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+COMMIT_FLAG = "--commit-results"
+_COMMIT_ENV = "TRITONREC_COMMIT_RESULTS"
+_commit_override: bool | None = None
+
+
+def take_commit_flag(argv: list[str]) -> bool:
+    """Remove ``--commit-results`` from ``argv`` (in place); whether it was there."""
+    found = COMMIT_FLAG in argv
+    argv[:] = [arg for arg in argv if arg != COMMIT_FLAG]
+    return found
+
+
+def set_commit_results(enabled: bool | None) -> None:
+    """Write results over the committed files (``True``), into the dated run folder (``False``), or as the command
+    line and ``TRITONREC_COMMIT_RESULTS`` say (``None``)."""
+    global _commit_override
+    _commit_override = enabled
+
+
+def commit_results() -> bool:
+    if _commit_override is not None:
+        return _commit_override
+    return os.environ.get(_COMMIT_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def results_dir() -> Path:
+    """Where this run's CSVs and plots go: ``benchmarks/results/`` when committing, else
+    ``benchmarks/results/runs/<date>/``."""
+    if commit_results():
+        return RESULTS_DIR
+    return RESULTS_DIR / "runs" / datetime.date.today().isoformat()
+
+
+if take_commit_flag(sys.argv):  # once, for every benchmark script: their own parsers never see the flag
+    _commit_override = True
 
 
 def measure(
@@ -111,11 +152,13 @@ def environment(device: str = "cpu") -> dict[str, Any]:
 def append_csv(path: str | Path, rows: Iterable[Mapping[str, Any]], device: str = "cpu") -> Path:
     """Append ``rows`` (each merged with :func:`environment`) to ``path``, writing a header for a new file.
 
-    A relative ``path`` is taken inside ``benchmarks/results/``.
+    A relative ``path`` is taken inside :func:`results_dir` (the dated run folder unless committing results).
     """
+    if not str(path):
+        raise ValueError("path is empty: name the CSV file (or skip writing it)")
     path = Path(path)
     if not path.is_absolute():
-        path = RESULTS_DIR / path
+        path = results_dir() / path
     path.parent.mkdir(parents=True, exist_ok=True)
     env = environment(device)
     full_rows = [{**row, **env} for row in rows]

@@ -60,7 +60,7 @@ def check_jagged_parts(
                 f"weights must have one entry per value ({values.shape[0]}), got shape {tuple(weights.shape)}"
             )
     check_same_device(values=values, weights=weights, lengths=lengths, offsets=offsets)
-    if lengths is not None and offsets is not None and offsets.numel() and offsets.numel() != lengths.numel() + 1:
+    if lengths is not None and offsets is not None and offsets.numel() != lengths.numel() + 1 and lengths.numel():
         raise ValueError(f"offsets must have len(lengths) + 1 = {lengths.numel() + 1} entries, got {offsets.numel()}")
     if not value_checks_enabled():
         return
@@ -80,3 +80,11 @@ def check_jagged_parts(
                 f"lengths and offsets disagree at bag {where}: lengths[{where}] = {lengths[where].item()} but "
                 f"offsets[{where + 1}] - offsets[{where}] = {derived[where].item()}"
             )
+
+
+def complete_empty_offsets(offsets: torch.Tensor | None) -> torch.Tensor | None:
+    """Empty ``offsets`` describe no bags; store them as ``[0]`` (the complete cumsum of no lengths, which is what
+    every consumer of offsets reads), so an empty batch behaves as one instead of failing on a missing leading 0."""
+    if offsets is None or offsets.numel():
+        return offsets
+    return torch.zeros(1, dtype=offsets.dtype, device=offsets.device)

@@ -49,6 +49,19 @@ def check_args(
             raise ValueError(f"{name}[{key!r}] must be a str (a key of the batch), got {args[key]!r}")
 
 
+def check_lengths_fit(lengths: np.ndarray, inputs: Any, args: Mapping[str, Any], name: str) -> None:
+    """Every length fits the padded width ``S`` of the ``[B, S, *]`` tensor it describes (else the microbatches would
+    be padded short of the sequence, or packing would read past it); the error names the global row."""
+    width = inputs.shape[1]
+    too_long = np.flatnonzero(lengths > width)
+    if too_long.size:
+        row = int(too_long[0])
+        raise ValueError(
+            f"{name}: batch[{args['input_lengths_key']!r}][{row}] = {int(lengths[row])} is longer than the padded "
+            f"width {width} of batch[{args['input_key']!r}] (its dim 1)"
+        )
+
+
 def shard_rows(total: int, batch_size: int, shards: int, allow_uneven_shards: bool) -> list[np.ndarray]:
     """``[rows of shard s]`` for the plain split: the ``s``-th slice of every ``batch_size`` chunk."""
     shard_size = -(-batch_size // shards) if allow_uneven_shards else batch_size // shards

@@ -21,11 +21,13 @@ import torch.distributed as dist
 from tritonrec.data.batch_gather import all_gather_data
 from tritonrec.data.batch_sharding import (
     check_args,
+    check_lengths_fit,
     dynamic_batching_order,
     dynamic_microbatches,
     sequence_packing_plan,
     shard_rows,
 )
+from tritonrec.data.packing.checks import integers_as_int64
 from tritonrec.kernels.backend import Backend
 from tritonrec.kernels.pack_sequences import PackedSequences, make_packing_plan, pack_sequences
 
@@ -99,7 +101,8 @@ def _stack(values: list[Any], key: str, pad_value: float) -> Any:
 
 
 class BatchedDataDict(UserDict, Generic[DictT]):
-    """A dict of per-sample values sharing one batch size (see the module docstring)."""
+    """A dict of per-sample values sharing one batch size (see the module docstring): a value whose leading size
+    differs from the other keys' is refused when it is set."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -109,6 +112,18 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         self.sequence_packing_args: SequencePackingArgs | None = None
         self._pack_options: tuple[float, Backend] | None = None  # set on microbatches of packed shards
         self._packed_sequences: PackedSequences | None = None
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        rows = _rows(value, key)
+        for other, existing in self.data.items():
+            if other != key:
+                if _rows(existing, other) != rows:
+                    raise ValueError(
+                        f"key {key!r} has {rows} rows but key {other!r} has {_rows(existing, other)}: every value of a "
+                        "BatchedDataDict holds one entry per sample"
+                    )
+                break  # the stored keys already agree with each other
+        self.data[key] = value
 
     @classmethod
     def from_batches(
@@ -150,9 +165,10 @@ class BatchedDataDict(UserDict, Generic[DictT]):
                 f"{args_name}: batch[{key!r}] must hold one integer length per sample, "
                 f"got dtype {lengths.dtype} and shape {lengths.shape}"
             )
+        lengths = integers_as_int64(lengths, f"{args_name}: batch[{key!r}]")
         if lengths.size and int(lengths.min()) < 0:
             raise ValueError(f"{args_name}: batch[{key!r}] holds a negative length {int(lengths.min())}")
-        return lengths.astype(np.int64)
+        return lengths
 
     def all_gather(self, group: dist.ProcessGroup | None = None) -> BatchedDataDict:
         """Every rank's rows concatenated in rank order (ranks may hold different numbers of rows)."""
@@ -218,6 +234,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
                 raise ValueError(
                     f"dynamic_batching_args['input_key']={args['input_key']!r} must name a [B, S, *] tensor"
                 )
+            check_lengths_fit(lengths, inputs, args, "dynamic_batching_args")
             order = dynamic_batching_order(lengths, batch_size, shards)
             indices, microbatch_lengths = dynamic_microbatches(
                 lengths[order],
@@ -249,9 +266,11 @@ class BatchedDataDict(UserDict, Generic[DictT]):
                 ("input_key", "input_lengths_key"),
                 other=("algorithm",),
             )
-            plans = sequence_packing_plan(
-                self._lengths(args["input_lengths_key"], "sequence_packing_args"), batch_size, shards, args
-            )
+            lengths = self._lengths(args["input_lengths_key"], "sequence_packing_args")
+            inputs = self.data.get(args["input_key"])
+            if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2:  # else _pack names input_key when it is read
+                check_lengths_fit(lengths, inputs, args, "sequence_packing_args")
+            plans = sequence_packing_plan(lengths, batch_size, shards, args)
             sharded = []
             for plan in plans:
                 shard = SlicedDataDict(self._select_rows(plan.rows))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from tritonrec.data._jagged_parts import JaggedParts
-from tritonrec.data._validation import check_jagged_parts, normalise_index_tensor
+from tritonrec.data._validation import check_jagged_parts, complete_empty_offsets, normalise_index_tensor
 from tritonrec.kernels import jagged_to_padded_dense
 
 
@@ -33,6 +33,7 @@ class JaggedTensor(JaggedParts):
         lengths = normalise_index_tensor(lengths, "lengths")
         offsets = normalise_index_tensor(offsets, "offsets")
         check_jagged_parts(values, weights, lengths, offsets)
+        offsets = complete_empty_offsets(offsets)
         self._values = values
         self._weights = weights
         self._lengths = lengths

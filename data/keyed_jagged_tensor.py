@@ -29,7 +29,12 @@ import torch
 
 from tritonrec.data import _kjt_ops
 from tritonrec.data._jagged_parts import JaggedParts
-from tritonrec.data._validation import UnknownKeyError, check_jagged_parts, normalise_index_tensor
+from tritonrec.data._validation import (
+    UnknownKeyError,
+    check_jagged_parts,
+    complete_empty_offsets,
+    normalise_index_tensor,
+)
 from tritonrec.data.jagged_tensor import JaggedTensor
 
 
@@ -75,6 +80,7 @@ class KeyedJaggedTensor(JaggedParts):
                 raise ValueError(f"lengths or offsets must be given for keys {keys}")
             lengths = torch.empty(0, dtype=torch.int32, device=values.device)
         check_jagged_parts(values, weights, lengths, offsets)
+        offsets = complete_empty_offsets(offsets)
         strides = _as_strides(stride_per_key_per_rank)
         num_bags = lengths.numel() if lengths is not None else max(offsets.numel() - 1, 0)
         source = "lengths" if lengths is not None else "offsets (minus one)"

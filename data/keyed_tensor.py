@@ -18,6 +18,17 @@ import torch
 from tritonrec.data._validation import UnknownKeyError
 
 
+def _check_same_batch(g: int, keys: list[str], blocks: list[torch.Tensor], key_dim: int) -> None:
+    """The blocks of one group agree on every dim but the key dim (the batch), else they cannot be concatenated."""
+    outer = [tuple(b.shape[:key_dim] + b.shape[key_dim + 1 :]) for b in blocks]
+    if any(shape != outer[0] for shape in outer[1:]):
+        sizes = ", ".join(
+            f"key {key!r} has {shape[0] if len(shape) == 1 else shape} rows"
+            for key, shape in zip(keys, outer, strict=True)
+        )
+        raise ValueError(f"groups[{g}] mixes batch sizes: {sizes}; keys of one group must share the batch")
+
+
 class KeyedTensor:
     """``values`` holds ``len(keys)`` blocks along ``key_dim``; block ``i`` is ``length_per_key[i]`` wide."""
 
@@ -130,6 +141,7 @@ class KeyedTensor:
                 blocks.append(owner[key][key])
             if not blocks:
                 raise ValueError(f"groups[{g}] is empty; every group needs at least one key")
+            _check_same_batch(g, group, blocks, key_dim)
             out.append(blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=key_dim))
         return out
 

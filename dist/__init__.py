@@ -14,6 +14,7 @@ from tritonrec.dist.comm import (
     is_leader,
     run_on_leader,
 )
+from tritonrec.dist.comm_consistency import MetadataCheck
 from tritonrec.dist.comm_ops import (
     all_gather_base_pooled,
     alltoall_pooled,
@@ -128,6 +129,7 @@ __all__ = [
     "KJTOneToAll",
     "LazyAwaitable",
     "LazyNoWait",
+    "MetadataCheck",
     "ModuleSharder",
     "NoOpQuantizedCommCodec",
     "NoWait",

@@ -4,7 +4,8 @@
 
 ``KJTAllToAll`` is two rounds, each an awaitable: the first exchanges split sizes and batch sizes (so every rank can
 size its receive buffers), the second the lengths, values and weights. ``module(kjt)`` returns the first;
-``.wait()`` gives the second; ``.wait().wait()`` the KJT.
+``.wait()`` gives the second; ``.wait().wait()`` the KJT. The first calls of each instance first check that every
+rank passes the same splits, keys and tensor kinds (:mod:`tritonrec.dist.comm_consistency`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tritonrec.data import KeyedJaggedTensor
 from tritonrec.dist.all_to_one import EmbeddingsAllToOne, EmbeddingsAllToOneReduce, SeqEmbeddingsAllToOne
 from tritonrec.dist.awaitable import Awaitable
 from tritonrec.dist.comm_checks import check_sizes
+from tritonrec.dist.comm_consistency import MetadataCheck
 from tritonrec.dist.comm_timeout import wait_for_work
 from tritonrec.dist.embedding_dist import (
     PooledEmbeddingsAllGather,
@@ -206,25 +208,31 @@ class KJTAllToAll(nn.Module):
         self._splits = check_sizes(splits, "splits", pg.size())
         self._splits_cumsum = [0, *itertools.accumulate(self._splits)]
         self._stagger = _check_stagger(stagger, pg.size())
+        self.metadata_check = MetadataCheck()
 
     def forward(self, input: KeyedJaggedTensor) -> KJTAllToAllSplitsAwaitable:
         """Launch the splits exchange; ``.wait()`` launches the tensors, ``.wait().wait()`` gives the KJT."""
-        if not isinstance(input, KeyedJaggedTensor):
-            raise TypeError(f"input must be a KeyedJaggedTensor, got {type(input).__name__}")
-        if len(input.keys()) != sum(self._splits):
-            raise ValueError(
-                f"splits={self._splits} sums to {sum(self._splits)} keys but input has {len(input.keys())}: "
-                f"{input.keys()}"
-            )
+        with torch.no_grad(), self.metadata_check.call(self._pg, "KJTAllToAll") as meta:
+            if not isinstance(input, KeyedJaggedTensor):
+                raise TypeError(f"input must be a KeyedJaggedTensor, got {type(input).__name__}")
+            if len(input.keys()) != sum(self._splits):
+                raise ValueError(
+                    f"splits={self._splits} sums to {sum(self._splits)} keys but input has {len(input.keys())}: "
+                    f"{input.keys()}"
+                )
+            labels, tensors = dist_labels(input), dist_tensors(input)
+            # per-rank batch sizes may differ (they are exchanged); which tensors go and their dtypes may not
+            meta.same(splits=self._splits, keys=input.keys(), stagger=self._stagger, labels=labels,
+                      dtypes=[str(t.dtype) for t in tensors])  # fmt: skip
         with torch.no_grad():
             rank = self._pg.rank()
             return KJTAllToAllSplitsAwaitable(
                 pg=self._pg,
                 input=input,
                 splits=self._splits,
-                labels=dist_labels(input),
+                labels=labels,
                 tensor_splits=dist_splits(input, self._splits),
-                input_tensors=dist_tensors(input),
+                input_tensors=tensors,
                 keys=input.keys()[self._splits_cumsum[rank] : self._splits_cumsum[rank + 1]],
                 device=input.device(),
                 stagger=self._stagger,

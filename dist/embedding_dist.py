@@ -1,6 +1,9 @@
 """Output-distribution modules (torchrec's ``dist_data`` names): embeddings from the ranks that computed them to the
 ranks that own the samples, as nn.Modules over :mod:`tritonrec.dist.comm_ops`, returning awaitables.
 
+Each module instance holds a :class:`~tritonrec.dist.comm_consistency.MetadataCheck` (``metadata_check``): its
+first calls verify that every rank passes the same metadata before any data moves.
+
 The single-process, multi-device (inference) counterparts live in :mod:`tritonrec.dist.all_to_one`.
 """
 
@@ -16,6 +19,7 @@ from torch import nn
 
 from tritonrec.dist import comm_checks as checks
 from tritonrec.dist.awaitable import Awaitable
+from tritonrec.dist.comm_consistency import MetadataCheck
 from tritonrec.dist.comm_ops import (
     all_gather_base_pooled,
     alltoall_pooled,
@@ -82,6 +86,7 @@ class PooledEmbeddingsAllToAll(nn.Module):
         self._dim_sum_per_rank = checks.check_sizes(dim_sum_per_rank, "dim_sum_per_rank", pg.size())
         self._callbacks = _check_callbacks(callbacks)
         self._codecs = checks.check_codecs(codecs)
+        self.metadata_check = MetadataCheck()
         # Kept as buffers for torchrec state-dict compatibility; the comm op itself needs only the lists.
         self.register_buffer(
             "_dim_sum_per_rank_tensor", torch.tensor(self._dim_sum_per_rank, device=device, dtype=torch.int)
@@ -94,22 +99,24 @@ class PooledEmbeddingsAllToAll(nn.Module):
     ) -> PooledEmbeddingsAwaitable:
         """``local_embs [sum(B), D_me]`` -> awaitable of ``[B_me, sum(D)]``. Without ``batch_size_per_rank``, the
         rows are split evenly over the ranks (their number must divide)."""
-        check_tensor(local_embs, "local_embs", ndim=2)
-        world_size = self._pg.size()
-        if not batch_size_per_rank:
-            if local_embs.shape[0] % world_size:
-                raise ValueError(
-                    f"local_embs has {local_embs.shape[0]} rows, not divisible by the world size {world_size}; "
-                    "pass batch_size_per_rank for uneven batches"
-                )
-            batch_size_per_rank = [local_embs.shape[0] // world_size] * world_size
-        tensor_awaitable = alltoall_pooled(
-            a2a_pooled_embs_tensor=local_embs,
-            batch_size_per_rank=batch_size_per_rank,
-            dim_sum_per_rank=self._dim_sum_per_rank,
-            group=self._pg,
-            codecs=self._codecs,
-        )
+        with self.metadata_check.call(self._pg, type(self).__name__):  # its own checks fail on every rank too
+            check_tensor(local_embs, "local_embs", ndim=2)
+            world_size = self._pg.size()
+            if not batch_size_per_rank:
+                if local_embs.shape[0] % world_size:
+                    raise ValueError(
+                        f"local_embs has {local_embs.shape[0]} rows, not divisible by the world size {world_size}; "
+                        "pass batch_size_per_rank for uneven batches"
+                    )
+                batch_size_per_rank = [local_embs.shape[0] // world_size] * world_size
+            tensor_awaitable = alltoall_pooled(
+                a2a_pooled_embs_tensor=local_embs,
+                batch_size_per_rank=batch_size_per_rank,
+                dim_sum_per_rank=self._dim_sum_per_rank,
+                group=self._pg,
+                codecs=self._codecs,
+                metadata_check=self.metadata_check,
+            )
         awaitable = PooledEmbeddingsAwaitable(tensor_awaitable)
         awaitable.callbacks.extend(self._callbacks)
         return awaitable
@@ -146,6 +153,7 @@ class VariableBatchPooledEmbeddingsAllToAll(nn.Module):
         )
         self._callbacks = _check_callbacks(callbacks)
         self._codecs = checks.check_codecs(codecs)
+        self.metadata_check = MetadataCheck()
 
     def forward(
         self,
@@ -160,6 +168,7 @@ class VariableBatchPooledEmbeddingsAllToAll(nn.Module):
             emb_dim_per_rank_per_feature=self._emb_dim_per_rank_per_feature,
             group=self._pg,
             codecs=self._codecs,
+            metadata_check=self.metadata_check,
         )
         awaitable = PooledEmbeddingsAwaitable(tensor_awaitable)
         awaitable.callbacks.extend(self._callbacks)
@@ -179,12 +188,17 @@ class PooledEmbeddingsReduceScatter(nn.Module):
         super().__init__()
         self._pg = _check_pg(pg)
         self._codecs = checks.check_codecs(codecs)
+        self.metadata_check = MetadataCheck()
 
     def forward(self, local_embs: torch.Tensor, input_splits: list[int] | None = None) -> PooledEmbeddingsAwaitable:
         if input_splits and len(set(input_splits)) > 1:
-            tensor_awaitable = reduce_scatter_v_pooled(local_embs, input_splits, self._pg, codecs=self._codecs)
+            tensor_awaitable = reduce_scatter_v_pooled(
+                local_embs, input_splits, self._pg, codecs=self._codecs, metadata_check=self.metadata_check
+            )
         else:
-            tensor_awaitable = reduce_scatter_base_pooled(local_embs, self._pg, codecs=self._codecs)
+            tensor_awaitable = reduce_scatter_base_pooled(
+                local_embs, self._pg, codecs=self._codecs, metadata_check=self.metadata_check
+            )
         return PooledEmbeddingsAwaitable(tensor_awaitable)
 
 
@@ -195,12 +209,13 @@ class VariableBatchPooledEmbeddingsReduceScatter(nn.Module):
         super().__init__()
         self._pg = _check_pg(pg)
         self._codecs = checks.check_codecs(codecs)
+        self.metadata_check = MetadataCheck()
 
     def forward(
         self, local_embs: torch.Tensor, batch_size_per_rank_per_feature: list[list[int]], embedding_dims: list[int]
     ) -> PooledEmbeddingsAwaitable:
         tensor_awaitable = reduce_scatter_v_per_feature_pooled(
-            local_embs, batch_size_per_rank_per_feature, embedding_dims, self._pg, codecs=self._codecs
+            local_embs, batch_size_per_rank_per_feature, embedding_dims, self._pg, self._codecs, self.metadata_check
         )
         return PooledEmbeddingsAwaitable(tensor_awaitable)
 
@@ -212,9 +227,11 @@ class PooledEmbeddingsAllGather(nn.Module):
         super().__init__()
         self._pg = _check_pg(pg)
         self._codecs = checks.check_codecs(codecs)
+        self.metadata_check = MetadataCheck()
 
     def forward(self, local_emb: torch.Tensor) -> PooledEmbeddingsAwaitable:
-        return PooledEmbeddingsAwaitable(all_gather_base_pooled(local_emb, self._pg, codecs=self._codecs))
+        awaitable = all_gather_base_pooled(local_emb, self._pg, codecs=self._codecs, metadata_check=self.metadata_check)
+        return PooledEmbeddingsAwaitable(awaitable)
 
 
 class SequenceEmbeddingsAwaitable(Awaitable[torch.Tensor]):
@@ -265,6 +282,7 @@ class SequenceEmbeddingsAllToAll(nn.Module):
         self.register_buffer("_forward_recat_tensor", torch.tensor(forward_recat, device=device, dtype=torch.int))
         self.register_buffer("_backward_recat_tensor", torch.tensor(backward_recat, device=device, dtype=torch.int))
         self._codecs = checks.check_codecs(codecs)
+        self.metadata_check = MetadataCheck()
 
     def forward(
         self,
@@ -280,29 +298,31 @@ class SequenceEmbeddingsAllToAll(nn.Module):
         splits (``input_splits``: ids sent per rank, ``output_splits``: ids received per rank). With unequal
         ``batch_size_per_rank``, ``sparse_features_recat`` (bag-level, :func:`~tritonrec.dist.kjt_dist.get_recat`
         with ``batch_size_per_rank``) is required."""
-        check_tensor(local_embs, "local_embs", ndim=2)
-        variable_batch_size = batch_size_per_rank is not None and len(set(batch_size_per_rank)) > 1
-        if sparse_features_recat is not None:
-            check_tensor(sparse_features_recat, "sparse_features_recat", ndim=1, integer=True)
-            forward_recat, backward_recat = invert_permute(sparse_features_recat), sparse_features_recat
-        elif variable_batch_size and self._local_split > 0:
-            raise ValueError(
-                f"batch_size_per_rank={batch_size_per_rank} varies across ranks, so sparse_features_recat (the "
-                "bag-level recat of the sparse all-to-all) is required, got None"
+        with self.metadata_check.call(self._pg, type(self).__name__):  # its own checks fail on every rank too
+            check_tensor(local_embs, "local_embs", ndim=2)
+            variable_batch_size = batch_size_per_rank is not None and len(set(batch_size_per_rank)) > 1
+            if sparse_features_recat is not None:
+                check_tensor(sparse_features_recat, "sparse_features_recat", ndim=1, integer=True)
+                forward_recat, backward_recat = invert_permute(sparse_features_recat), sparse_features_recat
+            elif variable_batch_size and self._local_split > 0:
+                raise ValueError(
+                    f"batch_size_per_rank={batch_size_per_rank} varies across ranks, so sparse_features_recat (the "
+                    "bag-level recat of the sparse all-to-all) is required, got None"
+                )
+            else:
+                forward_recat, backward_recat = self._forward_recat_tensor, self._backward_recat_tensor
+            tensor_awaitable = alltoall_sequence(
+                a2a_sequence_embs_tensor=local_embs,
+                forward_recat_tensor=forward_recat if forward_recat.numel() else None,
+                backward_recat_tensor=backward_recat if backward_recat.numel() else None,
+                lengths_after_sparse_data_all2all=lengths,
+                input_splits=input_splits,
+                output_splits=output_splits,
+                variable_batch_size=variable_batch_size,
+                group=self._pg,
+                codecs=self._codecs,
+                metadata_check=self.metadata_check,
             )
-        else:
-            forward_recat, backward_recat = self._forward_recat_tensor, self._backward_recat_tensor
-        tensor_awaitable = alltoall_sequence(
-            a2a_sequence_embs_tensor=local_embs,
-            forward_recat_tensor=forward_recat if forward_recat.numel() else None,
-            backward_recat_tensor=backward_recat if backward_recat.numel() else None,
-            lengths_after_sparse_data_all2all=lengths,
-            input_splits=input_splits,
-            output_splits=output_splits,
-            variable_batch_size=variable_batch_size,
-            group=self._pg,
-            codecs=self._codecs,
-        )
         return SequenceEmbeddingsAwaitable(tensor_awaitable, unbucketize_permute_tensor, local_embs.shape[1])
 
 

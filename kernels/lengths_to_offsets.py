@@ -12,10 +12,11 @@ import torch
 
 from tritonrec.kernels._triton import tl, triton
 from tritonrec.kernels.backend import Backend, autotune, resolve_backend
-from tritonrec.kernels.checks import check_tensor
+from tritonrec.kernels.checks import check_nonnegative, check_tensor, value_checks_enabled
 
 # A row with more than this many entries takes the three-launch path (launchers accept an override for tests).
 _MULTI_BLOCK_THRESHOLD = 1 << 16
+_INT32_MAX = 2**31 - 1
 
 
 def _scan_configs() -> list:
@@ -96,21 +97,50 @@ def lengths_to_offsets_reference(lengths: torch.Tensor) -> torch.Tensor:
     return offsets
 
 
+def _check_lengths_values(lengths: torch.Tensor) -> None:
+    """Value checks: no negative length, and int32 row totals that int32 offsets can hold (a cumsum past 2**31 - 1
+    would wrap negative). One min/max reduction; the row sums are only taken when the max could overflow."""
+    if not value_checks_enabled() or lengths.numel() == 0:
+        return
+    low, high = (int(v) for v in torch.aminmax(lengths))
+    if low < 0:
+        check_nonnegative(lengths, "lengths")  # finds and names the first negative entry
+    if lengths.dtype == torch.int32 and high * lengths.shape[-1] > _INT32_MAX:
+        totals = lengths.sum(dim=-1, dtype=torch.int64).reshape(-1)
+        row = int(totals.argmax())
+        if int(totals[row]) > _INT32_MAX:
+            raise ValueError(
+                f"int32 lengths sum to {int(totals[row])} in row {row}, past the int32 maximum {_INT32_MAX} that int32 "
+                "offsets can hold: pass int64 lengths"
+            )
+
+
 def lengths_to_offsets(lengths: torch.Tensor, backend: Backend = "auto") -> torch.Tensor:
     """Complete cumsum of int32/int64 ``lengths`` of shape ``[N]`` (-> ``[N + 1]``) or ``[T, B]`` (-> ``[T, B + 1]``).
 
-    Lengths are not checked for negativity here (a cumsum is well defined either way); the sparse types and the ops
-    that consume offsets check that.
+    Negative lengths and int32 totals past ``2**31 - 1`` raise ``ValueError`` (value checks, see
+    :func:`~tritonrec.kernels.checks.set_value_checks`); the offsets keep the dtype of ``lengths``.
     """
     check_tensor(lengths, "lengths", ndim=(1, 2), integer=True)
+    _check_lengths_values(lengths)
     if resolve_backend(backend, lengths) == "triton":
         return _lengths_to_offsets_triton(lengths)
     return lengths_to_offsets_reference(lengths)
 
 
 def offsets_to_lengths(offsets: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`lengths_to_offsets` along the last dim: ``[..., N + 1] -> [..., N]``."""
+    """Inverse of :func:`lengths_to_offsets` along the last dim: ``[..., N + 1] -> [..., N]``. Offsets need not
+    start at 0 but may not decrease (a value check)."""
     check_tensor(offsets, "offsets", ndim=(1, 2), integer=True)
     if offsets.shape[-1] == 0:
         raise ValueError("offsets must hold at least one entry (the leading 0), got an empty tensor")
-    return offsets[..., 1:] - offsets[..., :-1]
+    lengths = offsets[..., 1:] - offsets[..., :-1]
+    if value_checks_enabled() and lengths.numel() and int(lengths.min()) < 0:
+        where = [int(i) for i in (lengths < 0).nonzero()[0]]
+        at = "".join(f"[{i}]" for i in where[:-1])
+        before, after = offsets[(*where[:-1], where[-1])], offsets[(*where[:-1], where[-1] + 1)]
+        raise ValueError(
+            f"offsets must be non-decreasing, got offsets{at}[{where[-1]}] = {int(before)} > "
+            f"offsets{at}[{where[-1] + 1}] = {int(after)}"
+        )
+    return lengths

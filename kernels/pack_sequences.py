@@ -347,8 +347,15 @@ class PackedSequences(tuple):
     plan = property(lambda self: self[3], doc="the :class:`PackingPlan` used (``cu_seqlens`` lives there)")
 
 
+def _check_plan(plan: object) -> PackingPlan:
+    if not isinstance(plan, PackingPlan):
+        raise TypeError(f"plan must be a PackingPlan (build it with make_packing_plan), got {type(plan).__name__}")
+    return plan
+
+
 def _check_values(values: torch.Tensor, plan: PackingPlan, name: str = "values") -> None:
     check_tensor(values, name)
+    _check_plan(plan)
     check_same_device(**{name: values, "plan.sequence_order": plan.sequence_order})
     if plan.padded_len is not None:
         expected = (plan.num_sequences, plan.padded_len)
@@ -386,6 +393,7 @@ def unpack_sequences(
     any trailing dims, e.g. logits) back to ``[B, S, *]`` (``padding_value`` past each length) or ``[N, *]``.
     Differentiable in ``packed``."""
     check_tensor(packed, "packed")
+    _check_plan(plan)
     check_same_device(packed=packed, **{"plan.sequence_order": plan.sequence_order})
     expected = (plan.num_bins, plan.capacity) if plan.capacity is not None else (plan.num_packed_rows,)
     if packed.dim() < len(expected) or tuple(packed.shape[: len(expected)]) != expected:

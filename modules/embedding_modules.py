@@ -91,7 +91,7 @@ class EmbeddingBagCollection(TableBatchedCollection):
         outputs = [self._lookup(features, i, group) for i, group in enumerate(self._groups)]
         values = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
         if self._column_order is not None:
-            values = values[:, torch.tensor(self._column_order, device=values.device)]
+            values = values.index_select(1, self._column_order.to(values.device))
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=values)
 
     def _lookup(self, features: KeyedJaggedTensor, group_index: int, group: TableGroup) -> torch.Tensor:

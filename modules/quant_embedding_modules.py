@@ -188,7 +188,7 @@ class QuantEmbeddingBagCollection(TableBatchedCollection):
             )
         values = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
         if self._column_order is not None:
-            values = values[:, torch.tensor(self._column_order, device=values.device)]
+            values = values.index_select(1, self._column_order.to(values.device))
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=values)
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:

@@ -153,16 +153,25 @@ def is_packed(group: TableGroup) -> bool:
 
 def pooled_column_order(
     groups: Sequence[tuple[Sequence[str], Sequence[int]]], embedding_names: Sequence[str]
-) -> list[int] | None:
+) -> torch.Tensor | None:
     """Columns of the concatenated per-group pooled outputs (``(feature_names, feature_dims)`` per group) listed in
-    ``embedding_names`` order; ``None`` when the concatenation is already in that order."""
-    spans, position = {}, 0
-    for names, dims in groups:
-        for name, dim in zip(names, dims, strict=True):
-            spans[name] = range(position, position + dim)
+    ``embedding_names`` order, as an int64 index tensor; ``None`` when the concatenation is already in that order.
+    Built from one span per feature (never a Python list per column: tables may be millions of columns wide)."""
+    starts, dims, position = {}, {}, 0
+    for names, group_dims in groups:
+        for name, dim in zip(names, group_dims, strict=True):
+            starts[name], dims[name] = position, dim
             position += dim
-    order = [c for name in embedding_names for c in spans[name]]
-    return None if order == list(range(len(order))) else order
+    spans = [(starts[name], dims[name]) for name in embedding_names]
+    expected = 0
+    for start, dim in spans:
+        if start != expected:
+            break
+        expected += dim
+    else:
+        if expected == position:
+            return None
+    return torch.cat([torch.arange(start, start + dim, dtype=torch.int64) for start, dim in spans])
 
 
 class TableBatchedCollection(nn.Module):

@@ -11,8 +11,9 @@ rank's columns. Rows: ``anchor`` (``all_to_all_single`` of the fp32 input), ``fp
 codec (``QCommsConfig(forward_precision=...)``). Columns: median latency (the median over ``rounds`` interleaved
 rounds of the slowest rank's median of ``repeats`` timed calls) and p90, ``algbw_gbps`` = fp32 message bytes /
 median time (what the caller moves, so a codec that pays off shows higher throughput), ``wire_bytes`` handed to the
-backend per call and ``wire_gbps``, ``max_abs_err`` against the fp32 path (N(0, 1) data). Appends to
-``benchmarks/results/<csv>`` and plots next to it. On CPU the codecs run their torch twins.
+backend per call and ``wire_gbps``, ``max_abs_err`` against the fp32 path (N(0, 1) data). Appends to ``<csv>`` in
+this run's folder ``benchmarks/results/runs/<date>/`` (``commit_results=true`` or ``--commit-results``: the committed
+``benchmarks/results/``; ``csv=`` empty: print only) and plots next to it. On CPU the codecs run their torch twins.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from harness import append_csv, gbps, measure, print_table
+from harness import append_csv, gbps, measure, print_table, set_commit_results
 
 from tritonrec.dist.comm_ops import alltoall_pooled
 from tritonrec.dist.qcomm_codec import CommType
@@ -56,8 +57,9 @@ class BenchCommConfig:
     repeats: int = 5  # timed calls per point and round (the same on every rank: each call is a collective)
     rounds: int = 3  # interleaved rounds over the points of one message size
     threads: int = 1  # torch threads per rank (spawned CPU ranks share the machine's cores)
-    csv: str = "comm_alltoall_cpu.csv"  # under benchmarks/results/ unless absolute
-    plot: bool = True  # write <csv stem>.png (needs matplotlib)
+    csv: str = "comm_alltoall_cpu.csv"  # in this run's results folder unless absolute; "": print only, write nothing
+    plot: bool = True  # write <csv stem>.png next to the CSV (needs matplotlib)
+    commit_results: bool = False  # write into the committed benchmarks/results/ instead of runs/<date>/
 
 
 def check_config(cfg: BenchCommConfig) -> BenchCommConfig:
@@ -233,6 +235,11 @@ def run(cfg: DictConfig | BenchCommConfig) -> list[dict[str, Any]]:
     columns = ["world_size", "message_bytes", "impl", "codec", "median_ms", "p90_ms", "algbw_gbps", "wire_bytes",
                "wire_gbps", "max_abs_err"]  # fmt: skip
     print_table(rows, columns)
+    if not cfg.csv:
+        print("csv is empty: nothing written")
+        return rows
+    if cfg.commit_results:
+        set_commit_results(True)
     path = append_csv(cfg.csv, [{c: r[c] for c in [*columns, "backend"]} for r in rows], device=device_kind)
     print(f"appended {len(rows)} rows to {path}")
     if cfg.plot:

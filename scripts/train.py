@@ -12,6 +12,7 @@ one bit for bit). ``run(cfg)`` is the whole job without hydra, for tests and not
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -106,11 +107,25 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
 register_configs()
 
 
+def _remove_if_unused(run_dir: Path) -> None:
+    """Remove the hydra run folder of a job that failed before writing any result (it holds only hydra's own
+    .hydra/ and log), so a bad config does not leave an empty-looking outputs/<name>/<date>/ behind."""
+    hydra_cfg = HydraConfig.get()
+    bookkeeping = {hydra_cfg.output_subdir, f"{hydra_cfg.job.name}.log"}
+    if run_dir.is_dir() and {entry.name for entry in run_dir.iterdir()} <= bookkeeping:
+        shutil.rmtree(run_dir)
+
+
 @hydra.main(config_path="../configs", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
     if cfg.output_dir is None:
-        cfg.output_dir = HydraConfig.get().runtime.output_dir
-    metrics = run(cfg)
+        cfg.output_dir = str(run_dir)
+    try:
+        metrics = run(cfg)
+    except (ValueError, TypeError):  # bad config values: nothing was trained
+        _remove_if_unused(run_dir)
+        raise
     held_out = metrics["eval_auroc"]
     print(
         f"{metrics['name']}: loss {metrics['first_loss']:.4f} (first 20 steps) -> {metrics['final_loss']:.4f} "

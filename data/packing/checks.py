@@ -23,6 +23,18 @@ def check_optional_int(value: object, name: str, minimum: int) -> int | None:
     return int(value)
 
 
+def integers_as_int64(array: np.ndarray, name: str) -> np.ndarray:
+    """An integer array as int64, refusing unsigned values that int64 cannot hold (a cast would wrap them negative)."""
+    if array.dtype.kind == "u" and array.dtype.itemsize >= 8 and array.size:
+        too_big = np.flatnonzero(array > np.iinfo(np.int64).max)
+        if too_big.size:
+            where = int(too_big[0])
+            raise ValueError(
+                f"{name}[{where}] = {int(array[where])} ({array.dtype}) does not fit int64: lengths must be below 2**63"
+            )
+    return array.astype(np.int64, copy=False)
+
+
 def as_sequence_lengths(
     sequence_lengths: Sequence[int] | np.ndarray | torch.Tensor, bin_capacity: int, name: str = "sequence_lengths"
 ) -> np.ndarray:
@@ -43,7 +55,7 @@ def as_sequence_lengths(
         raise TypeError(f"{name} must hold integers, got dtype {array.dtype}")
     if array.ndim != 1:
         raise ValueError(f"{name} must be one-dimensional, got shape {array.shape}")
-    array = array.astype(np.int64, copy=False)
+    array = integers_as_int64(array, name)
     if array.size:
         negative = np.flatnonzero(array < 0)
         if negative.size:

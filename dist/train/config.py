@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
@@ -144,6 +145,11 @@ def as_train_config(cfg: object) -> TrainConfig:
         cfg = OmegaConf.to_object(cfg)
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"cfg must be a TrainConfig or a composed DictConfig, got {type(cfg).__name__}")
+    if isinstance(cfg.data, str) and cfg.data == MISSING:
+        raise ValueError(
+            "data is missing: pick a data config, e.g. `data=synthetic` on the command line (the files in "
+            "configs/data/), or TrainConfig(data=SyntheticDataConfig(...)) in Python"
+        )
     if isinstance(cfg.data, Mapping):
         kind = cfg.data.get("kind")
         if kind not in DATA_CONFIGS:
@@ -159,4 +165,26 @@ def as_train_config(cfg: object) -> TrainConfig:
         value = getattr(cfg, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{name} must be a non-negative int, got {name}={value!r}")
+    check_device(cfg.device)
     return cfg
+
+
+def check_device(name: object) -> torch.device:
+    """``TrainConfig.device`` as a torch device this machine has (a CUDA device needs CUDA, and its index a GPU)."""
+    try:
+        device = torch.device(name)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must name a torch device ('cpu', 'cuda', 'cuda:1'), got device={name!r}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device={name!r} needs CUDA, which this torch ({torch.__version__}) cannot use on this machine: set "
+                "device=cpu (the `device` field of TrainConfig, or `device=cpu` on the command line)"
+            )
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(
+                f"device={name!r} but this machine has {count} CUDA device(s) (cuda:0 to cuda:{count - 1}): set "
+                "device to one of them"
+            )
+    return device

@@ -94,6 +94,25 @@ def _cumsum(sizes: Sequence[int]) -> list[int]:
     return list(accumulate(sizes, initial=0))
 
 
+_INT32_MAX = 2**31 - 1
+
+
+def _check_int32_columns(layout: TableBatchedLayout) -> None:
+    """The kernels index columns (table dims, output column offsets) in int32: refuse layouts past that."""
+    for t, table in enumerate(layout.tables):
+        if table.dim > _INT32_MAX:
+            raise ValueError(
+                f"{layout.table_label(t)} has dim {table.dim}, more columns than the kernels index in int32 "
+                f"({_INT32_MAX}); shard it column-wise into narrower tables"
+            )
+    if layout.feature_out_offsets[-1] > _INT32_MAX:
+        raise ValueError(
+            f"the pooled output would be {layout.feature_out_offsets[-1]} columns wide (the dims of its "
+            f"{layout.num_features} features), more than the kernels index in int32 ({_INT32_MAX}); split the tables "
+            "over several collections or shard them column-wise"
+        )
+
+
 class TableBatchedLayout:
     """Tables packed into one flat buffer, and the feature -> table map. Host ints plus cached device tensors.
 
@@ -128,6 +147,7 @@ class TableBatchedLayout:
         self.table_row_offsets = _cumsum([t.num_rows for t in self.tables])
         self.feature_dims = [self.tables[t].dim for t in self.feature_tables]
         self.feature_out_offsets = _cumsum(self.feature_dims)
+        _check_int32_columns(self)
         self.warned_out_of_bounds = False
         self._device_cache: dict[torch.device, LayoutTensors] = {}
 

@@ -24,6 +24,7 @@ from dist_utils import run_ranks
 from tests.distributed.bad_input_cases import run_bad_input_cases
 from tests.distributed.codec_cases import run_codec_cases
 from tests.distributed.comm_cases import build_op_cases, request_semantics, run_case
+from tests.distributed.consistency_cases import run_consistency_cases
 from tests.distributed.data_cases import run_data_cases
 from tests.distributed.loader_cases import run_loader_cases
 from tests.distributed.pg_cases import run_pg_cases
@@ -47,6 +48,7 @@ SUITES: dict[str, tuple[Callable[[int, int], Any], tuple[int, ...]]] = {
     "bad_input": (run_bad_input_cases, (2,)),
     "pg": (run_pg_cases, (4,)),
     "loader": (run_loader_cases, (2, 4)),
+    "consistency": (run_consistency_cases, (2,)),  # last: its refused calls must not disturb the others
 }
 
 

@@ -1,13 +1,16 @@
 """A rank that never joins a collective makes the others fail with a clear timeout error naming the collective.
 
-Rank 1 joins the group setup and one forward, then stays away; rank 0 meets four stuck collectives, each on its own
+Rank 1 joins the group setup and one forward, then stays away; rank 0 meets five stuck collectives, each on its own
 group (a timed-out collective leaves its group unusable): the per-collective timeout on a forward, on the sparse
-all-to-all's first round and on a backward, and the process group's own timeout (no per-collective one set).
+all-to-all's first round and on a backward, the process group's own timeout (no per-collective one set), and the
+metadata check that comes before a checked call's collective. The first four run with the metadata checks off
+(``TRITONREC_DIST_CHECKS=0``) so that they reach the real collectives.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,7 +42,8 @@ def _outcome(attempt: Callable[[], Any]) -> tuple[str, str, float]:
 
 
 def _stuck_collectives(rank: int, world: int) -> dict[str, tuple[str, str, float]]:
-    forward_group, kjt_group, backward_group = (dist.new_group() for _ in range(3))
+    os.environ["TRITONREC_DIST_CHECKS"] = "0"
+    forward_group, kjt_group, backward_group, check_group = (dist.new_group() for _ in range(4))
     short_group = dist.new_group(timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
     embs = torch.ones(2, 1, requires_grad=True)
     joined = alltoall_pooled(embs, [1, 1], [1, 1], group=backward_group).wait()  # both ranks join this one
@@ -53,6 +57,9 @@ def _stuck_collectives(rank: int, world: int) -> dict[str, tuple[str, str, float
         outcomes["kjt"] = _outcome(lambda: KJTAllToAll(kjt_group, [1, 1])(kjt).wait())
         outcomes["backward"] = _outcome(lambda: joined.sum().backward())
     outcomes["group_timeout"] = _outcome(lambda: reduce_scatter_base_pooled(torch.ones(2, 1), short_group).wait())
+    os.environ["TRITONREC_DIST_CHECKS"] = "1"
+    with collective_timeout(PER_COLLECTIVE_S):
+        outcomes["check"] = _outcome(lambda: alltoall_pooled(embs, [1, 1], [1, 1], group=check_group).wait())
     return outcomes
 
 
@@ -68,6 +75,7 @@ def outcomes() -> dict[str, tuple[str, str, float]]:
         ("kjt", "KJTAllToAll splits timed out after 0.3 s", PER_COLLECTIVE_S),
         ("backward", "alltoall_pooled backward timed out after 0.3 s", PER_COLLECTIVE_S),
         ("group_timeout", "reduce_scatter_base_pooled timed out (process group timeout)", GROUP_TIMEOUT_S),
+        ("check", "alltoall_pooled (metadata check) timed out after 0.3 s", PER_COLLECTIVE_S),
     ],
 )
 def test_absent_rank_gives_named_timeout(

@@ -48,7 +48,10 @@ def test_shard_validation_errors() -> None:
         batch.shard_by_batch_size(shards=2, batch_size=3)
     with pytest.raises(ValueError, match=r"Batch size \(4\) is not a multiple of shards \(3\)"):
         BatchedDataDict({"data": torch.arange(8)}).shard_by_batch_size(shards=3, batch_size=4)
-    ragged = BatchedDataDict({"a": torch.arange(4), "b": [0, 1, 2]})
+    with pytest.raises(ValueError, match=r"key 'b' has 3 rows but key 'a' has 4"):
+        BatchedDataDict({"a": torch.arange(4), "b": [0, 1, 2]})
+    ragged = BatchedDataDict({"a": torch.arange(4)})
+    ragged.data["b"] = [0, 1, 2]  # only by writing the underlying dict
     with pytest.raises(ValueError, match=r"not the same across the rollout batch.*'a': 4, 'b': 3"):
         ragged.shard_by_batch_size(shards=2, batch_size=2)
     with pytest.raises(ValueError, match="shards must be a positive int, got shards=0"):
