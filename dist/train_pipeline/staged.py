@@ -21,9 +21,10 @@ Example (every rank; the input-dist stage last, as the model's forward consumes 
         loss.backward()
         optimizer.step()
 
-Every stage's runnable must return at once rather than block on another rank (launch collectives, wait them in a
-``fill_callback`` or after the forward): a stage that raises is reported to every rank at the end of the step, so
-the ranks raise together (:mod:`.agreement`) instead of one of them hanging.
+After every stage the ranks agree (:mod:`.agreement`) on whether one of them failed, before any runs the next
+stage (which may wait on its peers, e.g. the input dist's collectives): a stage that raises on one rank makes every
+rank raise instead of one of them hanging. A failure inside a stage after it entered a collective its peers are in
+is left to the collective timeout.
 """
 
 from __future__ import annotations
@@ -167,8 +168,8 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
             elif batch is None and stage.data_exhausted_callback is not None:
                 stage.data_exhausted_callback()
         self._outputs[batch_offset] = result
+        self._settle()  # before any rank runs the next stage, which may wait on this one's peers
         if fill and stage.fill_callback is not None:
-            self._settle()  # the callback may wait on other ranks: agree first (every rank gets here)
             stage.fill_callback()
 
     def _fill_pipeline(self, dataloader_iter: Iterator[Any]) -> None:
@@ -176,7 +177,6 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
         for batch_offset in range(self.num_stages):
             for stage_idx in range(self.num_stages - batch_offset):
                 self._run_stage(batch_offset, stage_idx, dataloader_iter, fill=True)
-        self._settle()
         self._initialized = True
 
     def _advance(self) -> StageResult | None:
@@ -197,7 +197,6 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
         self._num_steps += 1
         for stage_idx in range(self.num_stages):
             self._run_stage(self.num_stages - 1 - stage_idx, stage_idx, dataloader_iter, fill=False)
-        self._settle()
         out, event = ready
         if event is not None and self._compute_stream is not None:
             event.wait(self._compute_stream)
