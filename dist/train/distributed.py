@@ -59,8 +59,6 @@ def train_distributed(
     of the same ranks for the metrics and the stop flag (CPU collectives apart from the model's)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device(check_device(cfg.device))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     job = JobState()
     resume_path = Path(cfg.resume) if cfg.resume else None
     fingerprint = data_fingerprint(cfg.data)

@@ -109,6 +109,8 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any] | None:
     from tritonrec.dist.train.distributed import train_distributed
 
     device = rank_device(check_device(cfg.device))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before NCCL comes up: each rank on its own GPU
     created = not dist.is_initialized()
     init_process_group(resolve_backend(cfg.dist.backend, device), cfg.dist.timeout_s)
     try:

@@ -173,8 +173,14 @@ class PipelinedForward:
     """Replaces a sharded module's ``forward``: ignores its arguments (their input dist is already in flight) and
     runs ``compute_and_output_dist`` on the prefetched input of the current context."""
 
-    def __init__(self, name: str, call_args: CallArgs, module: ShardedModule, context: TrainPipelineContext,
-                 stream: torch.cuda.Stream | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        call_args: CallArgs,
+        module: ShardedModule,
+        context: TrainPipelineContext,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
         self.name = name
         self.call_args = call_args
         self.module = module

@@ -1,7 +1,7 @@
-"""Rank-side cases for the train pipelines (2 gloo ranks): a DLRM over a sharded EBC (fused rowwise Adagrad tables,
-dense layers under DDP with Adagrad), trained by each pipeline on the same per-rank batches and compared with
-TrainPipelineBase bit for bit; drain, uneven ends, and stages that raise (these run last: a rank that fails may
-leave a collective it launched unmatched on the main group).
+"""Rank-side cases for the train pipelines (2 gloo ranks): a DLRM sharded by DistributedModelParallel (fused rowwise
+Adagrad tables, dense layers under DDP with Adagrad), trained by each pipeline on the same per-rank batches and
+compared with TrainPipelineBase bit for bit; drain, uneven ends, and stages that raise (these run last: a rank that
+fails may leave a collective it launched unmatched on the main group).
 
 Batches are deterministic per (rank, step): ``B = 8`` rows, 4 features with 0-4 ids each (some bags empty).
 """
@@ -49,30 +49,28 @@ def clip_dense(batch: Any) -> Any:
 
 
 def build_model(kind: str, world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
-    """(DDP-wrapped DLRMTrain, dense optimizer, sharded EBC), the same initial weights on every call."""
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    from tritonrec.dist import ShardingEnv, construct_module_sharding_plan, row_wise, table_wise
-    from tritonrec.dist.embeddingbag import EmbeddingBagCollectionSharder
+    """(DistributedModelParallel over a DLRMTrain, dense optimizer, the sharded EBC inside), the same initial weights
+    on every call."""
+    from tritonrec.dist import ShardingPlan, construct_module_sharding_plan, row_wise, table_wise
+    from tritonrec.dist.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
+    from tritonrec.dist.model_parallel import DistributedModelParallel
     from tritonrec.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection
     from tritonrec.modules.dlrm import DLRM, DLRMTrain
+    from tritonrec.optim.keyed import in_backward_optimizer_filter
 
     torch.manual_seed(3)
     tables = [EmbeddingBagConfig(num_embeddings=r, embedding_dim=DIM, name=f"t_{f}", feature_names=[f])
               for f, r in zip(FEATURES, ROWS, strict=True)]  # fmt: skip
     ebc = FusedEmbeddingBagCollection(tables, "EXACT_ROWWISE_ADAGRAD", {"lr": 0.1}, backend="torch")
-    sharder = EmbeddingBagCollectionSharder({"optimizer": "EXACT_ROWWISE_ADAGRAD", "lr": 0.1})
+    sharder = EmbeddingBagCollectionSharder()
     plan = {f"t_{f}": table_wise(rank=i % world) if kind == "tw" else row_wise() for i, f in enumerate(FEATURES)}
-    plan = construct_module_sharding_plan(ebc, plan, sharder, world, world, "cpu")
-    sharded = sharder.shard(ebc, plan, ShardingEnv.from_process_group(dist.group.WORLD), CPU)
-    for sharding in sharded.shardings:
-        sharding.lookup.backend = "torch"
-    model = DLRMTrain(DLRM(sharded, DENSE, [16, DIM], [16, 1]))
-    table_names = [n for n, _ in model.named_parameters() if "embedding_bag_collection" in n]
-    dense_params = [p for n, p in model.named_parameters() if n not in table_names]
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, table_names)
-    return DistributedDataParallel(model), torch.optim.Adagrad(dense_params, lr=0.05), sharded
+    module_plan = construct_module_sharding_plan(ebc, plan, sharder, world, world, "cpu")
+    model = DLRMTrain(DLRM(ebc, DENSE, [16, DIM], [16, 1]))
+    dmp = DistributedModelParallel(model, device=CPU, plan=ShardingPlan({"model.sparse_arch.embedding_bag_collection":
+                                   module_plan}), sharders=[sharder])  # fmt: skip
+    sharded = next(m for m in dmp.modules() if isinstance(m, ShardedEmbeddingBagCollection))
+    dense = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
+    return dmp, torch.optim.Adagrad(dense, lr=0.05), sharded
 
 
 def snapshot(model: torch.nn.Module, sharded: Any) -> dict[str, torch.Tensor]:
