@@ -11,12 +11,12 @@ built on ``meta`` and sharded by ``DistributedModelParallel`` (each rank materia
 through the API a user calls (``TrainPipelineBase``, ``TrainPipelineSparseDist``, ``StagedTrainPipeline``) on a
 stream of DISTINCT batches, as torchrec is (its own DMP, sharder, DLRM and pipelines).
 
-Reported per configuration: samples/s over all ranks (global batch x steps / the slowest rank's wall time), ms per
-step, and the peak resident memory per rank while that configuration was built and trained (VmRSS sampled every
-10 ms; freed memory is handed back to the OS between configurations). Each round runs every configuration once in
-fresh rank processes, in reversed order every other round; the median of the rounds is reported, so load drifting
-during the run biases none against another. A combination torchrec refuses on CPU is recorded as ``refused`` with
-its error.
+Reported per configuration: samples/s over all ranks (global batch x steps / the slowest rank's wall time) and ms per
+step; each round runs every configuration once in fresh rank processes, in reversed order every other round, and
+the median of the rounds is reported, so load drifting during the run biases none against another. Peak resident
+memory per rank comes from a separate pass that runs each configuration without codec alone in fresh processes
+(build + a few steps; ``ru_maxrss``). A combination torchrec refuses on CPU is recorded as ``refused`` with its
+error. The metadata check of the comm ops runs on each module's first 8 calls: the warm-up covers them.
 
 Appends to ``sharded_dlrm_train_cpu.csv`` and writes ``sharded_dlrm_train_cpu.png`` (results folder of the harness).
 """
@@ -24,14 +24,11 @@ Appends to ``sharded_dlrm_train_cpu.csv`` and writes ``sharded_dlrm_train_cpu.pn
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
-import gc
 import os
+import resource
 import socket
 import statistics
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -51,40 +48,9 @@ DENSE_IN = 13
 
 
 # ------------------------------------------------------------------------------------------------------ memory
-def _rss_mb() -> float:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024.0
-    return float("nan")
-
-
-def release_freed_memory() -> None:
-    """Collect, then hand freed heap pages back to the OS (glibc keeps them otherwise), so one configuration's
-    memory does not count in the next one's peak."""
-    gc.collect()
-    with contextlib.suppress(OSError):  # not glibc: nothing to trim
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-class PeakRSS:
-    """Largest resident memory of this process while the block runs (sampled every 10 ms by a thread)."""
-
-    def __enter__(self) -> PeakRSS:
-        self.peak = _rss_mb()
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._done.wait(0.01):
-            self.peak = max(self.peak, _rss_mb())
-
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss_mb())
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (the memory pass runs each configuration in fresh processes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 # ----------------------------------------------------------------------------------------------------- batches
@@ -258,7 +224,8 @@ def _time(step: Any, batches: list[Any], args: argparse.Namespace) -> float:
 
 def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, configs: list[tuple], results: Any) -> None:
     """One round on this rank: every configuration in turn, each built, warmed up and timed, then released:
-    ``{config: (seconds of the timed steps on the slowest rank, every rank's peak RSS) or {"error": ...}}``."""
+    ``{config: {"seconds": of the timed steps on the slowest rank, "peak_rss_mb": every rank's process peak} or
+    {"error": ...}}`` (the peak is that configuration's only when it ran alone in these processes)."""
     try:
         os.environ.update({"LOCAL_WORLD_SIZE": str(world), "TRITON_INTERPRET": "0"})
         torch.set_num_threads(args.threads)
@@ -270,14 +237,12 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, config
         out: dict[tuple, Any] = {}
         for config in configs:
             impl, sharding, pipeline, qcomm = config
-            release_freed_memory()
             dist.barrier()
             try:
-                with PeakRSS() as rss:
-                    build = build_ours if impl == "tritonrec" else build_torchrec
-                    step = build(args, sharding, pipeline, qcomm, world)
-                    seconds = _time(step, batches[impl], args)
-                    del step
+                build = build_ours if impl == "tritonrec" else build_torchrec
+                step = build(args, sharding, pipeline, qcomm, world)
+                seconds = _time(step, batches[impl], args)
+                del step
             except Exception as err:  # torchrec refusing a sharding on CPU is a result, not a crash
                 if args.verbose and rank == 0:
                     traceback.print_exc()
@@ -285,9 +250,9 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, config
                 dist.barrier()
                 continue
             peaks = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
-            dist.all_gather(peaks, torch.tensor([rss.peak], dtype=torch.float64))
+            dist.all_gather(peaks, torch.tensor([peak_rss_mb()], dtype=torch.float64))
             out[config] = {"seconds": seconds, "peak_rss_mb": [float(p) for p in peaks]}
-            if rank == 0:
+            if rank == 0 and len(configs) > 1:
                 rate = world * args.batch * args.steps / seconds
                 print(f"{' '.join(config)}: {rate:,.0f} samples/s", flush=True)
         results.put((rank, True, out))
@@ -336,8 +301,8 @@ def report(args: argparse.Namespace, rows: dict[tuple, dict[str, Any]]) -> list[
             seconds = statistics.median(entry["seconds"])
             row["samples_per_s"] = args.world * args.batch * args.steps / seconds
             row["ms_per_step"] = 1e3 * seconds / args.steps
-            for r in range(args.world):
-                row[f"peak_rss_mb_rank{r}"] = max(p[r] for p in entry["peak_rss_mb"])
+            for r, peak in enumerate(entry.get("fresh_peak_rss_mb") or []):
+                row[f"peak_rss_mb_rank{r}"] = peak
         else:
             row["note"] = entry.get("error", entry["status"])
         out.append(row)
@@ -374,6 +339,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="timed steps per configuration and round")
     parser.add_argument("--warmup", type=int, default=8, help="untimed steps (past the 8 metadata-checked calls)")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--memory-steps", type=int, default=3, help="steps of the memory pass (0: no memory pass)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--shardings", nargs="+", default=SHARDINGS, choices=SHARDINGS)
@@ -404,6 +370,18 @@ def main() -> None:
                 continue
             entry["seconds"].append(out["seconds"])
             entry["peak_rss_mb"].append(out["peak_rss_mb"])
+    # Memory pass: sharded tables are not freed when their module is deleted (an autograd node keeps the lookup's
+    # weights alive), so one process's later configurations would carry the earlier ones' memory: each
+    # configuration's peak RSS comes from its own fresh processes (a few steps, no codec).
+    if args.memory_steps:
+        memory_args = argparse.Namespace(**{**vars(args), "steps": args.memory_steps, "warmup": 1})
+        for config in configs:
+            if config[3] != "none" or results[config]["status"] != "ok":
+                continue
+            out = run_round(memory_args, [config])[config]
+            if "error" not in out:
+                results[config]["fresh_peak_rss_mb"] = out["peak_rss_mb"]
+                print(f"memory {' '.join(config)}: {max(out['peak_rss_mb']):,.0f} MB", flush=True)
     rows = report(args, results)
     columns = ["impl", "sharding", "pipeline", "qcomm", "status", "samples_per_s", "ms_per_step"]
     columns += [f"peak_rss_mb_rank{r}" for r in range(args.world)] + ["note"]

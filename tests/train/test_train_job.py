@@ -124,3 +124,28 @@ def test_multirun_sweep_lands_in_one_folder_with_a_summary(tmp_path: Path) -> No
     assert "experiment=synthetic_dcn" in rows[1]["overrides"]
     assert (sweep / "summary.md").read_text().count("\n") == 4  # header, rule, two jobs
     assert "sweep summary" in done.stdout
+
+
+def _job_state(world: int, batch: int, chunk: int | None) -> Any:
+    from tritonrec.dist.train.job_state import JobState
+
+    job = JobState()
+    states = [{"epoch": 0, "position": 5 * batch, "batches": 5} for _ in range(world)]
+    job.update(5, world, batch, states, {}, {}, chunk)
+    return job
+
+
+def test_data_position_at_another_world_size() -> None:
+    """Same world: each rank's saved position; another world: derived where every step keeps its samples, else a
+    ValueError saying what to change."""
+    job = _job_state(2, 8, 8)
+    assert job.data_state_for(1, 2, 8, endless_synthetic=False) == {"epoch": 0, "position": 40, "batches": 5}
+    assert job.data_state_for(0, 1, 16, endless_synthetic=True) == {"epoch": 0, "position": 80, "batches": 5}
+    with pytest.raises(ValueError, match="only the endless synthetic stream keeps every step's samples"):
+        job.data_state_for(0, 1, 16, endless_synthetic=False)
+    with pytest.raises(ValueError, match="global batch is 8 x 2 ranks = 16 samples; with 1 ranks set batch_size=16"):
+        job.data_state_for(0, 1, 8, endless_synthetic=True)
+    with pytest.raises(ValueError, match="chunks of 16 samples, which do not divide batch_size=8"):
+        _job_state(1, 16, 16).data_state_for(0, 2, 8, endless_synthetic=True)
+    with pytest.raises(ValueError, match="set batch_size=8"):
+        job.data_state_for(0, 2, 4, endless_synthetic=True)

@@ -160,6 +160,32 @@ def test_staged_pipeline_with_a_user_stage_equals_base() -> None:
     assert _same({n: p.detach() for n, p in model.named_parameters()}, base_weights)
 
 
+def test_sparse_data_dist_util_detach_and_attach_mid_run() -> None:
+    """Evaluating between steps: detach gives the model its own forward, attach continues the in-flight batches."""
+    base_losses, base_weights, _ = _train(ToyModel(), lambda m, o: TrainPipelineBase(m, o, CPU), toy_batches(7))
+    model = ToyModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sdd = SparseDataDistUtil(model)
+    pipeline = StagedTrainPipeline([
+        PipelineStage("data_copy", lambda b: b),
+        PipelineStage("start_sparse_data_dist", sdd.start_sparse_data_dist, fill_callback=sdd.wait_sdd_fill_callback),
+    ])  # fmt: skip
+    data, losses = toy_batches(7), []
+    while (batch := pipeline.progress(data)) is not None:
+        optimizer.zero_grad()
+        loss = model(batch)[0]
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        if len(losses) == 3:
+            sdd.detach()
+            with torch.no_grad():
+                model(next(toy_batches(1, start=50)))
+            sdd.attach()
+    assert losses == base_losses
+    assert _same({n: p.detach() for n, p in model.named_parameters()}, base_weights)
+
+
 def test_a_failing_stage_raises_its_own_error() -> None:
     def boom(batch: Any) -> Any:
         raise RuntimeError("stage exploded")
