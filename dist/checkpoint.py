@@ -76,7 +76,7 @@ class _Ranks:
         self.distributed = dist.is_available() and dist.is_initialized()
         if pg is not None and not isinstance(pg, dist.ProcessGroup):
             raise TypeError(f"pg must be a torch.distributed.ProcessGroup or None, got {type(pg).__name__}")
-        self.pg = (pg or dist.group.WORLD) if self.distributed else None
+        self.pg = (pg if pg is not None else dist.group.WORLD) if self.distributed else None
         self.rank = dist.get_rank(self.pg) if self.distributed else 0
         self.world = dist.get_world_size(self.pg) if self.distributed else 1
 
@@ -184,7 +184,7 @@ _ASYNC_GROUPS: dict[Any, dist.ProcessGroup] = {}
 def _async_group(pg: dist.ProcessGroup | None) -> dist.ProcessGroup:
     """A gloo group of the same ranks for the background writer thread, whose collectives must not interleave with
     the training step's on ``pg`` (created once per group; a collective)."""
-    key = pg or dist.group.WORLD
+    key = pg if pg is not None else dist.group.WORLD
     if key not in _ASYNC_GROUPS:
         ranks = dist.get_process_group_ranks(key) if pg is not None else None
         _ASYNC_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo")
@@ -217,9 +217,11 @@ def save_checkpoint(
     try:
         if async_save:
             group = _async_group(pg) if ranks.distributed else None
-            future = dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=not ranks.distributed)
+            with _dcp_quietly():
+                future = dcp.async_save(state, storage_writer=writer, process_group=group,
+                                        no_dist=not ranks.distributed)  # fmt: skip
             return PendingCheckpoint(future, staging, final, step, ranks, extra)
-        with _single_process_quietly():
+        with _dcp_quietly():
             dcp.save(state, storage_writer=writer, process_group=ranks.pg, no_dist=not ranks.distributed)
         return _finalize(staging, final, step, ranks, extra)
     except CheckpointException as err:  # a BaseException: make it one that `except Exception` sees
@@ -280,15 +282,19 @@ def load_checkpoint(
     extra_state: Mapping[str, Any] | None = None,
     *,
     pg: dist.ProcessGroup | None = None,
+    verify: bool = True,
 ) -> LoadedCheckpoint:
     """Verify, then load a :func:`save_checkpoint` directory into ``model`` / ``optimizers`` / ``extra_state``, in
-    place, whatever plan and world size saved it. Collective."""
-    manifest = verify_checkpoint(path, pg)
+    place, whatever plan and world size saved it. Collective. ``verify=False`` skips hashing the files (the manifest
+    is still read): for a checkpoint just verified, or storage with its own checksums."""
+    if not isinstance(verify, bool):
+        raise TypeError(f"verify must be a bool, got verify={verify!r}")
     ranks = _Ranks(pg)
+    manifest = verify_checkpoint(path, pg) if verify else ranks.on_rank0(lambda: read_manifest(Path(path)))
     reader = dcp.FileSystemReader(str(path))
     state = build_state(model, optimizers, extra_state, set(reader.read_metadata().state_dict_metadata))
     try:
-        with _single_process_quietly():
+        with _dcp_quietly():
             dcp.load(state, storage_reader=reader, planner=_LoadPlanner(),
                      process_group=ranks.pg, no_dist=not ranks.distributed)  # fmt: skip
     except (Exception, CheckpointException) as err:  # DCP reports a missing key or another size like this
@@ -316,7 +322,7 @@ def load_unsharded_checkpoint(path: str | Path) -> dict[str, Any]:
             flat[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
         else:
             flat[fqn] = None
-    with _single_process_quietly():
+    with _dcp_quietly():
         dcp.load(flat, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
     state = unflatten_state_dict(flat, metadata.planner_data)
     state["fused_hyperparameters"] = {k: json.loads(v) for k, v in state.get("fused_hyperparameters", {}).items()}
@@ -327,10 +333,12 @@ def load_unsharded_checkpoint(path: str | Path) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _single_process_quietly() -> Iterator[None]:
-    """DCP warns that it assumes a single process whenever no process group is initialised: that is the intent."""
+def _dcp_quietly() -> Iterator[None]:
+    """DCP warns that it assumes a single process whenever no process group is initialised (that is the intent),
+    and that ShardedTensor is deprecated each time it meets one (the sharded tables' form: see sharded_state)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
         yield
 
 
@@ -410,14 +418,15 @@ class CheckpointManager:
         optimizers: Mapping[str, Any] | torch.optim.Optimizer | None = None,
         extra_state: Mapping[str, Any] | None = None,
         step: int | None = None,
+        verify: bool = True,
     ) -> LoadedCheckpoint:
-        """Load the checkpoint of ``step`` (default: the latest)."""
+        """Load the checkpoint of ``step`` (default: the latest); ``verify``: as :func:`load_checkpoint`."""
         self.wait()
         if step is None:
             step = self._ranks.broadcast(self.latest_step())
             if step is None:
                 raise CheckpointError(f"no checkpoint under {str(self.root)!r}")
-        return load_checkpoint(self.path(step), model, optimizers, extra_state, pg=self._pg)
+        return load_checkpoint(self.path(step), model, optimizers, extra_state, pg=self._pg, verify=verify)
 
     def _prune(self) -> None:
         if self.keep_last is None:

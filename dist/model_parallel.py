@@ -21,7 +21,6 @@ Example (every rank)::
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import copy
 from collections.abc import Iterator, Mapping
@@ -30,11 +29,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.nn.parallel import DistributedDataParallel
 
 from tritonrec.dist.comm import get_local_size
+from tritonrec.dist.data_parallel import (
+    DataParallelWrapper,
+    DefaultDataParallelWrapper,
+    compressed_allreduce_hook,
+    join_name,
+    sharded_parameter_names,
+)
 from tritonrec.dist.sharding_plan import get_default_sharders
 from tritonrec.dist.types import (
     EmbeddingModuleShardingPlan,
@@ -51,84 +56,10 @@ __all__ = [
     "DataParallelWrapper",
     "DefaultDataParallelWrapper",
     "DistributedModelParallel",
+    "compressed_allreduce_hook",
     "get_module",
     "get_unwrapped_module",
 ]
-
-_DDP_PREFIX = "module."
-_COMM_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
-
-
-class DataParallelWrapper(abc.ABC):
-    """Wraps the unsharded part of a :class:`DistributedModelParallel` in data parallelism."""
-
-    @abc.abstractmethod
-    def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
-        """Replace ``dmp``'s wrapped module by its data-parallel form (its sharded parameters left alone)."""
-
-
-class DefaultDataParallelWrapper(DataParallelWrapper):
-    """``DistributedDataParallel`` over every parameter that no sharded module owns.
-
-    Args:
-        bucket_cap_mb: DDP's gradient bucket size (MiB).
-        static_graph: the graph (and the set of used parameters) is the same every step (DDP's optimisation).
-        find_unused_parameters: let DDP look for parameters a step did not use.
-        allreduce_comm_precision: ``None`` (fp32 all-reduce), ``"fp16"`` or ``"bf16"`` (compressed by a comm hook).
-        params_to_ignore: further parameter names to keep out of DDP.
-        ddp_kwargs: further ``DistributedDataParallel`` arguments.
-    """
-
-    def __init__(
-        self,
-        bucket_cap_mb: int = 25,
-        static_graph: bool = True,
-        find_unused_parameters: bool = False,
-        allreduce_comm_precision: str | None = None,
-        params_to_ignore: list[str] | None = None,
-        ddp_kwargs: dict[str, Any] | None = None,
-    ) -> None:
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be a positive number, got bucket_cap_mb={bucket_cap_mb!r}")
-        for name, value in (("static_graph", static_graph), ("find_unused_parameters", find_unused_parameters)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {name}={value!r}")
-        if allreduce_comm_precision is not None and allreduce_comm_precision not in _COMM_HOOKS:
-            raise ValueError(
-                f"allreduce_comm_precision must be None, 'fp16' or 'bf16', got {allreduce_comm_precision!r}"
-            )
-        self._bucket_cap_mb = bucket_cap_mb
-        self._static_graph = static_graph
-        self._find_unused_parameters = find_unused_parameters
-        self._allreduce_comm_precision = allreduce_comm_precision
-        self._params_to_ignore = set(params_to_ignore or [])
-        self._ddp_kwargs = dict(ddp_kwargs or {})
-
-    def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
-        module = dmp._dmp_wrapped_module
-        if isinstance(module, DistributedDataParallel):
-            return
-        if env.process_group is None:
-            raise RuntimeError("data parallelism needs a process group: build the ShardingEnv from one")
-        sharded = DistributedModelParallel._sharded_parameter_names(module)
-        ignored = set(sharded) | set(_sharded_buffer_names(module)) | self._params_to_ignore
-        if not set(dict(module.named_parameters())) - ignored:
-            return  # nothing dense to synchronise
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, list(ignored))
-        ddp = DistributedDataParallel(
-            module.to(device),
-            device_ids=None if device.type == "cpu" else [device],
-            process_group=env.process_group,
-            gradient_as_bucket_view=True,
-            forward_sync_buffers=False,
-            static_graph=self._static_graph,
-            find_unused_parameters=self._find_unused_parameters,
-            bucket_cap_mb=self._bucket_cap_mb,
-            **self._ddp_kwargs,
-        )
-        if self._allreduce_comm_precision is not None:
-            ddp.register_comm_hook(env.process_group, _COMM_HOOKS[self._allreduce_comm_precision])
-        dmp._dmp_wrapped_module = ddp
 
 
 def get_unwrapped_module(module: nn.Module) -> nn.Module:
@@ -143,20 +74,6 @@ def get_module(module: nn.Module) -> nn.Module:
     while isinstance(module, DistributedModelParallel):
         module = module._dmp_wrapped_module
     return module
-
-
-def _sharded_buffer_names(module: nn.Module, prefix: str = "") -> Iterator[str]:
-    """Buffers of sharded modules (rank-local: data parallelism must not broadcast them)."""
-    if isinstance(module, ShardedModule):
-        for name, _ in module.named_buffers(prefix=prefix):
-            yield name
-        return
-    for name, child in module.named_children():
-        yield from _sharded_buffer_names(child, _join(prefix, name))
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 def _sharder_for(module: nn.Module, sharders: Mapping[type, ModuleSharder[Any]]) -> ModuleSharder[Any] | None:
@@ -294,7 +211,7 @@ class DistributedModelParallel(nn.Module, FusedOptimizerModule):
             assert sharder is not None  # checked by _check_plan
             return sharder.shard(module, module_plan, self._env, self.device, path)  # type: ignore[arg-type]
         for name, child in module.named_children():
-            setattr(module, name, self._shard_modules(child, _join(path, name)))
+            setattr(module, name, self._shard_modules(child, join_name(path, name)))
         return module
 
     def _sync_replicated_tables(self) -> None:
@@ -331,7 +248,7 @@ class DistributedModelParallel(nn.Module, FusedOptimizerModule):
                     optims.append((path, optimizer))
                 return
             for name, grandchild in child.named_children():
-                collect(grandchild, _join(path, name))
+                collect(grandchild, join_name(path, name))
 
         collect(get_unwrapped_module(module), "")
         return CombinedOptimizer(optims)  # type: ignore[arg-type]
@@ -424,12 +341,8 @@ class DistributedModelParallel(nn.Module, FusedOptimizerModule):
 
     @staticmethod
     def _sharded_parameter_names(module: nn.Module, prefix: str = "") -> Iterator[str]:
-        module = get_unwrapped_module(module)
-        if isinstance(module, ShardedModule):
-            yield from module.sharded_parameter_names(prefix)
-            return
-        for name, child in module.named_children():
-            yield from DistributedModelParallel._sharded_parameter_names(child, _join(prefix, name))
+        """Parameters owned by sharded modules (kept out of data parallelism)."""
+        yield from sharded_parameter_names(get_unwrapped_module(module), prefix)
 
     def sparse_grad_parameter_names(self, destination: list[str] | None = None, prefix: str = "") -> list[str]:
         """Names of unsharded ``nn.Embedding`` / ``nn.EmbeddingBag`` weights with sparse gradients."""
@@ -441,10 +354,10 @@ class DistributedModelParallel(nn.Module, FusedOptimizerModule):
                 return
             if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
                 if module.sparse:
-                    destination.append(_join(path, "weight"))
+                    destination.append(join_name(path, "weight"))
                 return
             for name, child in module.named_children():
-                visit(child, _join(path, name))
+                visit(child, join_name(path, name))
 
         visit(self.module, prefix)
         return destination

@@ -200,8 +200,49 @@ def bad_input(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def comm_precision(rank: int, world: int) -> dict[str, Any]:
+    """Dense gradients all-reduced in fp16 / bf16 (DDP comm hooks) are close to, but not, the fp32 ones."""
+    from tritonrec.dist import DefaultDataParallelWrapper
+
+    grads: dict[Any, dict[str, torch.Tensor]] = {}
+    lo = BATCH_PER_RANK * rank
+    batch = batch_slice(global_batch(0, BATCH_PER_RANK * world), lo, lo + BATCH_PER_RANK)
+    for precision in (None, "fp16", "bf16"):
+        wrapper = DefaultDataParallelWrapper(allreduce_comm_precision=precision)
+        dmp = wrap(build_dlrm(), "tw", world, data_parallel_wrapper=wrapper)
+        loss_of(dmp, *batch).backward()
+        grads[precision] = {n: p.grad.clone() for n, p in dmp.named_parameters() if p.grad is not None}
+    out = {}
+    for precision in ("fp16", "bf16"):
+        diffs = [float(((g - grads[None][n]).abs() / (1e-3 + grads[None][n].abs())).max())
+                 for n, g in grads[precision].items()]  # fmt: skip
+        out[precision] = {"names": sorted(grads[precision]) == sorted(grads[None]), "max_rel": max(diffs)}
+    return out
+
+
+def released_after_training(rank: int, world: int) -> dict[str, Any]:
+    """A trained DMP, once dropped, frees its tables: no autograd graph of a step stays alive (a comm op whose
+    autograd node held its own output kept every step's graph, and the tables it read, in an uncollectable cycle)."""
+    import weakref
+
+    out = {}
+    for kind in ("tw", "rw", "dp"):
+        dmp = wrap(build_dlrm(), kind, world)
+        optimizer = dense_optimizer(dmp.named_parameters())
+        for step in range(2):
+            _train_step(dmp, optimizer, step, rank, world)
+        sharded = dmp.module.get_submodule(SHARDED_PATH)
+        buffers = [weakref.ref(g.table_group.weights) for s in sharded.shardings for g in s.lookup.groups]
+        del dmp, optimizer, sharded
+        gc.collect()
+        out[kind] = {"buffers": len(buffers), "alive": sum(ref() is not None for ref in buffers)}
+    return out
+
+
 def run_suite(rank: int, world: int) -> dict[str, Any]:
     cases = {
+        "released": released_after_training,
+        "comm_precision": comm_precision,
         "names": names_and_wrappers,
         "fused_lr": fused_lr_reaches_tables,
         "state_dict": state_dict_round_trip,

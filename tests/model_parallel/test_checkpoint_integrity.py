@@ -86,6 +86,9 @@ def test_flipped_byte_is_caught(copy_of: Path) -> None:
     assert not torch.equal(target["model"][T0], build_dlrm(seed=3).state_dict()[T0])
     with pytest.raises(CheckpointError, match=rf"{data.name}: corrupt - SHA-256 .* does not match the manifest"):
         _load(copy_of)
+    model = build_dlrm(seed=9)  # verify=False skips the hashing: the flipped weight loads, as with DCP alone
+    load_checkpoint(copy_of, model, {"dense": dense_optimizer(model.named_parameters())}, {"data": 0}, verify=False)
+    assert torch.equal(model.state_dict()[T0], target["model"][T0])
 
 
 def test_truncated_missing_foreign_and_unlisted_files(copy_of: Path, saved: tuple[Path, Path]) -> None:
@@ -159,6 +162,8 @@ def test_bad_arguments(tmp_path: Path) -> None:
         save_checkpoint(tmp_path / "a", model, extra_state=[1])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"optimizers\['dense'\] must be a torch.optim.Optimizer, got str"):
         save_checkpoint(tmp_path / "a", model, {"dense": "adam"})
+    with pytest.raises(TypeError, match=r"verify must be a bool, got verify=1"):
+        load_checkpoint(tmp_path / "a", model, verify=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"keep_last must be a positive int or None, got keep_last=0"):
         CheckpointManager(tmp_path, keep_last=0)
     with pytest.raises(CheckpointError, match=r"no checkpoint under"):

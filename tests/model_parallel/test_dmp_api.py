@@ -70,6 +70,22 @@ def test_sparse_grad_names_and_meta_build() -> None:
 
 
 @pytest.mark.dist
+def test_compressed_all_reduce_of_dense_gradients() -> None:
+    for rank, got in enumerate(_api("comm_precision")):
+        assert got["fp16"]["names"] and got["bf16"]["names"], f"rank {rank}"
+        assert 0.0 < got["fp16"]["max_rel"] < 1e-2, f"rank {rank}: fp16 all-reduce off by {got['fp16']['max_rel']}"
+        assert 0.0 < got["bf16"]["max_rel"] < 5e-2, f"rank {rank}: bf16 all-reduce off by {got['bf16']['max_rel']}"
+        assert got["bf16"]["max_rel"] > got["fp16"]["max_rel"]  # bf16 keeps fewer mantissa bits
+
+
+@pytest.mark.dist
+def test_dropped_model_frees_its_tables() -> None:
+    for rank, got in enumerate(_api("released")):
+        for kind, counts in got.items():
+            assert counts["buffers"] > 0 and counts["alive"] == 0, f"rank {rank}, {kind}: {counts}"
+
+
+@pytest.mark.dist
 def test_bad_input_on_ranks() -> None:
     got = _api("bad_input")[0]
     assert got["missing_path"] == "ValueError: the plan shards module 'sparse_arch.nope', which the model does not have"
