@@ -11,7 +11,8 @@ DDP's all-reduce and torchrec's ``RowWiseAdagrad`` stepped after the backward).
 
 Reported per (implementation, sharding type): the slowest rank's median ms per step; bytes handed to the
 collectives per rank per step (every ``torch.distributed`` send buffer, counted by wrapping the Python collectives;
-DDP's C++ all-reduce escapes the count); the largest rank's resident memory after its steps, and the run's peak RSS.
+DDP's C++ all-reduce escapes the count); the largest rank's peak RSS (each measurement runs in fresh processes, so the
+peak is that configuration's, imports included).
 A sharding type torchrec cannot build on CPU (or has no plan helper for) is recorded as ``refused`` with its error.
 Implementations and sharding types are timed in interleaved rounds, so load drifting during the run biases no row
 against another.
@@ -22,7 +23,6 @@ Appends to ``benchmarks/results/sharded_ebc_cpu.csv`` (``--plot``: ``sharded_ebc
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import resource
 import socket
@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import append_csv, print_table
 
 TYPES = ["table_wise", "row_wise", "column_wise", "table_column_wise", "data_parallel", "table_row_wise", "grid_shard"]
-TORCHREC_TYPES = {"table_wise", "column_wise", "table_column_wise", "data_parallel", "row_wise", "table_row_wise"}
+TORCHREC_TYPES = set(TYPES)  # tried on every type: a refusal is recorded with its error
 
 
 # ------------------------------------------------------------------------------------------------- wire counting
@@ -189,15 +189,6 @@ def build_torchrec(args: argparse.Namespace, kind: str, world: int) -> tuple[Any
 
 
 # ------------------------------------------------------------------------------------------------------- ranks
-def _rss_mb() -> float:
-    """This process's resident set now (Linux), MB."""
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024.0
-    return float("nan")
-
-
 def _time_steps(step: Any, batches: list, grad: torch.Tensor, steps: int, warmup: int, counter: WireCounter) -> dict:
     for i in range(warmup):
         step(batches[i % len(batches)], grad)
@@ -209,12 +200,14 @@ def _time_steps(step: Any, batches: list, grad: torch.Tensor, steps: int, warmup
         step(batches[(warmup + i) % len(batches)], grad)
         samples.append((time.perf_counter() - t0) * 1e3)
     wire = counter.bytes / steps
-    worst = torch.tensor([statistics.median(samples), _rss_mb()], dtype=torch.float64)
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # this fresh process's peak
+    worst = torch.tensor([statistics.median(samples), peak_mb], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return {"median_ms": float(worst[0]), "wire_bytes_per_rank": wire, "rss_mb": float(worst[1])}
+    return {"median_ms": float(worst[0]), "wire_bytes_per_rank": wire, "peak_rss_mb": float(worst[1])}
 
 
-def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, results: Any) -> None:
+def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, impl: str, kind: str, results: Any) -> None:
+    """One (implementation, sharding type) measurement in a fresh process per rank (so its peak RSS is its own)."""
     try:
         os.environ["LOCAL_WORLD_SIZE"] = str(world)
         torch.set_num_threads(args.threads)
@@ -223,38 +216,15 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, result
         counter.install()
         batches = make_batches(args, rank, args.steps + args.warmup)
         grad = torch.randn(args.batch, args.tables * args.dim, generator=torch.Generator().manual_seed(rank))
-        impls = ["tritonrec"] + (["torchrec"] if args.torchrec else [])
-        rows: dict[tuple[str, str], dict[str, Any]] = {}
-        for round_ in range(args.rounds):
-            for kind in args.types:
-                for impl in impls:
-                    key = (impl, kind)
-                    if rows.get(key, {}).get("status", "ok") != "ok":
-                        continue
-                    if impl == "torchrec" and kind not in TORCHREC_TYPES:
-                        rows[key] = {"status": "not in torchrec"}
-                        continue
-                    gc.collect()
-                    try:
-                        build = build_ours if impl == "tritonrec" else build_torchrec
-                        model, step = build(args, kind, world)
-                        timing = _time_steps(step, batches, grad, args.steps, args.warmup, counter)
-                    except Exception as err:  # torchrec refusing a sharding type on CPU is a result, not a crash
-                        message = f"{type(err).__name__}: {err}".splitlines()[0][:160]
-                        rows[key] = {"status": "refused", "error": message}
-                        if rank == 0 and args.verbose:
-                            traceback.print_exc()
-                        dist.barrier()
-                        continue
-                    entry = rows.setdefault(key, {"status": "ok", "medians": [], "wire": timing["wire_bytes_per_rank"]})
-                    entry["medians"].append(timing["median_ms"])
-                    entry["rss_mb"] = max(entry.get("rss_mb", 0.0), timing["rss_mb"])
-                    del model, step
-            if rank == 0:
-                print(f"round {round_ + 1}/{args.rounds} done", flush=True)
-        peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        results.put((rank, True, {"rows": rows, "peak_rss_mb": float(peak)}))
+        try:
+            build = build_ours if impl == "tritonrec" else build_torchrec
+            _, step = build(args, kind, world)
+            result = {"status": "ok", **_time_steps(step, batches, grad, args.steps, args.warmup, counter)}
+        except Exception as err:  # torchrec refusing a sharding type on CPU is a result, not a crash
+            if args.verbose and rank == 0:
+                traceback.print_exc()
+            result = {"status": "refused", "error": f"{type(err).__name__}: {err}".splitlines()[0][:160]}
+        results.put((rank, True, result))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -266,6 +236,26 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def measure_once(args: argparse.Namespace, impl: str, kind: str) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=rank_main, args=(r, args.world, port, args, impl, kind, queue)) for r in range(args.world)
+    ]
+    for proc in procs:
+        proc.start()
+    outputs = {}
+    for _ in procs:
+        rank, ok, payload = queue.get()
+        if not ok:
+            raise RuntimeError(f"rank {rank} failed:\n{payload}")
+        outputs[rank] = payload
+    for proc in procs:
+        proc.join()
+    return outputs[0]
 
 
 def main() -> None:
@@ -292,28 +282,31 @@ def main() -> None:
         except Exception:
             print("torchrec is not installed: no anchor rows")
             args.torchrec = False
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, args.world, port, args, queue)) for r in range(args.world)]
-    for proc in procs:
-        proc.start()
-    outputs = {}
-    for _ in procs:
-        rank, ok, payload = queue.get()
-        if not ok:
-            raise RuntimeError(f"rank {rank} failed:\n{payload}")
-        outputs[rank] = payload
-    for proc in procs:
-        proc.join()
-    report(args, outputs[0])
+    impls = ["tritonrec"] + (["torchrec"] if args.torchrec else [])
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    for round_ in range(args.rounds):
+        for kind in args.types:
+            for impl in impls:
+                key = (impl, kind)
+                if impl == "torchrec" and kind not in TORCHREC_TYPES:
+                    rows[key] = {"status": "not in torchrec"}
+                if rows.get(key, {}).get("status", "ok") != "ok":
+                    continue
+                result = measure_once(args, impl, kind)
+                if result["status"] != "ok":
+                    rows[key] = result
+                    continue
+                entry = rows.setdefault(key, {"status": "ok", "medians": [], "wire": result["wire_bytes_per_rank"]})
+                entry["medians"].append(result["median_ms"])
+                entry["peak_rss_mb"] = max(entry.get("peak_rss_mb", 0.0), result["peak_rss_mb"])
+        print(f"round {round_ + 1}/{args.rounds} done", flush=True)
+    report(args, rows)
 
 
-def report(args: argparse.Namespace, result: dict[str, Any]) -> None:
+def report(args: argparse.Namespace, measured: dict[tuple[str, str], dict[str, Any]]) -> None:
     rows = []
-    peak = result["peak_rss_mb"]
-    ours = {k: v for (impl, k), v in result["rows"].items() if impl == "tritonrec"}
-    for (impl, kind), entry in result["rows"].items():
+    ours = {k: v for (impl, k), v in measured.items() if impl == "tritonrec"}
+    for (impl, kind), entry in measured.items():
         row: dict[str, Any] = {"impl": impl, "sharding": kind, "status": entry["status"], "tables": args.tables,
                                "rows": args.rows, "dim": args.dim, "batch_per_rank": args.batch, "world": args.world,
                                "steps": args.steps * args.rounds}  # fmt: skip
@@ -321,23 +314,22 @@ def report(args: argparse.Namespace, result: dict[str, Any]) -> None:
             row["ms_per_step"] = statistics.median(entry["medians"])
             row["steps_per_s"] = 1e3 / row["ms_per_step"]
             row["wire_mb_per_rank_step"] = entry["wire"] / 1e6
-            row["rss_mb_max_rank"] = entry["rss_mb"]
+            row["peak_rss_mb_max_rank"] = entry["peak_rss_mb"]
             if impl == "torchrec" and kind == "data_parallel":
                 row["wire_mb_per_rank_step"] = float("nan")
                 row["note"] = "DDP's all-reduce runs in C++: its bytes are not counted"
         else:
             row["note"] = entry.get("error", entry["status"])
-        row["peak_rss_mb_max_rank"] = peak
         rows.append(row)
     for row in rows:
         if row["impl"] == "torchrec" and row["status"] == "ok" and ours.get(row["sharding"], {}).get("status") == "ok":
             mine = next(r for r in rows if r["impl"] == "tritonrec" and r["sharding"] == row["sharding"])
             mine["speedup_vs_torchrec"] = row["ms_per_step"] / mine["ms_per_step"]
     print_table(rows, ["impl", "sharding", "status", "ms_per_step", "steps_per_s", "wire_mb_per_rank_step",
-                       "rss_mb_max_rank", "speedup_vs_torchrec", "note"])  # fmt: skip
-    print(f"peak RSS (max over ranks, whole run): {peak:.0f} MB; threads per rank: {args.threads}")
+                       "peak_rss_mb_max_rank", "speedup_vs_torchrec", "note"])  # fmt: skip
+    print(f"threads per rank: {args.threads}; peak RSS: the largest rank's whole process (torch + library imports)")
     columns = ["impl", "sharding", "status", "ms_per_step", "steps_per_s", "wire_mb_per_rank_step",
-               "speedup_vs_torchrec", "rss_mb_max_rank", "peak_rss_mb_max_rank", "tables", "rows", "dim",
+               "speedup_vs_torchrec", "peak_rss_mb_max_rank", "tables", "rows", "dim",
                "batch_per_rank", "world", "steps", "note"]  # fmt: skip
     path = append_csv(args.csv, [{c: row.get(c, "") for c in columns} for row in rows])
     if args.plot:

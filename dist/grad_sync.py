@@ -83,7 +83,8 @@ class _AllReduceGrads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        dense = [torch.zeros(0) if g is None else (g.to_dense() if g.is_sparse else g) for g in grads]
+        device = next((g.device for g in grads if g is not None), None)
+        dense = [torch.zeros(0, device=device) if g is None else (g.to_dense() if g.is_sparse else g) for g in grads]
         flat = torch.cat([g.reshape(-1).float() for g in dense]) if dense else torch.zeros(0)
         all_reduce_(flat, ctx.pg, ctx.divide, "data-parallel gradient all-reduce")
         out, start = [], 0
@@ -173,10 +174,12 @@ def apply_fused_rule(
     table.index_copy_(0, rows, stored)
 
 
-def _sparse_rows(grad: torch.Tensor | None, rows: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _sparse_rows(
+    grad: torch.Tensor | None, rows: int, dim: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rows [U], values [U, dim])`` of a coalesced sparse (or dense, or missing) table gradient."""
     if grad is None:
-        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dim)
+        return torch.zeros(0, dtype=torch.int64, device=device), torch.zeros(0, dim, device=device)
     if grad.is_sparse:
         grad = grad.coalesce()
         return grad.indices()[0], grad.values()
@@ -202,8 +205,8 @@ class DataParallelFusedUpdate:
         self.exchange = exchange
 
     def __call__(self, grads: Sequence[torch.Tensor | None]) -> None:
-        local = [_sparse_rows(g, spec.num_rows, spec.dim) for g, (_, _, spec) in zip(grads, self.specs, strict=True)]
         device = self.groups[0].weights.device
+        local = [_sparse_rows(g, s.num_rows, s.dim, device) for g, (_, _, s) in zip(grads, self.specs, strict=True)]
         counts = torch.tensor([r.numel() for r, _ in local], dtype=torch.int64, device=device)
         every = [torch.empty_like(counts) for _ in range(self.pg.size())]
         wait_for_work(dist.all_gather(every, counts, group=self.pg, async_op=True), "data-parallel row counts", self.pg)
@@ -329,7 +332,7 @@ class ColumnShardAdagradUpdate:
         scalars = [begin_step(group.state) for group in self.groups]
         rows, decayed, partial = [], [], []
         for (group, t, spec), grad in zip(tables, grads, strict=True):
-            r, values = _sparse_rows(grad, spec.num_rows, spec.dim)
+            r, values = _sparse_rows(grad, spec.num_rows, spec.dim, group.weights.device)
             g = values.float()
             wd = scalars[self.groups.index(group)].weight_decay
             if wd != 0.0:

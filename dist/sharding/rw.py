@@ -88,6 +88,7 @@ class RwSharding(EmbeddingSharding):
             self.seq_a2a = SequenceEmbeddingsAllToAll(
                 self.pg,
                 [len(self._features)] * self.world_size,
+                self.device,
                 codecs=self.codecs(CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL),
             )
 

@@ -45,13 +45,15 @@ class TwCwSharding(EmbeddingSharding):
         dims = [sum(feature_dims(shards)) for shards in self.shards_per_rank]
         self._dims_per_rank_per_feature = [feature_dims(shards) for shards in self.shards_per_rank]
         if self.pooled:
-            self.a2a = PooledEmbeddingsAllToAll(self.pg, dims, codecs=self.codecs(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL))
+            self.a2a = PooledEmbeddingsAllToAll(
+                self.pg, dims, self.device, codecs=self.codecs(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL)
+            )
             self.vb_a2a = VariableBatchPooledEmbeddingsAllToAll(
                 self.pg, self._dims_per_rank_per_feature, codecs=self.codecs(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL)
             )
         else:
             self.seq_a2a = SequenceEmbeddingsAllToAll(
-                self.pg, self._splits, codecs=self.codecs(CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL)
+                self.pg, self._splits, self.device, codecs=self.codecs(CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL)
             )
         self._columns = columns_of(self.shards_per_rank)
 

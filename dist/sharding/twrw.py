@@ -97,7 +97,7 @@ class TwRwSharding(EmbeddingSharding):
             intra, codecs=self.codecs(CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER)
         )
         self.cross_a2a = PooledEmbeddingsAllToAll(
-            cross, node_dims, codecs=self.codecs(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL)
+            cross, node_dims, self.device, codecs=self.codecs(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL)
         )
 
     def local_shards(self, rank: int) -> list[LocalShard]:

@@ -72,7 +72,7 @@ def ec_cases() -> list[ECCase]:
     return cases
 
 
-def _build(case: ECCase, world: int):  # type: ignore[no-untyped-def]
+def _build(case: ECCase, world: int, codecs: Any = None):  # type: ignore[no-untyped-def]
     import torch.distributed as dist
 
     from tritonrec.dist import EmbeddingCollectionSharder, ShardingEnv, construct_module_sharding_plan
@@ -90,7 +90,9 @@ def _build(case: ECCase, world: int):  # type: ignore[no-untyped-def]
         )
         fused_params = {"optimizer": case.optimizer, **kwargs, "stochastic_rounding": False}
     source = copy.deepcopy(reference)
-    sharder = EmbeddingCollectionSharder(fused_params=fused_params, use_index_dedup=case.dedup)
+    sharder = EmbeddingCollectionSharder(
+        fused_params=fused_params, use_index_dedup=case.dedup, qcomm_codecs_registry=codecs
+    )
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     generators = {t: g(world) for t, g in case.plans.items()}
     plan = construct_module_sharding_plan(source, generators, sharder, local, world, "cpu")
@@ -142,11 +144,41 @@ def run_ec_case(case: ECCase, rank: int, world: int) -> dict[str, float]:
     return result
 
 
+def codec_case(rank: int, world: int, kind: str) -> dict[str, float]:
+    """FP16 on the sequence all-to-all: rows within half an fp16 ulp of the exact ones (rows travel unsummed), and
+    the codec really on both wires (outputs and gradients change)."""
+    from tritonrec.dist import QCommsConfig, get_qcomm_codecs_registry
+
+    registry = get_qcomm_codecs_registry(QCommsConfig(forward_precision="fp16", backward_precision="fp16"))
+    batch = BATCH_PER_RANK[world]
+    lo = sum(batch[:rank])
+    lengths, values, _ = global_batch(0, sum(batch), False)
+    runs = []
+    for codecs in (None, registry):
+        _, sharded = _build(ECCase(kind, EQUAL_DIMS, plans()[kind]), world, codecs)
+        out = sharded(kjt_slice(lengths, values, [], lo, lo + batch[rank])).wait()
+        rows = torch.cat([out[f].values() for f in FEATURES])
+        rows.backward(torch.ones_like(rows) * 1.3)
+        grads = torch.cat([p.grad.reshape(-1) for p in sharded.parameters() if p.grad is not None])
+        runs.append((rows.detach(), grads))
+    (exact, exact_grads), (coded, coded_grads) = runs
+    bound = 2**-11 * exact.abs().amax(dim=1, keepdim=True) + 1e-12
+    return {
+        "forward": float(((coded - exact).abs() / bound).max()),
+        "changed": float((coded != exact).any()) * float((coded_grads != exact_grads).any()),
+    }
+
+
 def run_suite(rank: int, world: int) -> dict[str, Any]:
     from tritonrec.dist import set_gradient_division
 
     set_gradient_division(False)
     try:
-        return {case.name: run_ec_case(case, rank, world) for case in ec_cases()}
+        out: dict[str, Any] = {case.name: run_ec_case(case, rank, world) for case in ec_cases()}
+        out["codecs"] = {kind: codec_case(rank, world, kind) for kind in CODEC_KINDS}
+        return out
     finally:
         set_gradient_division(True)
+
+
+CODEC_KINDS = ["table_wise", "row_wise"]

@@ -143,5 +143,42 @@ def division_case(rank: int, world: int) -> dict[str, float]:
     return {"grad_times_world": diff}
 
 
+def options_case(rank: int, world: int) -> dict[str, Any]:
+    """fused_params reach the lookups: weights_precision (fp16 shards) and, for a FusedEmbeddingBagCollection sharded
+    without fused_params, the module's own optimizer and hyperparameters."""
+    import torch.distributed as dist
+
+    from tritonrec.dist import EmbeddingBagCollectionSharder, ShardingEnv, construct_module_sharding_plan
+    from tritonrec.modules import DataType, EmbeddingBagCollection, FusedEmbeddingBagCollection
+
+    plans = {t: gen(world) for t, gen in plans_by_type()["mixed"].items()}
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    torch.manual_seed(1)
+    ebc = EmbeddingBagCollection(make_tables("SUM"), backend="torch")
+    fused = {"optimizer": "EXACT_SGD", "lr": 0.1, "weights_precision": DataType.FP16}
+    sharder = EmbeddingBagCollectionSharder(fused_params=fused)
+    plan = construct_module_sharding_plan(ebc, plans, sharder, world, world, "cpu")
+    half = sharder.shard(ebc, plan, env, torch.device("cpu"))
+    batch = BATCH_PER_RANK[world]
+    lengths, values, weights = global_batch(0, sum(batch), False)
+    lo = sum(batch[:rank])
+    kjt = kjt_slice(lengths, values, weights, lo, lo + batch[rank])
+    full = ebc(kjt_slice(lengths, values, weights, 0, sum(batch))).values()[lo : lo + batch[rank]]
+    out: dict[str, Any] = {"dtypes": sorted({str(p.dtype) for p in half.parameters()})}
+    out["fp16_forward"] = max_diff(half(kjt).wait().values(), full)
+    module = FusedEmbeddingBagCollection(make_tables("SUM"), "ADAM", {"lr": 0.003, "betas": (0.8, 0.9)}, device="meta")
+    plan = construct_module_sharding_plan(module, plans, EmbeddingBagCollectionSharder(), world, world, "cpu")
+    from_module = EmbeddingBagCollectionSharder().shard(module, plan, env, torch.device("cpu"))
+    group = from_module.fused_optimizer.param_groups[0]
+    out["module_optimizer"] = [type(from_module.fused_optimizer).__name__, group["lr"], list(group["betas"])]
+    out["module_state_keys"] = sorted(next(iter(from_module.fused_optimizer.state.values())))
+    return out
+
+
 def run_suite(rank: int, world: int) -> dict[str, Any]:
-    return {"errors": error_cases(rank, world), "meta": meta_case(rank, world), "division": division_case(rank, world)}
+    return {
+        "errors": error_cases(rank, world),
+        "meta": meta_case(rank, world),
+        "division": division_case(rank, world),
+        "options": options_case(rank, world),
+    }

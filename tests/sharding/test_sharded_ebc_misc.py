@@ -1,6 +1,7 @@
 """Sharded EBC on 2 gloo ranks: bad plans and inputs raise clear errors naming the culprit; a meta-device module is
 sharded without touching its weights (each shard initialised by its config's init_fn); gradient division scales
-every sharding's gradient by 1/W alike. Rank-side code: misc_cases.py."""
+every sharding's gradient by 1/W alike; fused_params (weights precision) and a fused module's own optimizer reach the
+local lookups. Rank-side code: misc_cases.py."""
 
 from __future__ import annotations
 
@@ -48,3 +49,12 @@ def test_meta_module_is_sharded_with_init_fn() -> None:
 def test_gradient_division_divides_every_sharding_by_world_size() -> None:
     for rank, results in enumerate(suite_results("misc", 2)):
         assert results["division"]["grad_times_world"] <= 1e-6, f"rank {rank}: {results['division']}"
+
+
+def test_fused_params_reach_the_lookups() -> None:
+    for rank, results in enumerate(suite_results("misc", 2)):
+        got = results["options"]
+        assert got["dtypes"] == ["torch.float16"], f"rank {rank}: weights_precision FP16 gave {got['dtypes']}"
+        assert got["fp16_forward"] <= 2e-3, f"rank {rank}: fp16 shards' forward differs by {got['fp16_forward']}"
+        assert got["module_optimizer"] == ["EmbeddingFusedOptimizer", 0.003, [0.8, 0.9]], got["module_optimizer"]
+        assert got["module_state_keys"] == ["momentum1", "momentum2", "step"], got["module_state_keys"]

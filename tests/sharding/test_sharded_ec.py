@@ -1,12 +1,13 @@
 """ShardedEmbeddingCollection on 2 gloo ranks against the unsharded EC on the same global batch: every sequence
 sharding type (row-wise on CPU too), dense forward and gradients, 10 fused steps of SGD / rowwise Adagrad / Adam,
-index dedup, and a mixed plan with dims 1/3/8/64. Rank-side code: ec_cases.py."""
+index dedup, a mixed plan with dims 1/3/8/64, and the fp16 codec on the sequence all-to-all.
+Rank-side code: ec_cases.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.sharding.ec_cases import ec_cases
+from tests.sharding.ec_cases import CODEC_KINDS, ec_cases
 from tests.sharding.spawned import suite_results
 
 pytestmark = pytest.mark.dist
@@ -20,3 +21,11 @@ def test_sharded_ec_matches_unsharded(case: str) -> None:
         assert got["lengths"] == 0.0, f"rank {rank}: output lengths differ from the input's"
         assert got["grad"] <= 1e-6, f"rank {rank}: gradient differs by {got['grad']}"
         assert got["weights"] <= 1e-5, f"rank {rank}: weights after training differ by {got['weights']}"
+
+
+@pytest.mark.parametrize("kind", CODEC_KINDS)
+def test_sequence_codec_stays_within_fp16_bound(kind: str) -> None:
+    for rank, results in enumerate(suite_results("ec", 2)):
+        got = results["codecs"][kind]
+        assert got["changed"], f"rank {rank}: the fp16 codec changed nothing: it is not on both wires"
+        assert got["forward"] <= 1.0, f"rank {rank}: rows are off by {got['forward']:.2f}x half an fp16 ulp"
