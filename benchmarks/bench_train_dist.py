@@ -370,9 +370,8 @@ def main() -> None:
                 continue
             entry["seconds"].append(out["seconds"])
             entry["peak_rss_mb"].append(out["peak_rss_mb"])
-    # Memory pass: sharded tables are not freed when their module is deleted (an autograd node keeps the lookup's
-    # weights alive), so one process's later configurations would carry the earlier ones' memory: each
-    # configuration's peak RSS comes from its own fresh processes (a few steps, no codec).
+    # Memory pass: each configuration (no codec) alone in fresh processes, so its peak RSS is its own, not the
+    # high-water mark of everything the round's processes ran before it.
     if args.memory_steps:
         memory_args = argparse.Namespace(**{**vars(args), "steps": args.memory_steps, "warmup": 1})
         for config in configs:
