@@ -61,11 +61,12 @@ from tritonrec.kernels.codecs.rowwise import (
     pack_bytes_le,
     padded_groups,
     tile_configs,
+    tile_fits,
 )
 from tritonrec.kernels.random_bits import random_bits, random_bits_range_int32
 
 
-@autotune(configs=tile_configs(), key=["G_BUCKET", "ROW_P2", "MBITS", "STOCHASTIC"])
+@autotune(configs=tile_configs(), key=["G_BUCKET", "ROW_P2", "MBITS", "STOCHASTIC"], fits=tile_fits)
 @triton.heuristics({"BLOCK_G": groups_per_program})
 @triton.jit(do_not_specialize=["k1", "k2"])
 def _fp8_encode_kernel(
@@ -126,7 +127,7 @@ def _fp8_encode_kernel(
     tl.store(row_words + code_words, pow2_exponent_bits(scale_exp).to(tl.int32, bitcast=True), mask=real)
 
 
-@autotune(configs=tile_configs(), key=["G_BUCKET", "ROW_P2", "MBITS", "OUT_KIND"])
+@autotune(configs=tile_configs(), key=["G_BUCKET", "ROW_P2", "MBITS", "OUT_KIND"], fits=tile_fits)
 @triton.heuristics({"BLOCK_G": groups_per_program})
 @triton.jit
 def _fp8_decode_kernel(

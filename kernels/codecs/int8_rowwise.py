@@ -48,13 +48,14 @@ from tritonrec.kernels.codecs.rowwise import (
     pack_bytes_le,
     padded_groups,
     tile_configs,
+    tile_fits,
 )
 from tritonrec.kernels.random_bits import random_bits, random_bits_range_int32
 
 _INV_2_POW_24 = 5.9604644775390625e-08  # 2**-24: turns 24 random bits into a uniform fp32 in [0, 1), exactly
 
 
-@autotune(configs=tile_configs(), key=["G_BUCKET", "ROW_P2", "STOCHASTIC"])
+@autotune(configs=tile_configs(), key=["G_BUCKET", "ROW_P2", "STOCHASTIC"], fits=tile_fits)
 @triton.heuristics({"BLOCK_G": groups_per_program})
 @triton.jit(do_not_specialize=["k1", "k2"])
 def _int8_encode_kernel(
@@ -112,7 +113,7 @@ def _int8_encode_kernel(
     tl.store(row_words + code_words + 1, bias_bits.to(tl.int32, bitcast=True), mask=real)
 
 
-@autotune(configs=tile_configs(), key=["G_BUCKET", "ROW_P2", "OUT_KIND"])
+@autotune(configs=tile_configs(), key=["G_BUCKET", "ROW_P2", "OUT_KIND"], fits=tile_fits)
 @triton.heuristics({"BLOCK_G": groups_per_program})
 @triton.jit
 def _int8_decode_kernel(

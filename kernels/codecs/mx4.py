@@ -60,6 +60,7 @@ from tritonrec.kernels.codecs.rowwise import (
     load_group_tile,
     padded_groups,
     tile_configs,
+    tile_fits,
 )
 from tritonrec.kernels.random_bits import random_bits, random_bits_range_int32
 
@@ -67,7 +68,7 @@ _E2M1 = FP4_E2M1
 _MIN_SCALE_EXP = -E8M0_BIAS
 
 
-@autotune(configs=tile_configs(), key=["G_BUCKET", "ROW_P2", "STOCHASTIC"])
+@autotune(configs=tile_configs(), key=["G_BUCKET", "ROW_P2", "STOCHASTIC"], fits=tile_fits)
 @triton.heuristics({"BLOCK_G": groups_per_program})
 @triton.jit(do_not_specialize=["k1", "k2"])
 def _mx4_encode_kernel(
@@ -117,7 +118,7 @@ def _mx4_encode_kernel(
     tl.store(row + half, shared, mask=real)
 
 
-@autotune(configs=tile_configs(), key=["G_BUCKET", "ROW_P2", "OUT_KIND"])
+@autotune(configs=tile_configs(), key=["G_BUCKET", "ROW_P2", "OUT_KIND"], fits=tile_fits)
 @triton.heuristics({"BLOCK_G": groups_per_program})
 @triton.jit
 def _mx4_decode_kernel(

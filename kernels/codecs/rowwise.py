@@ -18,10 +18,22 @@ from tritonrec.kernels.codecs.bits import output_view
 from tritonrec.kernels.codecs.formats import rowwise_groups
 from tritonrec.kernels.random_bits import stream_key_args
 
+# Values of a [BLOCK_G, ROW_P2] tile per thread (32-lane warps). The encoders keep several live copies of the tile
+# (value, magnitude, significand, exponent, random bits, code): at 32 per thread FP8 and MX4 encoding reached 255
+# registers and spilled on sm_80 / sm_90 (python -m tritonrec.kernels.aot); at 16 nothing spills.
+TILE_VALUES_PER_THREAD = 16
+
 
 def tile_configs() -> list:
-    """``ELEMS`` values per program; the heuristic below turns it into whole groups per program."""
-    return [triton.Config({"ELEMS": e}, num_warps=w) for e, w in ((4096, 4), (2048, 4), (8192, 8))]
+    """``ELEMS`` values per program, with the warps that hold them at 16 per thread; the heuristic below turns it
+    into whole groups per program. The 16-warp config is the one that fits rows of 8192 (:data:`MAX_ROW_DIM`)."""
+    return [triton.Config({"ELEMS": e}, num_warps=w) for e, w in ((2048, 4), (1024, 2), (4096, 8), (8192, 16))]
+
+
+def tile_fits(config: dict, args: dict) -> bool:
+    """Whether ``config`` may run a launch: its tile holds ``max(ELEMS, ROW_P2)`` values (one whole group at least),
+    which must stay within :data:`TILE_VALUES_PER_THREAD` per thread."""
+    return max(config["ELEMS"], args["ROW_P2"]) <= TILE_VALUES_PER_THREAD * 32 * config["num_warps"]
 
 
 def groups_per_program(args: dict) -> int:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tritonrec.kernels._triton import tl, triton
-from tritonrec.kernels.backend import Backend, autotune, pow2_bucket, resolve_backend
+from tritonrec.kernels.backend import Backend, autotune, grid_programs, pow2_bucket, resolve_backend
 from tritonrec.kernels.checks import check_same_device
 from tritonrec.kernels.embedding import op_checks
 from tritonrec.kernels.embedding.fused_update import fused_update_reference, fused_update_triton
@@ -51,19 +51,21 @@ def _sequence_forward_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Grid (cdiv(N, BLOCK_N), cdiv(max D, BLOCK_D)): copy BLOCK_N values' rows (zeros for out-of-range rows)."""
-    j = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """Grid (grid_programs(cdiv(N, BLOCK_N)), cdiv(max D, BLOCK_D)): programs stride over blocks of BLOCK_N values
+    and copy their rows (zeros for out-of-range rows)."""
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    in_range = j < N
-    feature = tl.load(features_ptr + j, mask=in_range, other=0)
-    idx = tl.load(indices_ptr + j, mask=in_range, other=0).to(tl.int64)
-    dim = tl.load(feature_dims_ptr + feature).to(tl.int64)
-    row_ok = in_range & (idx >= 0) & (idx < tl.load(feature_rows_ptr + feature))
-    col_ok = cols[None, :] < dim[:, None]
-    row_start = tl.load(feature_weight_offsets_ptr + feature) + idx * dim
-    rows = tl.load(weights_ptr + row_start[:, None] + cols[None, :], mask=row_ok[:, None] & col_ok, other=0.0)
-    out_start = tl.load(out_offsets_ptr + j, mask=in_range, other=0)
-    tl.store(out_ptr + out_start[:, None] + cols[None, :], rows.to(tl.float32), mask=in_range[:, None] & col_ok)
+    for block in range(tl.program_id(0).to(tl.int64), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
+        j = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_range = j < N
+        feature = tl.load(features_ptr + j, mask=in_range, other=0)
+        idx = tl.load(indices_ptr + j, mask=in_range, other=0).to(tl.int64)
+        dim = tl.load(feature_dims_ptr + feature).to(tl.int64)
+        row_ok = in_range & (idx >= 0) & (idx < tl.load(feature_rows_ptr + feature))
+        col_ok = cols[None, :] < dim[:, None]
+        row_start = tl.load(feature_weight_offsets_ptr + feature) + idx * dim
+        rows = tl.load(weights_ptr + row_start[:, None] + cols[None, :], mask=row_ok[:, None] & col_ok, other=0.0)
+        out_start = tl.load(out_offsets_ptr + j, mask=in_range, other=0)
+        tl.store(out_ptr + out_start[:, None] + cols[None, :], rows.to(tl.float32), mask=in_range[:, None] & col_ok)
 
 
 def _output_size(layout: TableBatchedLayout, feature_value_offsets: Sequence[int]) -> int:
@@ -83,7 +85,10 @@ def sequence_forward_triton(
         return out
     meta = layout.tensors(weights.device)
     block_d = block_d_for(layout.max_dim)
-    grid = lambda cfg: (triton.cdiv(indices.numel(), cfg["BLOCK_N"]), triton.cdiv(layout.max_dim, block_d))
+    grid = lambda cfg: (
+        grid_programs(triton.cdiv(indices.numel(), cfg["BLOCK_N"])),
+        triton.cdiv(layout.max_dim, block_d),
+    )
     _sequence_forward_kernel[grid](
         weights,
         indices,
