@@ -32,10 +32,18 @@ from tritonrec.kernels.embedding.row_gradients import row_gradient_sums_referenc
 
 
 def _gather_configs() -> list:
-    return [triton.Config({"BLOCK_N": n}, num_warps=w) for n, w in ((16, 4), (4, 2), (32, 4), (64, 8))]
+    # Ordered so that the first config that fits (the default) is the largest tile for the table width.
+    shapes = ((32, 4), (16, 4), (8, 4), (4, 2), (16, 8), (64, 8))
+    return [triton.Config({"BLOCK_N": n}, num_warps=w) for n, w in shapes]
 
 
-@autotune(configs=_gather_configs(), key=["N_BUCKET", "BLOCK_D"])
+def _gather_fits(config: dict, args: dict) -> bool:
+    """A [BLOCK_N, BLOCK_D] tile keeps a 64-bit source and destination address per value: at 16 values per thread
+    ptxas spilled on sm_90 (python -m tritonrec.kernels.aot), at 8 it does not."""
+    return config["BLOCK_N"] * args["BLOCK_D"] <= 8 * 32 * config["num_warps"]
+
+
+@autotune(configs=_gather_configs(), key=["N_BUCKET", "BLOCK_D"], fits=_gather_fits)
 @triton.jit
 def _sequence_forward_kernel(
     weights_ptr,
