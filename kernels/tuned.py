@@ -11,10 +11,11 @@ Format (``version`` 1)::
      "kernels": {"<module>:<kernel>": {
          "key": ["L_BUCKET", "D_BUCKET", "BLOCK_D"],
          "configs": [{"kwargs": {"BLOCK_L": 16}, "num_warps": 4, "num_stages": 3}, ...],
-         "choices": {"<tuning key>": {"config": 0, "shape": "...", "ms": [0.011, ...]}}}}}
+         "choices": {"<tuning key>": {"config": 0, "shapes": ["..."], "ms": {"0": 0.011, "1": 0.013}}}}}}
 
-``configs`` lists every config the sweep timed; ``choices[key].config`` indexes it and ``ms`` holds one median time
-per config (absent in a dry run, where the first config is recorded). A tuning key is ``name=value`` for each
+``configs`` lists every config the sweep timed; ``choices[key].config`` indexes it and ``ms`` maps config indices
+to their median times summed over the ``shapes`` that share the key (absent in a dry run, where the first config is
+recorded). A tuning key is ``name=value`` for each
 autotune key argument then the dtypes of the tensor arguments, as Triton keys its own cache. A launch whose key was
 not tuned takes the tuned entry with the same dtypes and the same non-bucket values (flags, tile widths) whose
 ``*_BUCKET`` values are nearest in log2 distance; with no such entry, or when the recorded config no longer exists,
