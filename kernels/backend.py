@@ -138,10 +138,6 @@ def pinned_config(kernel_name: str, config: Any) -> Iterator[None]:
         _pinned.pop(kernel_name, None)
 
 
-def _first_config_unless_tuning(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
-    return configs if autotune_enabled() else configs[:1]
-
-
 def autotune(
     configs: Sequence[Any], key: list[str], fits: Callable[[dict, dict], bool] | None = None, **kwargs: Any
 ) -> Callable:
