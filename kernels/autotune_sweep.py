@@ -118,18 +118,20 @@ def _replay(launch: Launch, config: Any) -> None:
     launch.kernel.fn.run(*launch.args, grid=launch.grid, warmup=False, **launch.kwargs, **config.all_kwargs())
 
 
-def _median_ms(run: Callable[[], None], warmup: int, reps: int) -> float:
+def _median_ms(run: Callable[[], None], warmup: int, reps: int, device: torch.device) -> float:
+    """Median CUDA-event time of ``run`` in ms, each repetition after an L2 flush (as ``triton.testing.do_bench``):
+    the flush also keeps the GPU busy while the host enqueues the launch, so host overhead is not timed."""
+    flush = torch.empty(256 << 20, dtype=torch.int8, device=device)
     for _ in range(warmup):
         run()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        flush.zero_()
         start.record()
         run()
         end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    torch.cuda.synchronize(device)
+    return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
 def tune_shape(op: str, shape: Shape, device: torch.device, dry_run: bool, warmup: int, reps: int) -> list[Trial]:
@@ -152,7 +154,7 @@ def tune_shape(op: str, shape: Shape, device: torch.device, dry_run: bool, warmu
                 _replay(launch, config)
             trials.append(Trial(kernel_name(launch.kernel), list(launch.kernel.keys), key, configs, None))
         else:
-            ms = [_median_ms(lambda c=c, run=launch: _replay(run, c), warmup, reps) for c in configs]
+            ms = [_median_ms(lambda c=c, run=launch: _replay(run, c), warmup, reps, device) for c in configs]
             trials.append(Trial(kernel_name(launch.kernel), list(launch.kernel.keys), key, configs, ms))
     return trials
 

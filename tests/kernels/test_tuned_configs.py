@@ -178,3 +178,19 @@ def _resolve(name: str):
     from tritonrec.kernels.aot_compile import resolve_kernel
 
     return resolve_kernel(name)
+
+
+@pytest.mark.gpu
+def test_gpu_sweep_times_every_config_and_keeps_the_fastest(tmp_path: Path) -> None:
+    script = _script()
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        cfg = compose(config_name="autotune", overrides=["op=jagged", "autotune_shapes=small", "warmup=1", "reps=3",
+                                                          f"tuned_dir={tmp_path}", f"out_dir={tmp_path}"])
+    metrics = script.run(cfg)  # fmt: skip
+    document = json.loads(Path(metrics["tuned_file"]).read_text())
+    assert document["device"] == torch.cuda.get_device_name() and document["dry_run"] is False
+    for entry in document["kernels"].values():
+        for choice in entry["choices"].values():
+            times = {int(i): ms for i, ms in choice["ms"].items()}
+            assert all(ms > 0 for ms in times.values()) and choice["config"] == min(times, key=times.__getitem__)
+    assert (tmp_path / "jagged.png").is_file()
