@@ -183,10 +183,10 @@ def _resolve(name: str):
 @pytest.mark.gpu
 def test_gpu_sweep_times_every_config_and_keeps_the_fastest(tmp_path: Path) -> None:
     script = _script()
+    overrides = ["op=jagged", "autotune_shapes=small", "warmup=1", "reps=3", f"tuned_dir={tmp_path}"]
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
-        cfg = compose(config_name="autotune", overrides=["op=jagged", "autotune_shapes=small", "warmup=1", "reps=3",
-                                                          f"tuned_dir={tmp_path}", f"out_dir={tmp_path}"])
-    metrics = script.run(cfg)  # fmt: skip
+        cfg = compose(config_name="autotune", overrides=[*overrides, f"out_dir={tmp_path}"])
+    metrics = script.run(cfg)
     document = json.loads(Path(metrics["tuned_file"]).read_text())
     assert document["device"] == torch.cuda.get_device_name() and document["dry_run"] is False
     for entry in document["kernels"].values():
