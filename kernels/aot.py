@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import csv
+import inspect
 import json
 import math
 import multiprocessing
@@ -46,16 +47,21 @@ CSV_FIELDS = [
 
 
 def _job_of(variant: Any, label: str) -> dict[str, Any]:
-    """A JSON compile job for one :class:`~tritonrec.kernels.launch_capture.Variant`."""
-    params = variant.jit.arg_names
-    args = [describe_arg(a) for a in variant.args]
-    kwargs = {k: v for k, v in variant.kwargs.items() if isinstance(v, (bool, int, float, str)) or v is None}
-    names = dict(zip(params, args, strict=False))
-    constexprs = {k: v for k, v in kwargs.items() if k in params}
-    dtypes = sorted({d["tensor"] for d in names.values() if isinstance(d, dict) and "tensor" in d})
-    spec = ",".join(f"{k}={v}" for k, v in sorted(constexprs.items())) + "|" + ",".join(dtypes)
+    """A JSON compile job for one :class:`~tritonrec.kernels.launch_capture.Variant`: constexprs by value, other
+    arguments as descriptors (a tensor's dtype, an int's width)."""
+    names = [p for p in inspect.signature(inspect.unwrap(_python_function(variant.jit))).parameters]
+    args = [v if n in variant.constexprs else describe_arg(v) for n, v in zip(names, variant.args, strict=True)]
+    dtypes = sorted({d["tensor"] for d in args if isinstance(d, dict) and "tensor" in d})
+    spec = ",".join(f"{k}={v}" for k, v in sorted(variant.constexprs.items())) + "|" + ",".join(dtypes)
     return {"kernel": variant.name, "config": variant.config, "specialisation": spec, "args": args,
-            "kwargs": kwargs, "constexprs": constexprs, "grid": list(variant.grid), "workload": label}  # fmt: skip
+            "kwargs": variant.options, "constexprs": variant.constexprs, "grid": list(variant.grid),
+            "workload": label}  # fmt: skip
+
+
+def _python_function(kernel: Any) -> Any:
+    while hasattr(kernel, "fn"):
+        kernel = kernel.fn
+    return kernel
 
 
 def capture_jobs(sweep: str = "full") -> dict[str, Any]:
@@ -209,7 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for t in args.targets:
             for problem in grid_problems(tuple(job["grid"]), _num_warps(job), TARGETS[t]):
                 failed.append(f"{problem}: {job['kernel']} [{job['config']}] {job['specialisation']} on {t}")
-    print("\n".join(failed))
+    if failed:
+        print("\n".join(failed))
     print(f"{len(rows)} compiles, {len(failed)} problems, {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return 1 if failed or missed else 0
 

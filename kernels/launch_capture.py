@@ -14,8 +14,9 @@ config that survives the kernel's config filter (with its heuristics applied), e
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tritonrec.kernels._triton import HAS_TRITON, triton
@@ -38,16 +39,16 @@ class Launch:
 
 @dataclass
 class Variant:
-    """One compilable specialisation of a launch: the innermost jitted function, the full keyword arguments
-    (launcher constexprs + config + heuristics + compile options) and the grid it launches."""
+    """One compilable specialisation of a launch: the innermost jitted function, every parameter's value in order
+    (launcher arguments, config, heuristics), the compile options (warps, stages, fp fusion) and the grid."""
 
     name: str
     jit: Any
     args: tuple
-    kwargs: dict[str, Any]
+    constexprs: dict[str, Any]
+    options: dict[str, Any]
     grid: tuple[int, int, int]
     config: str
-    options: dict[str, Any] = field(default_factory=dict)
 
 
 def kernel_name(kernel: Any) -> str:
@@ -90,9 +91,6 @@ def capture_launches(execute: bool = True, label: str = "") -> Iterator[list[Lau
         KernelInterface.__getitem__ = original
 
 
-_COMPILE_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion")
-
-
 def config_label(config: Any) -> str:
     """``BLOCK_L=16,num_warps=4,num_stages=3`` for an autotune config, ``launcher`` when there is none."""
     if config is None:
@@ -112,9 +110,16 @@ def candidate_configs(autotuner: Any, args: tuple, kwargs: dict[str, Any]) -> li
         return list(prune(autotuner.configs, named, **kwargs))
 
 
+def _parameters(fn: Any) -> list[inspect.Parameter]:
+    while hasattr(fn, "fn"):
+        fn = fn.fn
+    return list(inspect.signature(fn).parameters.values())
+
+
 def expand_launch(launch: Launch, all_configs: bool = True) -> list[Variant]:
     """The compile variants of ``launch``: every candidate config (or only the one the launch would use when
-    ``all_configs`` is False and autotuning is off), heuristics applied, grid evaluated (padded to 3 axes)."""
+    ``all_configs`` is False and autotuning is off), heuristics applied, grid evaluated (padded to 3 axes).
+    Arguments passed by name (as ``torch.library.wrap_triton`` does) are put back in parameter order."""
     kernel, args = launch.kernel, launch.args
     configs: list[Any] = [None]
     wrapped = kernel
@@ -123,6 +128,7 @@ def expand_launch(launch: Launch, all_configs: bool = True) -> list[Variant]:
         if not all_configs:
             configs = configs[:1]
         wrapped = kernel.fn
+    params = _parameters(kernel)
     variants = []
     for config in configs:
         kwargs = dict(launch.kwargs)
@@ -134,11 +140,14 @@ def expand_launch(launch: Launch, all_configs: bool = True) -> list[Variant]:
             for name, rule in inner.values.items():
                 kwargs[name] = rule({**named, **kwargs})
             inner = inner.fn
-        named = {**dict(zip(inner.arg_names, args, strict=False)), **kwargs}
+        named = {**{p.name: p.default for p in params if p.default is not p.empty}, **kwargs}
+        named |= dict(zip((p.name for p in params), args, strict=False))
+        values = tuple(named[p.name] for p in params)
+        constexprs = {p.name: named[p.name] for p in params if "constexpr" in str(p.annotation)}
+        options = {k: v for k, v in kwargs.items() if k not in {p.name for p in params}}
         grid = launch.grid(named) if callable(launch.grid) else launch.grid
         grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
-        options = {k: kwargs[k] for k in _COMPILE_OPTIONS if k in kwargs}
-        variants.append(Variant(kernel_name(kernel), inner, args, kwargs, grid, config_label(config), options))
+        variants.append(Variant(kernel_name(kernel), inner, values, constexprs, options, grid, config_label(config)))
     return variants
 
 
