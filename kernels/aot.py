@@ -169,6 +169,9 @@ def compile_all(jobs: list[dict[str, Any]], targets: Sequence[str], workers: int
             rows = []
             for done, ((job, t), future) in enumerate(zip(tasks, futures, strict=True), start=1):
                 rows.append(_row(job, TARGETS[t], future.result()))
+                if rows[-1]["status"] != "ok":  # as it happens: a full sweep takes a while
+                    print(f"  {rows[-1]['status']}: {job['kernel']} [{job['config']}] {job['specialisation']} on {t}",
+                          file=sys.stderr, flush=True)  # fmt: skip
                 if done % 50 == 0 or done == len(tasks):
                     print(f"compiled {done}/{len(tasks)}", file=sys.stderr, flush=True)
             return rows
@@ -193,7 +196,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="CSV to write (one row per kernel variant and target)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes")
     parser.add_argument("--allow-spills", action="store_true", help="report spills without failing")
-    parser.add_argument("--kernels", nargs="+", help="compile only kernels whose name contains one of these")
+    parser.add_argument(
+        "--kernels",
+        nargs="+",
+        help="compile only kernels whose name contains one of these (their rows replace theirs in an existing --out)",
+    )
     args = parser.parse_args(argv)
     start = time.perf_counter()
     captured = capture_in_subprocess(args.sweep)
@@ -207,6 +214,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = representative(jobs) if args.sweep == "ci" else jobs
     rows = compile_all(chosen, args.targets, max(1, args.jobs))
     if args.out:
+        if args.kernels and args.out.is_file():  # recompiled some kernels: keep the other kernels' rows
+            with args.out.open() as f:
+                kept = [r for r in csv.DictReader(f) if not any(k in r["kernel"] for k in args.kernels)]
+            rows = kept + rows
         write_csv(rows, args.out)
     failed = [f"{r['status']}: {r['kernel']} [{r['config']}] {r['specialisation']} on {r['target']}" for r in rows
               if r["status"] != "ok" and not (args.allow_spills and r["status"] == "spills")]  # fmt: skip

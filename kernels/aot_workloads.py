@@ -145,28 +145,41 @@ def packing(width: int, vdt: torch.dtype) -> None:
 
 
 def small_workloads(sweep: str = "full") -> dict[str, Workload]:
-    """``{name: workload}`` on small CPU inputs (run under ``TRITON_INTERPRET=1``)."""
+    """``{name: workload}`` on small CPU inputs (run under ``TRITON_INTERPRET=1``).
+
+    Full: every weight x index dtype at the two main size classes (narrow tiles, and the widest: BLOCK_D 128 for
+    lookups and jagged rows, 256 for packing, 8192-wide codec rows), then every other tile-width class once in fp32 /
+    int64 (BLOCK_D 1 to 64, the fused update's single 1024-wide block and its multi-block path past 1024, codec rows of
+    4 to 4096). CI: one dtype combination at the widest classes."""
     full = sweep == "full"
-    wdts = WEIGHT_DTYPES if full else (torch.float16,)
-    idts = INDEX_DTYPES if full else (torch.int64,)
-    dims_classes = ([3], [3, 64], [200, 8]) if full else ([3, 64], [200, 8])
+    wdts, idts = (WEIGHT_DTYPES, INDEX_DTYPES) if full else ((torch.float16,), (torch.int64,))
+    f32, i64 = torch.float32, torch.int64
     out: dict[str, Workload] = {}
     for wdt, idt in itertools.product(wdts, idts):
         tag = f"{_name(wdt)}/{_name(idt)}"
-        for dims in dims_classes:
+        for dims in ([3, 64], [200, 8]) if full else ([200, 8], [1000]):
             out[f"pooled/{tag}/D={dims}"] = lambda d=dims, w=wdt, i=idt: pooled(d, w, i)
             out[f"sequence/{tag}/D={dims}"] = lambda d=dims, w=wdt, i=idt: sequence(d, w, i)
-        for width in (0, 3, 200) if full else (200,):
-            out[f"jagged/{tag}/D={width}"] = lambda n=width, w=wdt, i=idt: jagged(n, w, i)
-        for buckets in (3, 4096) if full else (4096,):
-            out[f"sparse/{tag}/buckets={buckets}"] = lambda w=wdt, i=idt, b=buckets: sparse(w, i, b)
+        out[f"jagged/{tag}/D=200"] = lambda w=wdt, i=idt: jagged(200, w, i)
+        out[f"sparse/{tag}"] = lambda w=wdt, i=idt: sparse(w, i, 5)
     for idt in idts:
         for bits in (8, 4):
             out[f"quantized/int{bits}/{_name(idt)}"] = lambda b=bits, i=idt: quantized([3, 130], b, i)
     for row_dim, stochastic in itertools.product((32, 8192) if full else (8192,), (False, True)):
         out[f"codecs/row_dim={row_dim}/stochastic={stochastic}"] = lambda r=row_dim, s=stochastic: codecs(r, s)
-    for width, vdt in itertools.product((0, 5, 300), (*wdts, torch.int64, torch.bool) if full else (torch.float16,)):
+    packed_dtypes = (*WEIGHT_DTYPES, torch.int64, torch.bool) if full else (torch.float16,)
+    for width, vdt in itertools.product((0, 5, 300) if full else (300,), packed_dtypes):
         out[f"packing/{_name(vdt)}/D={width}"] = lambda n=width, v=vdt: packing(n, v)
+    if full:  # the other tile widths, once each
+        for dims in ([1], [2], [8], [16], [32], [1000], [1500]):
+            out[f"pooled/widths/D={dims}"] = lambda d=dims: pooled(d, f32, i64)
+            out[f"sequence/widths/D={dims}"] = lambda d=dims: sequence(d, f32, i64)
+        for width in (0, 2, 8, 16, 32, 64):
+            out[f"jagged/widths/D={width}"] = lambda n=width: jagged(n, f32, i64)
+        for width in (2, 16, 32, 64, 128):
+            out[f"packing/widths/D={width}"] = lambda n=width: packing(n, f32)
+        for row_dim in (3, 128, 1024, 4096):
+            out[f"codecs/widths/row_dim={row_dim}"] = lambda r=row_dim: codecs(r, False)
     return out
 
 
