@@ -132,9 +132,9 @@ def ptx_local_bytes(ptx: str) -> int:
 
 
 def spills(stats: dict[str, Any]) -> bool:
-    """Whether a compile moves values through memory: spill bytes or PTX local memory (CUDA), VGPR spills or
-    scratch (AMD). SGPR spills land in VGPR lanes, not memory, and are reported but not counted."""
-    keys = ("spill_store_bytes", "spill_load_bytes", "local_bytes", "vgpr_spills", "scratch_bytes")
+    """Whether a compile moves values through memory: spill bytes, a stack frame or PTX local memory (CUDA), VGPR
+    spills or scratch (AMD). SGPR spills land in VGPR lanes, not memory, and are reported but not counted."""
+    keys = ("spill_store_bytes", "spill_load_bytes", "stack_bytes", "local_bytes", "vgpr_spills", "scratch_bytes")
     return any(int(stats.get(k) or 0) > 0 for k in keys)
 
 
