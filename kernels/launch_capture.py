@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from tritonrec.kernels._triton import HAS_TRITON, triton
+from tritonrec.kernels._triton import HAS_TRITON
 
 if HAS_TRITON:
     from triton.runtime.autotuner import Autotuner, Heuristics
@@ -59,18 +59,12 @@ def kernel_name(kernel: Any) -> str:
     return f"{fn.__module__}:{fn.__qualname__}"
 
 
-def innermost(kernel: Any) -> Any:
-    """The jitted (or interpreted) function under the autotune / heuristics wrappers."""
-    while isinstance(kernel, (Autotuner, Heuristics)):
-        kernel = kernel.fn
-    return kernel
-
-
 @contextlib.contextmanager
 def capture_launches(execute: bool = True, label: str = "") -> Iterator[list[Launch]]:
     """Within the block, every Triton launch is appended to the yielded list (and run only if ``execute``).
 
-    Not thread-safe: it patches ``KernelInterface.__getitem__`` process-wide for the block's duration.
+    It patches ``KernelInterface.__getitem__`` process-wide for the block's duration, so launches from any thread
+    are recorded (autograd's backward thread included); do not capture in two threads at once.
     """
     if not HAS_TRITON:
         raise RuntimeError("capturing launches needs Triton")
@@ -149,7 +143,3 @@ def expand_launch(launch: Launch, all_configs: bool = True) -> list[Variant]:
         grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
         variants.append(Variant(kernel_name(kernel), inner, values, constexprs, options, grid, config_label(config)))
     return variants
-
-
-def triton_version() -> str:
-    return str(getattr(triton, "__version__", "absent"))
