@@ -27,9 +27,17 @@ from tritonrec.kernels.embedding.layout import PoolingMode, TableBatchedLayout, 
 
 
 def _pooled_forward_configs() -> list:
-    # (BAGS, BLOCK_L, warps): many short bags per program first; one long bag per program last.
-    shapes = ((4, 8, 4), (8, 4, 4), (16, 2, 4), (32, 1, 4), (2, 16, 4), (1, 32, 8), (8, 8, 8))
-    return [triton.Config({"BAGS": b, "BLOCK_L": ll}, num_warps=w) for b, ll, w in shapes]
+    # (BAGS, BLOCK_L): many short bags per program first, one long bag per program last; each with 4 and 8 warps,
+    # of which _pooled_forward_fits keeps the one its tile needs.
+    shapes = ((4, 8), (8, 4), (16, 2), (32, 1), (2, 16), (1, 32), (8, 8))
+    return [triton.Config({"BAGS": b, "BLOCK_L": ll}, num_warps=w) for w in (4, 8) for b, ll in shapes]
+
+
+def _pooled_forward_fits(config: dict, args: dict) -> bool:
+    """The warps a [BAGS, BLOCK_L, BLOCK_D] tile needs at 16 values per thread (at least 4, at most 8): at 32 per
+    thread ptxas spilled on sm_80 at BLOCK_D = 128 (python -m tritonrec.kernels.aot)."""
+    values = config["BAGS"] * config["BLOCK_L"] * args["BLOCK_D"]
+    return config["num_warps"] == max(4, -(-values // (16 * 32)))
 
 
 @triton.jit
@@ -51,7 +59,11 @@ def load_rows(storage_ptr, scale_ptr, bias_ptr, row_start, global_row, row_ok, c
         return tl.where(mask, code.to(tl.float32) * scale[:, :, None] + bias[:, :, None], 0.0)
 
 
-@autotune(configs=_pooled_forward_configs(), key=["B_BUCKET", "L_BUCKET", "BLOCK_D", "HAS_WEIGHTS", "QUANT_BITS"])
+@autotune(
+    configs=_pooled_forward_configs(),
+    key=["B_BUCKET", "L_BUCKET", "BLOCK_D", "HAS_WEIGHTS", "QUANT_BITS"],
+    fits=_pooled_forward_fits,
+)
 @triton.jit
 def _pooled_forward_kernel(
     storage_ptr,
