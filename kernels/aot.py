@@ -164,7 +164,7 @@ def compile_all(jobs: list[dict[str, Any]], targets: Sequence[str], workers: int
     try:
         context = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=init_worker) as pool:
-            tasks = [(job, t) for t in targets for job in jobs]
+            tasks = [(job, t) for job in sorted(jobs, key=lambda j: j["kernel"]) for t in targets]
             futures = [pool.submit(_compile_one, job, t) for job, t in tasks]
             rows = []
             for done, ((job, t), future) in enumerate(zip(tasks, futures, strict=True), start=1):

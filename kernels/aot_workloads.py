@@ -147,22 +147,23 @@ def packing(width: int, vdt: torch.dtype) -> None:
 def small_workloads(sweep: str = "full") -> dict[str, Workload]:
     """``{name: workload}`` on small CPU inputs (run under ``TRITON_INTERPRET=1``).
 
-    Full: every weight x index dtype at the two main size classes (narrow tiles, and the widest: BLOCK_D 128 for
+    Full: every weight dtype and index dtype at the two main size classes (narrow tiles, and the widest: BLOCK_D 128 for
     lookups and jagged rows, 256 for packing, 8192-wide codec rows), then every other tile-width class once in fp32 /
     int64 (BLOCK_D 1 to 64, the fused update's single 1024-wide block and its multi-block path past 1024, codec rows of
     4 to 4096). CI: one dtype combination at the widest classes."""
     full = sweep == "full"
-    wdts, idts = (WEIGHT_DTYPES, INDEX_DTYPES) if full else ((torch.float16,), (torch.int64,))
     f32, i64 = torch.float32, torch.int64
+    # every weight dtype with int64 indices, and int32 indices once: each dtype of each argument is compiled
+    dtype_pairs = ([(w, i64) for w in WEIGHT_DTYPES] + [(f32, torch.int32)]) if full else [(torch.float16, i64)]
     out: dict[str, Workload] = {}
-    for wdt, idt in itertools.product(wdts, idts):
+    for wdt, idt in dtype_pairs:
         tag = f"{_name(wdt)}/{_name(idt)}"
         for dims in ([3, 64], [200, 8]) if full else ([200, 8], [1000]):
             out[f"pooled/{tag}/D={dims}"] = lambda d=dims, w=wdt, i=idt: pooled(d, w, i)
             out[f"sequence/{tag}/D={dims}"] = lambda d=dims, w=wdt, i=idt: sequence(d, w, i)
         out[f"jagged/{tag}/D=200"] = lambda w=wdt, i=idt: jagged(200, w, i)
         out[f"sparse/{tag}"] = lambda w=wdt, i=idt: sparse(w, i, 5)
-    for idt in idts:
+    for idt in INDEX_DTYPES if full else (i64,):
         for bits in (8, 4):
             out[f"quantized/int{bits}/{_name(idt)}"] = lambda b=bits, i=idt: quantized([3, 130], b, i)
     for row_dim, stochastic in itertools.product((32, 8192) if full else (8192,), (False, True)):
