@@ -131,11 +131,25 @@ def ptx_local_bytes(ptx: str) -> int:
     return sum(int(n) for n in re.findall(r"\.local\s+\.align\s+\d+\s+\.b8\s+\w+\[(\d+)\]", ptx))
 
 
-def spills(stats: dict[str, Any]) -> bool:
-    """Whether a compile moves values through memory: spill bytes, a stack frame or PTX local memory (CUDA), VGPR
-    spills or scratch (AMD). SGPR spills land in VGPR lanes, not memory, and are reported but not counted."""
-    keys = ("spill_store_bytes", "spill_load_bytes", "stack_bytes", "local_bytes", "vgpr_spills", "scratch_bytes")
-    return any(int(stats.get(k) or 0) > 0 for k in keys)
+# Spills below the register ceiling of at most this many bytes are the allocator's, not the tile's: Triton 3.9 runs
+# ptxas with --regAllocOptLevel=2 (a ptxas 13 workaround), and the same PTX without it spills nothing at the same
+# register count. They are reported as "minor-spill" and do not fail the sweep.
+MINOR_SPILL_BYTES = 64
+
+
+def spill_status(stats: dict[str, Any], num_warps: int, target: Target) -> str | None:
+    """``"spills"`` when a compile moves values through memory because its registers ran out: on CUDA, spills or
+    PTX local memory at the register ceiling (255, or 64K / threads) or of more than ``MINOR_SPILL_BYTES``; on AMD,
+    any VGPR spill or scratch. ``"minor-spill"`` for smaller CUDA spills below the ceiling; None otherwise. A ptxas
+    stack frame without spills, and SGPR spills (into VGPR lanes), are reported but not counted."""
+    value = lambda key: int(stats.get(key) or 0)
+    if target.backend == "hip":
+        return "spills" if value("vgpr_spills") or value("scratch_bytes") else None
+    spilled = max(value("spill_store_bytes"), value("spill_load_bytes")) + value("local_bytes")
+    if not spilled:
+        return None
+    ceiling = min(255, 65536 // (num_warps * target.warp_size))
+    return "spills" if value("registers") >= ceiling or spilled > MINOR_SPILL_BYTES else "minor-spill"
 
 
 def compile_job(job: dict[str, Any], target: Target) -> dict[str, Any]:

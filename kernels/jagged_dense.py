@@ -24,7 +24,13 @@ def _tile_configs() -> list:
     return [triton.Config({"BLOCK_L": bl}, num_warps=w) for bl, w in ((16, 4), (4, 2), (64, 8), (128, 8))]
 
 
-@autotune(configs=_tile_configs(), key=["L_BUCKET", "D_BUCKET", "BLOCK_D"])
+def _tile_fits(config: dict, args: dict) -> bool:
+    """At most 32 values of a [BLOCK_L, BLOCK_D] tile per thread: the 128-row tile at BLOCK_D 128 (64 per thread)
+    reached 255 registers and spilled (python -m tritonrec.kernels.aot)."""
+    return config["BLOCK_L"] * args["BLOCK_D"] <= 32 * 32 * config["num_warps"]
+
+
+@autotune(configs=_tile_configs(), key=["L_BUCKET", "D_BUCKET", "BLOCK_D"], fits=_tile_fits)
 @triton.jit
 def _jagged_to_padded_dense_kernel(
     values_ptr,
@@ -59,7 +65,7 @@ def _jagged_to_padded_dense_kernel(
         tl.store(dst, tile_values, mask=(rows[:, None] < max_len) & col_ok)
 
 
-@autotune(configs=_tile_configs(), key=["S_BUCKET", "D_BUCKET", "BLOCK_D"])
+@autotune(configs=_tile_configs(), key=["S_BUCKET", "D_BUCKET", "BLOCK_D"], fits=_tile_fits)
 @triton.jit
 def _dense_to_jagged_kernel(
     dense_ptr,

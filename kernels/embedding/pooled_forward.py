@@ -34,10 +34,12 @@ def _pooled_forward_configs() -> list:
 
 
 def _pooled_forward_fits(config: dict, args: dict) -> bool:
-    """The warps a [BAGS, BLOCK_L, BLOCK_D] tile needs at 16 values per thread (at least 4, at most 8): at 32 per
-    thread ptxas spilled on sm_80 at BLOCK_D = 128 (python -m tritonrec.kernels.aot)."""
-    values = config["BAGS"] * config["BLOCK_L"] * args["BLOCK_D"]
-    return config["num_warps"] == max(4, -(-values // (16 * 32)))
+    """Keep the warps (4 or 8, the fewest that do) that hold the [BAGS, BLOCK_L, BLOCK_D] tile plus the [BAGS,
+    BLOCK_D] accumulator at 20 values per thread; beyond that, ptxas reached 255 registers and spilled at BLOCK_D
+    128 on sm_80 / sm_90 (python -m tritonrec.kernels.aot), so wider shapes do not fit."""
+    values = config["BAGS"] * (config["BLOCK_L"] + 1) * args["BLOCK_D"]
+    needed = next((w for w in (4, 8) if values <= 20 * 32 * w), None)
+    return config["num_warps"] == needed
 
 
 @triton.jit
