@@ -131,7 +131,12 @@ def run(cfg: DictConfig | AutotuneConfig) -> dict[str, Any]:
         rows = []
         for shape in shape_points(cfg.shapes[op]):
             label = _label(shape)
-            trials = autotune_sweep.tune_shape(op, shape, device, cfg.dry_run, cfg.warmup, cfg.reps)
+            try:
+                trials = autotune_sweep.tune_shape(op, shape, device, cfg.dry_run, cfg.warmup, cfg.reps)
+            except torch.cuda.OutOfMemoryError:
+                print(f"skipped {op} at {label}: out of GPU memory")
+                torch.cuda.empty_cache()
+                continue
             autotune_sweep.merge_trials(table, trials, label)
             for trial in trials:
                 for i, config in enumerate(trial.configs):
