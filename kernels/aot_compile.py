@@ -1,8 +1,8 @@
 """Compile one captured launch variant for one GPU target, without a GPU, and read what the target reports.
 
 A job is plain JSON (written by :mod:`tritonrec.kernels.aot` from captured launches): the kernel's
-``module:function``, argument descriptors (tensor dtypes, int widths) and the keyword arguments (constexprs,
-config, compile options). :func:`compile_job` rebuilds stand-in arguments and runs Triton's own JIT path for the
+``module:function``, one entry per parameter (constexprs by value, tensors by dtype, ints by width) and the compile
+options (warps, stages, fp fusion). :func:`compile_job` rebuilds stand-in arguments and runs Triton's own JIT path for the
 target: the binder that specialises arguments, ``_pack_args``, ``ASTSource`` and ``triton.compile``. Stand-in tensors
 are 16-byte aligned (as device allocations are) and ints are generic (never 1, not a multiple of 16), so the
 variant compiled is the general one a real launch of that kernel could take.
