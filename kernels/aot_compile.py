@@ -2,10 +2,10 @@
 
 A job is plain JSON (written by :mod:`tritonrec.kernels.aot` from captured launches): the kernel's
 ``module:function``, one entry per parameter (constexprs by value, tensors by dtype, ints by width) and the compile
-options (warps, stages, fp fusion). :func:`compile_job` rebuilds stand-in arguments and runs Triton's own JIT path for the
-target: the binder that specialises arguments, ``_pack_args``, ``ASTSource`` and ``triton.compile``. Stand-in tensors
-are 16-byte aligned (as device allocations are) and ints are generic (never 1, not a multiple of 16), so the
-variant compiled is the general one a real launch of that kernel could take.
+options (warps, stages, fp fusion). :func:`compile_job` rebuilds stand-in arguments and runs Triton's own JIT path
+for the target: the binder that specialises arguments, ``_pack_args``, ``ASTSource`` and ``triton.compile``.
+Stand-in tensors are 16-byte aligned (as device allocations are) and ints are generic (never 1, not a multiple of
+16), so the variant compiled is the general one a real launch of that kernel could take.
 
 What is read back: shared memory (LDS on AMD) from the metadata; on CUDA, registers, stack frame and spill bytes
 from ptxas' ``-v`` log and ``.local`` declarations in the PTX; on AMD, VGPR/SGPR counts, spill counts, scratch
