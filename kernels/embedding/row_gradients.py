@@ -17,10 +17,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from tritonrec.kernels._triton import tl, triton
 from tritonrec.kernels.backend import autotune
-from tritonrec.kernels.embedding.grad_plan import RowGradientPlan, ValueGradientInfo, long_runs
+from tritonrec.kernels.embedding.grad_plan import RowGradientPlan, ValueGradientInfo
 from tritonrec.kernels.embedding.layout import TableBatchedLayout
 from tritonrec.kernels.embedding.pooled_forward import block_d_for
 
@@ -169,38 +170,72 @@ def row_spans(layout: TableBatchedLayout, plan: RowGradientPlan) -> list[RowSpan
     return spans
 
 
+def gradient_row_source(
+    grad_flat: torch.Tensor, grad_offsets: torch.Tensor, dim: int, row_stride: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(matrix [R, dim], ids [M])`` with ``matrix[ids[j]] == grad_flat[grad_offsets[j] : ... + dim]``.
+
+    ``matrix`` is a view of ``grad_flat`` with row stride ``dim`` (or ``row_stride``, e.g. a pooled gradient's
+    ``sum(D)``) when every offset sits on that grid, so the rows are read in place; otherwise the rows are gathered
+    into a ``[M, dim]`` copy and ``ids`` is ``arange(M)``. Overlapping rows (a stride below ``dim``) are never used:
+    ``embedding_bag`` would copy the whole buffer to make them contiguous."""
+    for stride in (dim, row_stride):
+        if stride is None or stride < dim or grad_offsets.numel() == 0:
+            continue
+        power_of_two = stride & (stride - 1) == 0  # bit operations: int64 division is ~10x slower on CPU
+        residues = grad_offsets & (stride - 1) if power_of_two else grad_offsets % stride
+        low, high = torch.aminmax(residues)
+        if int(low) == int(high):
+            first = int(low)
+            num_rows = (grad_flat.numel() - first - dim) // stride + 1
+            matrix = grad_flat.as_strided((num_rows, dim), (stride, 1), grad_flat.storage_offset() + first)
+            if power_of_two:
+                return matrix, grad_offsets >> (stride.bit_length() - 1)
+            return matrix, grad_offsets.div(stride, rounding_mode="floor")
+    rows = grad_rows(grad_flat, grad_offsets, dim)
+    return rows, torch.arange(rows.shape[0], device=grad_flat.device)
+
+
+def segment_sums(
+    matrix: torch.Tensor, ids: torch.Tensor, segment_offsets: torch.Tensor, scales: torch.Tensor | None
+) -> torch.Tensor:
+    """``[S, D]`` fp32: segment ``s`` sums ``scales[j] * matrix[ids[j]]`` over ``j`` in
+    ``[segment_offsets[s] - segment_offsets[0], segment_offsets[s + 1] - segment_offsets[0])``, strictly in ``j``
+    order (``embedding_bag`` in sum mode adds a bag's rows one after another, and never splits a bag across threads),
+    so a run summed in the plan's canonical order gives the same bits wherever it sits in the batch."""
+    return F.embedding_bag(
+        ids,
+        matrix,
+        segment_offsets - segment_offsets[0],
+        mode="sum",
+        per_sample_weights=scales,
+        include_last_offset=True,
+    )
+
+
 def iter_row_sums(
     layout: TableBatchedLayout,
     plan: RowGradientPlan,
     grad_flat: torch.Tensor,
     chunk_bytes: int | None = None,
-    out: torch.Tensor | None = None,
 ) -> Iterator[tuple[RowSpan, int, int, torch.Tensor]]:
     """Yield ``(span, a, b, sums)``: the fp32 gradient sums ``[b - a, dim]`` of unique rows ``[a, b)``, at most
-    ``chunk_bytes`` of sums at a time (so a consumer's temporaries stay in cache), written into ``out`` (the
-    compact buffer) when given.
+    ``chunk_bytes`` of sums at a time (so a consumer's temporaries stay in cache).
 
-    Each run's first contribution is gathered straight into the sums and the others are added with ``index_add_``,
-    which adds in index order: every run is summed in the plan's canonical order."""
+    Each run is one ``embedding_bag`` segment over the gradient rows read in place (:func:`gradient_row_source`),
+    added in the plan's canonical order."""
     goff, scales = plan.sorted_grad_offsets, plan.sorted_scales
-    rest, rest_run = long_runs(plan.segment_offsets, plan.segment_offsets[1:] - plan.segment_offsets[:-1], True)
     for span in row_spans(layout, plan):
+        matrix, ids = gradient_row_source(grad_flat, goff[span.c0 : span.c1], span.dim, plan.grad_row_stride)
+        span_scales = None if scales is None else scales[span.c0 : span.c1]
         rows_per_chunk = max(1, chunk_bytes // (4 * span.dim)) if chunk_bytes else span.u1 - span.u0
         bounds = [*range(span.u0, span.u1, rows_per_chunk), span.u1]
-        rest_bounds = torch.searchsorted(rest_run, torch.tensor(bounds, device=rest_run.device)).tolist()
+        starts = plan.segment_offsets[bounds].tolist() if len(bounds) > 2 else [span.c0, span.c1]
         for k, (a, b) in enumerate(itertools.pairwise(bounds)):
-            start = span.start + (a - span.u0) * span.dim
-            block = None if out is None else out[start : start + (b - a) * span.dim].view(b - a, span.dim)
-            first = plan.segment_offsets[a:b]
-            sums = grad_rows(grad_flat, goff[first], span.dim, out=block)
-            if scales is not None:
-                sums.mul_(scales[first, None])
-            r0, r1 = rest_bounds[k], rest_bounds[k + 1]
-            if r1 > r0:  # rows looked up more than once: add their other contributions, in the plan's order
-                rest_rows = grad_rows(grad_flat, goff[rest[r0:r1]], span.dim)
-                if scales is not None:
-                    rest_rows.mul_(scales[rest[r0:r1], None])
-                sums.index_add_(0, rest_run[r0:r1] - a, rest_rows)
+            c0, c1 = starts[k] - span.c0, starts[k + 1] - span.c0
+            sums = segment_sums(
+                matrix, ids[c0:c1], plan.segment_offsets[a : b + 1], None if span_scales is None else span_scales[c0:c1]
+            )
             yield span, a, b, sums
 
 
@@ -208,10 +243,12 @@ def row_gradient_sums_reference(
     layout: TableBatchedLayout, plan: RowGradientPlan, grad_flat: torch.Tensor
 ) -> torch.Tensor:
     """The specification: compact fp32 row sums (see module docstring and :func:`iter_row_sums`)."""
-    out = torch.empty(compact_offsets(layout, plan)[-1], dtype=torch.float32, device=grad_flat.device)
-    for _ in iter_row_sums(layout, plan, grad_flat, out=out):
-        pass
-    return out
+    blocks = [sums.reshape(-1) for _, _, _, sums in iter_row_sums(layout, plan, grad_flat)]
+    if len(blocks) == 1:
+        return blocks[0]
+    if not blocks:
+        return torch.empty(0, dtype=torch.float32, device=grad_flat.device)
+    return torch.cat(blocks)
 
 
 @triton.jit
@@ -318,6 +355,7 @@ __all__ = [
     "RowSpan",
     "compact_offsets",
     "grad_rows",
+    "gradient_row_source",
     "iter_row_sums",
     "per_sample_weight_grad_reference",
     "per_sample_weight_grad_triton",
@@ -325,4 +363,5 @@ __all__ = [
     "row_gradient_sums_triton",
     "row_spans",
     "segment_grad",
+    "segment_sums",
 ]
