@@ -35,9 +35,10 @@ _MIX_ROW = -0x40A7B892E31B1A47
 
 @dataclass
 class ValueGradientInfo:
-    """Per value ``[N]``: its gradient row offset, its table's first global row, its scale (``None`` = all ones),
-    whether its index is in range (``None`` = all are) and, for pooled lookups, its bag divisor (``None`` = 1) and
-    the row stride of the gradient (``grad_row_stride``: every gradient row of a feature lies on that grid).
+    """Per value ``[N]``: its gradient row offset, its table's first global row (pooled: int32 when every global row
+    fits), its scale (``None`` = all ones), whether its index is in range (``None`` = all are) and, for pooled
+    lookups, its bag divisor (``None`` = 1) and the row stride of the gradient (``grad_row_stride``: every gradient
+    row of a feature lies on that grid).
 
     Each value's feature (and, pooled, its sample) is kept per bag (``bag_offsets [F * B + 1]`` say which values a
     bag holds) and only looked up for the values that need it.
@@ -174,7 +175,8 @@ def pooled_value_info(
 
     # values are key-major: a feature's values are one run, so per-feature values repeat once per feature
     feature_lengths = bag_offsets[::batch_size].diff() if batch_size else torch.zeros_like(meta.feature_rows)
-    row_offsets = torch.repeat_interleave(meta.feature_row_offsets, feature_lengths, output_size=num_values)
+    feature_row_offsets = meta.feature_row_offsets.int() if layout.num_rows < 2**31 else meta.feature_row_offsets
+    row_offsets = torch.repeat_interleave(feature_row_offsets, feature_lengths, output_size=num_values)
     scales = None if per_sample_weights is None else per_sample_weights.float()
     divisors = None
     if any(layout.tables[t].pooling == PoolingMode.MEAN for t in layout.feature_tables):

@@ -171,29 +171,50 @@ def row_spans(layout: TableBatchedLayout, plan: RowGradientPlan) -> list[RowSpan
 
 
 def gradient_row_source(
-    grad_flat: torch.Tensor, grad_offsets: torch.Tensor, dim: int, row_stride: int | None = None
+    grad_flat: torch.Tensor,
+    grad_offsets: torch.Tensor,
+    dim: int,
+    row_stride: int | None = None,
+    grid: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(matrix [R, dim], ids [M])`` with ``matrix[ids[j]] == grad_flat[grad_offsets[j] : ... + dim]``.
 
     ``matrix`` is a view of ``grad_flat`` with row stride ``dim`` (or ``row_stride``, e.g. a pooled gradient's
     ``sum(D)``) when every offset sits on that grid, so the rows are read in place; otherwise the rows are gathered
-    into a ``[M, dim]`` copy and ``ids`` is ``arange(M)``. Overlapping rows (a stride below ``dim``) are never used:
-    ``embedding_bag`` would copy the whole buffer to make them contiguous."""
-    for stride in (dim, row_stride):
-        if stride is None or stride < dim or grad_offsets.numel() == 0:
-            continue
-        power_of_two = stride & (stride - 1) == 0  # bit operations: int64 division is ~10x slower on CPU
-        residues = grad_offsets & (stride - 1) if power_of_two else grad_offsets % stride
-        low, high = torch.aminmax(residues)
-        if int(low) == int(high):
-            first = int(low)
-            num_rows = (grad_flat.numel() - first - dim) // stride + 1
-            matrix = grad_flat.as_strided((num_rows, dim), (stride, 1), grad_flat.storage_offset() + first)
-            if power_of_two:
-                return matrix, grad_offsets >> (stride.bit_length() - 1)
-            return matrix, grad_offsets.div(stride, rounding_mode="floor")
-    rows = grad_rows(grad_flat, grad_offsets, dim)
-    return rows, torch.arange(rows.shape[0], device=grad_flat.device)
+    into a ``[M, dim]`` copy and ``ids`` is ``arange(M)``. A caller that knows the grid (``(stride, first offset
+    modulo stride)``) passes it and the offsets are not checked. Overlapping rows (a stride below ``dim``) are never
+    used: ``embedding_bag`` would copy the whole buffer to make them contiguous."""
+    if grid is None and grad_offsets.numel():
+        for stride in (dim, row_stride):
+            if stride is None or stride < dim:
+                continue
+            residues = grad_offsets & (stride - 1) if stride & (stride - 1) == 0 else grad_offsets % stride
+            low, high = torch.aminmax(residues)
+            if int(low) == int(high):
+                grid = (stride, int(low))
+                break
+    if grid is None:
+        rows = grad_rows(grad_flat, grad_offsets, dim)
+        return rows, torch.arange(rows.shape[0], device=grad_flat.device)
+    stride, first = grid
+    num_rows = (grad_flat.numel() - first - dim) // stride + 1
+    matrix = grad_flat.as_strided((num_rows, dim), (stride, 1), grad_flat.storage_offset() + first)
+    if stride & (stride - 1) == 0:  # a shift: int64 division is ~10x slower on CPU
+        return matrix, grad_offsets >> (stride.bit_length() - 1)
+    return matrix, grad_offsets.div(stride, rounding_mode="floor")
+
+
+def pooled_gradient_grid(layout: TableBatchedLayout, table: int | None, row_stride: int) -> tuple[int, int] | None:
+    """The grid ``(stride, first offset modulo stride)`` holding every gradient row of table ``table``'s features
+    (every table's when None) in a pooled gradient, read from the layout alone: row ``b`` of feature ``f`` starts at
+    ``b * row_stride + feature_out_offsets[f]``. None when no single grid of stride ``dim`` or ``row_stride`` does."""
+    dim = layout.max_dim if table is None else layout.tables[table].dim
+    starts = {layout.feature_out_offsets[f] for f, t in enumerate(layout.feature_tables) if table is None or t == table}
+    if row_stride % dim == 0 and len({start % dim for start in starts}) == 1:
+        return dim, min(starts) % dim
+    if len(starts) == 1 and row_stride >= dim:
+        return row_stride, starts.pop()
+    return None
 
 
 def segment_sums(
@@ -224,9 +245,10 @@ def iter_row_sums(
 
     Each run is one ``embedding_bag`` segment over the gradient rows read in place (:func:`gradient_row_source`),
     added in the plan's canonical order."""
-    goff, scales = plan.sorted_grad_offsets, plan.sorted_scales
+    goff, scales, row_stride = plan.sorted_grad_offsets, plan.sorted_scales, plan.grad_row_stride
     for span in row_spans(layout, plan):
-        matrix, ids = gradient_row_source(grad_flat, goff[span.c0 : span.c1], span.dim, plan.grad_row_stride)
+        grid = None if row_stride is None else pooled_gradient_grid(layout, span.table, row_stride)
+        matrix, ids = gradient_row_source(grad_flat, goff[span.c0 : span.c1], span.dim, row_stride, grid)
         span_scales = None if scales is None else scales[span.c0 : span.c1]
         rows_per_chunk = max(1, chunk_bytes // (4 * span.dim)) if chunk_bytes else span.u1 - span.u0
         bounds = [*range(span.u0, span.u1, rows_per_chunk), span.u1]
@@ -359,6 +381,7 @@ __all__ = [
     "iter_row_sums",
     "per_sample_weight_grad_reference",
     "per_sample_weight_grad_triton",
+    "pooled_gradient_grid",
     "row_gradient_sums_reference",
     "row_gradient_sums_triton",
     "row_spans",

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 
 from tritonrec.kernels.embedding import PoolingMode, pooled_embedding_lookup
 from tritonrec.kernels.embedding.grad_plan import build_row_gradient_plan, pooled_fingerprints, pooled_value_info
-from tritonrec.kernels.embedding.row_gradients import gradient_row_source
+from tritonrec.kernels.embedding.row_gradients import gradient_row_source, pooled_gradient_grid
 
 SUM, MEAN = PoolingMode.SUM, PoolingMode.MEAN
 
@@ -178,3 +178,25 @@ def test_gradient_row_source_reads_rows_in_place_when_they_lie_on_a_grid(grad_of
     assert torch.equal(matrix.index_select(0, ids), expected)
     shares_storage = matrix.untyped_storage().data_ptr() == grad_flat.untyped_storage().data_ptr()
     assert shares_storage == in_place
+
+
+@pytest.mark.parametrize(
+    ("dims", "feature_tables", "grids"),
+    [
+        ((4, 4), [0, 1, 0], {None: (4, 0), 0: (4, 0), 1: (4, 0)}),  # equal dims: every row on the dim grid
+        ((3, 129), [0, 1, 0], {0: (3, 0), 1: (135, 3)}),  # table 1 has one feature: the sum(D) grid
+        ((2, 3), [0, 1, 0], {0: None, 1: (7, 2)}),  # table 0's features start at columns 0 and 5 of 7: no grid
+    ],
+)
+def test_pooled_gradient_grid_holds_every_gradient_row(dims, feature_tables, grids):
+    layout = make_layout(list(dims), feature_tables=feature_tables)
+    for table, expected in grids.items():
+        grid = pooled_gradient_grid(layout, table, layout.total_dim)
+        assert grid == expected
+        if grid is None:
+            continue
+        stride, first = grid
+        for f, t in enumerate(layout.feature_tables):
+            if table is None or t == table:
+                offsets = torch.arange(5) * layout.total_dim + layout.feature_out_offsets[f]
+                assert bool(((offsets - first) % stride == 0).all())
