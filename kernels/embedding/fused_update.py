@@ -16,7 +16,9 @@ fp16 / bf16 weights are updated in fp32 and rounded back (to nearest, or stochas
 
 Triton: one program per unique row walks its sorted run of contributions (``segment_grad``); when the widest table
 fits one column block the gradient is summed once, otherwise (rowwise Adagrad on very wide rows) it is re-summed per
-block after a first pass computes the row's mean square.
+block after a first pass computes the row's mean square. Torch twin: chunks of unique rows, each summed by
+``embedding_bag`` (:func:`~tritonrec.kernels.embedding.row_gradients.iter_row_sums`), updated on the compact rows and
+written back with one ``index_add_`` (fp32 SGD / rowwise Adagrad) or ``index_copy_``.
 """
 
 from __future__ import annotations

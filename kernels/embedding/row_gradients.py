@@ -4,7 +4,8 @@ the per-sample weights.
 Row sums follow a :class:`~tritonrec.kernels.embedding.grad_plan.RowGradientPlan`: unique row ``u`` receives the sum
 of its sorted run of contributions ``scale * grad[goff : goff + D]``. The result is *compact*: table ``t``'s unique
 rows are stored one after another as a ``[U_t, D_t]`` block, blocks in table order (the caller scatters them into a
-dense gradient or wraps them as sparse rows).
+dense gradient or wraps them as sparse rows). The torch twin sums each run as one ``embedding_bag`` bag over the
+gradient rows, read in place wherever they lie on a grid of the flat gradient (no scatter, no per-row copy).
 
 Per-sample-weight gradient of value ``j`` in bag ``b``: ``dot(W[idx_j], grad_output[b, cols_f]) / divisor_b`` (zero
 for out-of-range rows and for bags whose divisor is 0).
