@@ -31,7 +31,7 @@ from tritonrec.kernels.embedding.grad_plan import RowGradientPlan
 from tritonrec.kernels.embedding.layout import TableBatchedLayout
 from tritonrec.kernels.embedding.optim_state import FusedOptimizerState, OptimType, begin_step, optim_code
 from tritonrec.kernels.embedding.rounding import WEIGHT_CODES, round_fp32_to_storage, round_fp32_to_storage_reference
-from tritonrec.kernels.embedding.row_gradients import iter_row_sums, segment_grad
+from tritonrec.kernels.embedding.row_gradients import compact_offsets, iter_row_sums, segment_grad
 from tritonrec.kernels.random_bits import stream_key_args
 
 # Columns per program above which rows are processed in several column blocks.
@@ -41,6 +41,10 @@ MAX_ONE_BLOCK_D = 1024
 # 2 MiB of L2 per core, 2 MiB chunks update ~15% faster than 4 MiB ones or one pass over all rows, and ~5% faster
 # than 1 MiB ones).
 _CHUNK_BYTES_PER_THREAD = 2 << 20
+# With several threads every parallel torch op ends at an OpenMP barrier, and on a machine shared with other processes
+# a barrier waits for a descheduled thread (milliseconds each): past this many chunks per update, chunks grow instead
+# (at FBGEMM's default size on 2 loaded cores, 8 chunks instead of 40 halved the update's wall time).
+_MAX_CHUNKS_MULTITHREADED = 8
 
 
 @triton.jit
@@ -343,7 +347,8 @@ def fused_update_reference(
 ) -> None:
     """The specification (see module docstring): apply the rule in fp32 to the touched rows, round to the storage
     dtype and write rows and state back - over all tables at once when they share a dim, else per table, in
-    chunks of ``_CHUNK_BYTES_PER_THREAD`` of gradient sums per thread.
+    chunks of ``_CHUNK_BYTES_PER_THREAD`` of gradient sums per thread (at most ``_MAX_CHUNKS_MULTITHREADED`` chunks
+    with several threads).
 
     Each rule computes ``delta = -update`` and the new weights are ``w + delta``. For fp32 SGD and rowwise Adagrad
     that is written with ``index_add_`` (one read-modify-write per row, much faster on CPU than gathering the rows
@@ -354,7 +359,10 @@ def fused_update_reference(
     in_place = weights.dtype == torch.float32 and state.optim != OptimType.ADAM
     rowwise = state.optim == OptimType.EXACT_ROWWISE_ADAGRAD
     row_state = state.momentum1.index_select(0, plan.unique_rows) if rowwise else None  # [U], by unique row
-    chunk_bytes = _CHUNK_BYTES_PER_THREAD * torch.get_num_threads()  # also halves the parallel regions at 2 threads
+    chunk_bytes = _CHUNK_BYTES_PER_THREAD * torch.get_num_threads()
+    if torch.get_num_threads() > 1:
+        total_bytes = 4 * compact_offsets(layout, plan)[-1]
+        chunk_bytes = max(chunk_bytes, -(-total_bytes // _MAX_CHUNKS_MULTITHREADED))
     for span, a, b, g in iter_row_sums(layout, plan, grad_flat, chunk_bytes):
         t, dim = span.table, span.dim
         if t is None:  # every table: global rows of the flat buffer viewed as [num_rows, dim]
