@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -40,8 +40,9 @@ class ValueGradientInfo:
     lookups, its bag divisor (``None`` = 1) and the row stride of the gradient (``grad_row_stride``: every gradient
     row of a feature lies on that grid).
 
-    Each value's feature (and, pooled, its sample) is kept per bag (``bag_offsets [F * B + 1]`` say which values a
-    bag holds) and only looked up for the values that need it.
+    Pooled lookups keep each value's feature per bag (``bag_offsets [F * B + 1]`` say which values a bag holds) and
+    read a value's sample and feature back from its gradient offset (``feature_grad_starts [F]``: each feature's
+    first column), only for the values that need them.
     """
 
     grad_offsets: torch.Tensor
@@ -51,19 +52,9 @@ class ValueGradientInfo:
     divisors: torch.Tensor | None = None
     bag_offsets: torch.Tensor | None = None
     bag_features: torch.Tensor | None = None
-    bag_samples: torch.Tensor | None = None
+    feature_grad_starts: torch.Tensor | None = None
     value_features: torch.Tensor | None = None
     grad_row_stride: int | None = None
-    _bags: torch.Tensor | None = field(default=None, init=False, repr=False)  # [N], built by bags_of
-
-    def bags_of(self, positions: torch.Tensor) -> torch.Tensor:
-        """Pooled lookups: the bag of the values at ``positions`` (every value's bag is expanded once, on first
-        use: a repeat is much cheaper than a binary search per value)."""
-        if self._bags is None:
-            lengths = self.bag_offsets[1:] - self.bag_offsets[:-1]
-            bag_ids = torch.arange(lengths.numel(), device=lengths.device)
-            self._bags = torch.repeat_interleave(bag_ids, lengths, output_size=self.row_offsets.numel())
-        return self._bags.index_select(0, positions)
 
     @property
     def features(self) -> torch.Tensor:
@@ -74,11 +65,19 @@ class ValueGradientInfo:
             self.value_features = torch.repeat_interleave(self.bag_features, lengths, output_size=num_values)
         return self.value_features
 
-    def features_of(self, positions: torch.Tensor, bags: torch.Tensor | None = None) -> torch.Tensor:
-        """The feature of the values at ``positions`` (pooled: pass their ``bags`` when already known)."""
+    def samples_and_features_of(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pooled lookups: the sample (output row) and the feature of the values at ``positions``, from their
+        gradient offsets ``sample * grad_row_stride + feature_grad_starts[feature]`` (no per-value bag table)."""
+        grad_offsets = self.grad_offsets.index_select(0, positions)
+        samples = grad_offsets.div(self.grad_row_stride, rounding_mode="floor")
+        columns = grad_offsets - samples * self.grad_row_stride
+        return samples, torch.searchsorted(self.feature_grad_starts, columns, right=True) - 1
+
+    def features_of(self, positions: torch.Tensor) -> torch.Tensor:
+        """The feature of the values at ``positions``."""
         if self.value_features is not None:
             return self.value_features.index_select(0, positions)
-        return self.bag_features.index_select(0, self.bags_of(positions) if bags is None else bags)
+        return self.samples_and_features_of(positions)[1]
 
 
 @dataclass(frozen=True)
@@ -168,7 +167,8 @@ def pooled_value_info(
     bag_ids = torch.arange(num_bags, device=device)
     bag_features = bag_ids // max(batch_size, 1)
     bag_samples = bag_ids - bag_features * batch_size
-    bag_grad_offsets = bag_samples * grad_row_stride + meta.feature_out_offsets.long().index_select(0, bag_features)
+    feature_grad_starts = meta.feature_out_offsets.long()
+    bag_grad_offsets = bag_samples * grad_row_stride + feature_grad_starts.index_select(0, bag_features)
 
     def per_value(per_bag: torch.Tensor) -> torch.Tensor:  # [F * B] -> [N], each bag's value repeated over its values
         return torch.repeat_interleave(per_bag, lengths, output_size=num_values)
@@ -196,7 +196,7 @@ def pooled_value_info(
         divisors=divisors,
         bag_offsets=bag_offsets,
         bag_features=bag_features,
-        bag_samples=bag_samples,
+        feature_grad_starts=feature_grad_starts,
         grad_row_stride=grad_row_stride,
     )
 
@@ -233,9 +233,8 @@ def pooled_fingerprints(info: ValueGradientInfo, grad_output: torch.Tensor) -> F
 
     def fingerprints(positions: torch.Tensor) -> torch.Tensor:
         sample_keys = row_fingerprints(grad_output)
-        bags = info.bags_of(positions)
-        samples = info.bag_samples.index_select(0, bags)
-        keys = sample_keys.index_select(0, samples) + info.features_of(positions, bags) * _MIX_FEATURE
+        samples, features = info.samples_and_features_of(positions)
+        keys = sample_keys.index_select(0, samples) + features * _MIX_FEATURE
         if info.scales is not None:
             keys = keys + info.scales.index_select(0, positions).view(torch.int32).to(torch.int64) * _MIX_SCALE
         return keys
@@ -282,7 +281,8 @@ def _canonical_order(rows: torch.Tensor, fingerprints: Fingerprints) -> tuple[to
     fingerprint keeps at least 40 bits while there are fewer than 2**23 duplicated rows)."""
     sorted_rows, order = torch.sort(rows, stable=True)
     unique_rows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
-    segment_offsets = torch.zeros(unique_rows.numel() + 1, dtype=torch.int64, device=rows.device)
+    segment_offsets = torch.empty(unique_rows.numel() + 1, dtype=torch.int64, device=rows.device)
+    segment_offsets[:1] = 0
     torch.cumsum(counts, dim=0, out=segment_offsets[1:])
     if unique_rows.numel() < rows.numel():
         positions, rank, num_runs = _duplicated_runs(segment_offsets, counts)
