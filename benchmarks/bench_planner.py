@@ -25,7 +25,10 @@ A step is timed from a barrier to its end, as the slowest rank's time. Every dis
 ``--screen-steps`` steps (labels with the same plan share one measurement); the ``--refine`` fastest grid plans,
 ``ours``, ``table_wise`` and ``torchrec`` are then built side by side and stepped in ``--rounds`` rounds, one step of
 each per round in rotating order, so load drifting during the run (a shared machine) hits every finalist alike; the
-median over rounds is reported with its quartiles.
+median over rounds is reported with its quartiles. Steps run with the cross-rank metadata checks off (the steady
+state a training job reaches after its first calls). The summary also says how well the perf model ranks the grid's
+plans: Spearman's rank correlation of its estimates with the screening times (all grid plans) and with the refined
+times (the grid finalists).
 Appends ``benchmarks/results/planner_quality_cpu.csv`` (``--plot``: ``planner_quality_cpu.png``).
 """
 
