@@ -25,7 +25,10 @@ A step is timed from a barrier to its end, as the slowest rank's time. Every dis
 ``--screen-steps`` steps (labels with the same plan share one measurement); the ``--refine`` fastest grid plans,
 ``ours``, ``table_wise`` and ``torchrec`` are then built side by side and stepped in ``--rounds`` rounds, one step of
 each per round in rotating order, so load drifting during the run (a shared machine) hits every finalist alike; the
-median over rounds is reported with its quartiles.
+median over rounds is reported with its quartiles. Steps run with the cross-rank metadata checks off (the steady
+state a training job reaches after its first calls). The summary also says how well the perf model ranks the grid's
+plans: Spearman's rank correlation of its estimates with the screening times (all grid plans) and with the refined
+times (the grid finalists).
 Appends ``benchmarks/results/planner_quality_cpu.csv`` (``--plot``: ``planner_quality_cpu.png``).
 """
 
@@ -315,6 +318,9 @@ def _quartiles(samples: list[float]) -> tuple[float, float]:
 def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, results: Any) -> None:
     try:
         os.environ["LOCAL_WORLD_SIZE"] = str(world)
+        # the steady state is timed: the cross-rank metadata checks of each module's first calls (which would fall
+        # in the screening steps) are off
+        os.environ["TRITONREC_DIST_CHECKS"] = "0"
         torch.set_num_threads(args.threads)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         rows = []
@@ -329,8 +335,20 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, result
 
 
 # ------------------------------------------------------------------------------------------------------ report
+def spearman(estimated: list[float], measured: list[float]) -> float:
+    """Rank correlation of the perf model's estimates with the measured times (1: the model orders plans right)."""
+    import numpy as np
+
+    pairs = [(e, m) for e, m in zip(estimated, measured, strict=True) if e == e and m == m]  # drop NaNs
+    if len(pairs) < 3:
+        return float("nan")
+    ranks = np.argsort(np.argsort(np.asarray(pairs), axis=0), axis=0).astype(float)
+    return float(np.corrcoef(ranks[:, 0], ranks[:, 1])[0, 1])
+
+
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per table set: ours, the best refined plan, table-wise, torchrec, and the ratios."""
+    """Per table set: ours, the best refined plan, table-wise, torchrec, the ratios, and how well the perf model
+    ranks the grid's plans (Spearman of estimate vs screening time over all, vs refined time over the finalists)."""
     out = []
     for name in dict.fromkeys(r["table_set"] for r in rows):
         refined = [r for r in rows if r["table_set"] == name and r["refined"]]
@@ -339,12 +357,17 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ours = by_label["ours"]["measured_ms"]
         theirs = by_label.get("torchrec", {}).get("measured_ms", float("nan"))
         measured = sum(1 for r in rows if r["table_set"] == name and r["screen_ms"] > 0)
+        grid = [r for r in rows if r["table_set"] == name and r["plan"].startswith("grid_")]
+        finalists = [r for r in grid if r["refined"]]
         out.append({"table_set": name, "ours_ms": ours, "best_ms": best["measured_ms"], "best_plan": best["plan"],
                     "best_sharding": best["sharding"], "ours_over_best": ours / best["measured_ms"],
                     "table_wise_ms": by_label["table_wise"]["measured_ms"], "torchrec_ms": theirs,
                     "ours_over_torchrec": ours / theirs, "ours_sharding": by_label["ours"]["sharding"],
                     "torchrec_sharding": by_label.get("torchrec", {}).get("sharding", ""),
-                    "plans_measured": measured})  # fmt: skip
+                    "plans_measured": measured,
+                    "spearman_screened": spearman([r["estimated_ms"] for r in grid], [r["screen_ms"] for r in grid]),
+                    "spearman_refined": spearman([r["estimated_ms"] for r in finalists],
+                                                 [r["measured_ms"] for r in finalists])})  # fmt: skip
     return out
 
 
@@ -422,7 +445,8 @@ def main() -> None:
                                                     "screen_ms", "note"])  # fmt: skip
     print()
     print_table(summary, ["table_set", "ours_ms", "best_ms", "ours_over_best", "torchrec_ms", "ours_over_torchrec",
-                          "table_wise_ms", "ours_sharding", "best_sharding", "torchrec_sharding"])  # fmt: skip
+                          "table_wise_ms", "spearman_screened", "spearman_refined", "ours_sharding", "best_sharding",
+                          "torchrec_sharding"])  # fmt: skip
     print(f"threads per rank: {args.threads}; calibration: {args.calibration or 'documented defaults'}")
     path = append_csv(args.csv, [{**r, "batch_per_rank": args.batch, "rounds": args.rounds} for r in rows])
     append_csv(Path(args.csv).with_name(Path(args.csv).stem + "_summary.csv"), summary)

@@ -10,6 +10,7 @@ fits as a ``ShardingPlan``. Every sharding type is plannable on CPU and GPU alik
 from tritonrec.dist.planner.calibration import (
     DEFAULT_COEFFICIENTS,
     CommCoefficients,
+    InputDistCoefficients,
     LookupCoefficients,
     PerfCoefficients,
     default_calibration_path,
@@ -51,6 +52,7 @@ __all__ = [
     "GreedyProposer",
     "GridSearchProposer",
     "HeuristicalStorageReservation",
+    "InputDistCoefficients",
     "LookupCoefficients",
     "NoopPerfModel",
     "ParameterConstraints",

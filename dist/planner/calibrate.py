@@ -3,15 +3,25 @@
     python -m tritonrec.dist.planner.calibrate                      # default file (see calibration.py)
     python -m tritonrec.dist.planner.calibrate --out calib.json --device cpu --world-size 2
 
-* Lookups: a ``FusedEmbeddingBagCollection`` (rowwise Adagrad, the training default) on tables of several widths
-  and batches of several pooling factors, timed forward and backward (the fused update) through the module, i.e. the
-  ``tritonrec.kernels.embedding`` lookup the sharded modules run; ``call_s``, ``id_s`` and ``bytes_per_s`` are the
-  non-negative least-squares fit of ``time = call_s + ids x id_s + bytes / bytes_per_s`` (bytes: ids x dim x 4).
+* Lookups: a ``FusedEmbeddingBagCollection`` (rowwise Adagrad, the training default) of 1 or 4 tables of several
+  widths, batches of several sizes and pooling factors, timed forward and backward (the fused update) through the
+  module, i.e. the ``tritonrec.kernels.embedding`` lookup the sharded modules run; ``call_s``, ``table_s``,
+  ``bag_s``, ``id_s`` and ``bytes_per_s`` are the non-negative least-squares fit (relative errors) of
+  ``time = call_s + tables x table_s + bags x bag_s + ids x id_s + bytes / bytes_per_s`` (bytes: ids x dim x 4).
+  With collectives measured, the lookups run on every spawned rank at once, as in training: ranks sharing a host
+  share its cores and memory bandwidth (``--threads`` torch threads each), and a lone process would be too fast.
 * Collectives: ``--world-size`` local processes (gloo on cpu; NCCL on cuda when there is one GPU per process, else
   gloo) time the comm ops the sharded modules use - pooled all-to-all, reduce-scatter, all-gather - and DDP's
-  all-reduce at several message sizes; each gets ``latency_s`` and ``bytes_per_s`` per rank on the wire.
+  all-reduce at several message sizes, from a few KB (where the per-call latency shows) to MBs; each gets
+  ``latency_s`` and ``bytes_per_s`` per rank on the wire.
+* Groups: the same ranks time a training step of a tiny one-table group per sharding type through
+  ``DistributedModelParallel``: the per-group fixed cost (``group_step_s``, see calibration.py).
+* Input dist: the same ranks time the sparse ``KJTAllToAll`` (splits, lengths and values: its whole fixed cost is
+  ``input_dist.latency_s``, the time per id received beyond the wire bytes ``id_s``) and the row-wise
+  ``block_bucketize_sparse_features`` (``bucketize_call_s`` + ids x ``bucketize_id_s``).
 
-Times are medians of repeated calls on distinct inputs; a loaded machine gives pessimistic numbers (re-run when quiet).
+Times are medians of repeated calls on distinct inputs after warm-up calls; a loaded machine gives pessimistic
+numbers (re-run when quiet).
 """
 
 from __future__ import annotations
@@ -28,92 +38,62 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tritonrec.dist.planner.calibrate_dist import measure_group_steps, measure_input_dist
+from tritonrec.dist.planner.calibrate_fit import fit_latency_and_rate, fit_nonnegative, median_s
 from tritonrec.dist.planner.calibration import (
     COLLECTIVES,
     DEFAULT_COEFFICIENTS,
     CommCoefficients,
+    InputDistCoefficients,
     LookupCoefficients,
     PerfCoefficients,
     default_calibration_path,
 )
+from tritonrec.dist.planner.shard_estimators import INDEX_BYTES
 
-# (rows, dims, batch, pooling factors) of the lookup sweep, and per-rank message sizes (bytes) of the collectives
-FULL_LOOKUPS = (200_000, (16, 64, 256), 2048, (1, 8, 32))
-QUICK_LOOKUPS = (1_000, (8, 32), 64, (1, 4))
-FULL_MESSAGES = (64 * 1024, 1024**2, 8 * 1024**2)
-UNMEASURABLE_RATE = 1e15  # bytes/s written when the bytes explain none of a lookup's time
+# (rows, dims, batches, pooling factors, table counts) of the lookup sweep, per-rank message sizes (bytes) of the
+# collectives, and ids per rank of the input-dist sweep
+FULL_LOOKUPS = (50_000, (16, 64, 256), (256, 1024), (1, 8, 32), (1, 4))
+QUICK_LOOKUPS = (1_000, (8, 32), (32, 64), (1, 4), (1, 2))
+FULL_MESSAGES = (4 * 1024, 64 * 1024, 1024**2, 8 * 1024**2)
 QUICK_MESSAGES = (4 * 1024, 64 * 1024)
+QUICK_GROUP_KINDS = ("table_wise", "row_wise")
+FULL_INPUT_IDS = (256, 4096, 65_536, 262_144)
+QUICK_INPUT_IDS = (64, 1024)
+UNMEASURABLE_RATE = 1e15  # bytes/s written when the bytes explain none of a lookup's time
 
-__all__ = ["calibrate", "fit_latency_and_rate", "fit_nonnegative", "main", "measure_collectives", "measure_lookups"]
-
-
-def _median_s(fn: Callable[[int], Any], repeats: int, device: torch.device, barrier: bool = False) -> float:
-    """Median seconds of ``fn(i)`` over ``repeats`` calls after one warm-up (``i`` picks a distinct input)."""
-    fn(repeats)
-    samples = []
-    for i in range(repeats):
-        if barrier:
-            dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn(i)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
-def fit_nonnegative(features: list[list[float]], seconds: list[float]) -> list[float]:
-    """Least-squares ``seconds ~ sum_k coef_k features[k]`` with every ``coef_k >= 0``: the best fit over the subsets
-    of features whose unconstrained solution is non-negative (few features, so the subsets are few)."""
-    x, y = np.asarray(features, dtype=np.float64).T, np.asarray(seconds, dtype=np.float64)
-    if x.shape[0] != y.shape[0] or y.shape[0] < 2:
-        raise ValueError(f"need at least two (features, time) points, got {x.shape[0]} and {y.shape[0]}")
-    best: tuple[float, tuple[int, ...], np.ndarray] | None = None
-    for size in range(1, x.shape[1] + 1):
-        for subset in itertools.combinations(range(x.shape[1]), size):
-            coef = np.linalg.lstsq(x[:, subset], y, rcond=None)[0]
-            if (coef < 0).any():
-                continue
-            residual = float(((x[:, subset] @ coef - y) ** 2).sum())
-            if best is None or residual < best[0]:
-                best = (residual, subset, coef)
-    out = [0.0] * x.shape[1]
-    if best is not None:
-        for k, value in zip(best[1], best[2], strict=True):
-            out[k] = float(value)
-    return out
-
-
-def fit_latency_and_rate(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
-    """``seconds = latency + sizes / rate`` with ``latency >= 0``, ``rate > 0``. When the sizes explain nothing (noise
-    on tiny inputs) the whole time is put on the bandwidth: zero latency, the best observed rate."""
-    if len(sizes) != len(seconds) or len(sizes) < 2:
-        raise ValueError(f"need at least two (size, time) points, got {len(sizes)} sizes and {len(seconds)} times")
-    latency, per_byte = fit_nonnegative([[1.0] * len(sizes), list(sizes)], list(seconds))
-    if per_byte <= 0:
-        return 0.0, max(x / y for x, y in zip(sizes, seconds, strict=True) if y > 0)
-    return latency, 1.0 / per_byte
+__all__ = [
+    "calibrate",
+    "fit_latency_and_rate",
+    "fit_nonnegative",
+    "main",
+    "measure_collectives",
+    "measure_group_steps",
+    "measure_host_lookups",
+    "measure_input_dist",
+    "measure_lookups",
+]
 
 
 def _lookup_times(
-    ebc: torch.nn.Module, kjts: list[Any], grad: torch.Tensor, repeats: int, device: torch.device
+    ebc: torch.nn.Module, kjts: list[Any], grad: torch.Tensor, repeats: int, device: torch.device, barrier: bool
 ) -> tuple[float, float]:
-    """Median seconds of the forward and of the backward alone (the forward before it untimed)."""
+    """Median seconds of the forward and of the backward alone (the forward before it untimed), after two warm-up
+    steps (first touches of the tables' pages, allocator growth)."""
 
     def forward(i: int) -> None:
         with torch.no_grad():
             ebc(kjts[i])
 
     backward_s = []
-    for i in range(repeats + 1):
-        out = ebc(kjts[i]).values()
+    for i in range(repeats + 2):
+        out = ebc(kjts[i % len(kjts)]).values()
+        if barrier:
+            dist.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
@@ -121,49 +101,120 @@ def _lookup_times(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         backward_s.append(time.perf_counter() - start)
-    return _median_s(forward, repeats, device), statistics.median(backward_s[1:])  # [0] was the warm-up
+    return median_s(forward, repeats, device, barrier), statistics.median(backward_s[2:])
+
+
+def _lookup_sweep(
+    device: torch.device,
+    rows: int,
+    dims: tuple[int, ...],
+    batches: tuple[int, ...],
+    poolings: tuple[int, ...],
+    table_counts: tuple[int, ...],
+    repeats: int,
+    backend: str,
+    barrier: bool,
+) -> tuple[list[list[float]], list[float], list[float]]:
+    """``(features per point [1, tables, bags, ids, bytes], forward seconds, backward seconds)`` of the sweep."""
+    from tritonrec.data import KeyedJaggedTensor
+    from tritonrec.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, OptimType
+
+    points: list[list[float]] = []
+    fwd_s, bwd_s = [], []
+    gen = torch.Generator().manual_seed(0)
+    for tables, dim in itertools.product(table_counts, dims):
+        configs = [
+            EmbeddingBagConfig(num_embeddings=rows, embedding_dim=dim, name=f"t{t}", feature_names=[f"f{t}"])
+            for t in range(tables)
+        ]
+        ebc = FusedEmbeddingBagCollection(
+            configs, OptimType.EXACT_ROWWISE_ADAGRAD, {"lr": 1e-3}, device=device, backend=backend
+        )
+        keys = [f"f{t}" for t in range(tables)]
+        for batch, pooling in itertools.product(batches, poolings):
+            ids = tables * batch * pooling
+            kjts = [
+                KeyedJaggedTensor(
+                    keys=keys,
+                    values=torch.randint(0, rows, (ids,), generator=gen).to(device),
+                    lengths=torch.full((tables * batch,), pooling, dtype=torch.int64, device=device),
+                )
+                for _ in range(repeats + 1)
+            ]
+            grad = torch.ones(batch, tables * dim, device=device)
+            fwd, bwd = _lookup_times(ebc, kjts, grad, repeats, device, barrier)
+            points.append([1.0, float(tables), float(tables * batch), float(ids), float(ids * dim * 4)])
+            fwd_s.append(fwd)
+            bwd_s.append(bwd)
+    return points, fwd_s, bwd_s
 
 
 def measure_lookups(
     device: torch.device,
     rows: int,
     dims: tuple[int, ...],
-    batch: int,
+    batches: tuple[int, ...],
     poolings: tuple[int, ...],
+    table_counts: tuple[int, ...] = (1,),
     repeats: int = 5,
     backend: str = "auto",
+    barrier: bool = False,
+    alone_speedup: float = 1.0,
 ) -> LookupCoefficients:
-    """Time the fused module forward and backward over the sweep (see module docstring); ``backend`` as the
-    modules take it (``"auto"``: Triton on CUDA, the torch twin on CPU)."""
-    from tritonrec.data import KeyedJaggedTensor
-    from tritonrec.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, OptimType
+    """Time the fused module forward and backward over the sweep and fit the coefficients (see module docstring);
+    ``backend`` as the modules take it (``"auto"``: Triton on CUDA, the torch twin on CPU); ``barrier``: start every
+    timed call together with the other ranks of the default group (all ranks run the same sweep)."""
+    points, fwd_s, bwd_s = _lookup_sweep(device, rows, dims, batches, poolings, table_counts, repeats, backend, barrier)
+    return _fit_lookups(points, fwd_s, bwd_s, alone_speedup)
 
-    ids, sizes, fwd_s, bwd_s = [], [], [], []
-    gen = torch.Generator().manual_seed(0)
-    for dim in dims:
-        config = EmbeddingBagConfig(num_embeddings=rows, embedding_dim=dim, name="t", feature_names=["f"])
-        ebc = FusedEmbeddingBagCollection(
-            [config], OptimType.EXACT_ROWWISE_ADAGRAD, {"lr": 1e-3}, device=device, backend=backend
-        )
-        for pooling in poolings:
-            kjts = [
-                KeyedJaggedTensor(
-                    keys=["f"],
-                    values=torch.randint(0, rows, (batch * pooling,), generator=gen).to(device),
-                    lengths=torch.full((batch,), pooling, dtype=torch.int64, device=device),
-                )
-                for _ in range(repeats + 1)
-            ]
-            fwd, bwd = _lookup_times(ebc, kjts, torch.ones(batch, dim, device=device), repeats, device)
-            ids.append(float(batch * pooling))
-            sizes.append(float(batch * pooling * dim * 4))
-            fwd_s.append(fwd)
-            bwd_s.append(bwd)
-    features = [[1.0] * len(ids), ids, sizes]
-    fwd_call, fwd_id, fwd_per_byte = fit_nonnegative(features, fwd_s)
-    bwd_call, bwd_id, bwd_per_byte = fit_nonnegative(features, bwd_s)
+
+def _fit_lookups(
+    points: list[list[float]], fwd_s: list[float], bwd_s: list[float], alone_speedup: float
+) -> LookupCoefficients:
+    features = [list(column) for column in zip(*points, strict=True)]
+    fwd_call, fwd_table, fwd_bag, fwd_id, fwd_per_byte = fit_nonnegative(features, fwd_s, relative=True)
+    bwd_call, bwd_table, bwd_bag, bwd_id, bwd_per_byte = fit_nonnegative(features, bwd_s, relative=True)
     rate = lambda per_byte: 1.0 / per_byte if per_byte > 0 else UNMEASURABLE_RATE
-    return LookupCoefficients(rate(fwd_per_byte), fwd_call, rate(bwd_per_byte), bwd_call, fwd_id, bwd_id)
+    return LookupCoefficients(
+        rate(fwd_per_byte), fwd_call, rate(bwd_per_byte), bwd_call, fwd_id, bwd_id,
+        fwd_bag_s=fwd_bag, bwd_bag_s=bwd_bag, fwd_table_s=fwd_table, bwd_table_s=bwd_table,
+        alone_speedup=alone_speedup,
+    )  # fmt: skip
+
+
+def measure_host_lookups(
+    device: torch.device, sweep: tuple[Any, ...], repeats: int, backend: str
+) -> LookupCoefficients:
+    """On every rank of the default group (one host): the lookup sweep with all ranks computing at once (the
+    coefficients), then on rank 0 alone while the others wait (``alone_speedup``: all-busy over alone time of the
+    whole sweep, at least 1). Only rank 0's result is meaningful."""
+    rows, dims, batches, poolings, tables = sweep
+    points, fwd_s, bwd_s = _lookup_sweep(device, rows, dims, batches, poolings, tables, repeats, backend, True)
+    dist.barrier()
+    speedup = 1.0
+    if dist.get_rank() == 0:
+        _, alone_fwd, alone_bwd = _lookup_sweep(device, rows, dims, batches, poolings, tables, repeats, backend, False)
+        speedup = max(1.0, (sum(fwd_s) + sum(bwd_s)) / (sum(alone_fwd) + sum(alone_bwd)))
+    dist.barrier()
+    return _fit_lookups(points, fwd_s, bwd_s, speedup)
+
+
+def _rank_sweep(
+    device: torch.device, quick: bool, lookup_backend: str
+) -> tuple[dict[str, tuple[float, float]], LookupCoefficients, InputDistCoefficients, dict[str, tuple[float, float]]]:
+    """What one spawned rank measures, in lock-step with its peers: collectives, lookups, input dist."""
+    world = dist.get_world_size()
+    repeats = 3 if quick else 5
+    fitted = measure_collectives(None, device, QUICK_MESSAGES if quick else FULL_MESSAGES, repeats)
+    lookup = measure_host_lookups(device, QUICK_LOOKUPS if quick else FULL_LOOKUPS, repeats, lookup_backend)
+    inputs = measure_input_dist(None, device, QUICK_INPUT_IDS if quick else FULL_INPUT_IDS, 2 * repeats - 1)
+    # the model adds the all-to-all's wire bytes (8-byte ids, (W-1)/W of them remote) at the all-to-all rate itself
+    wire_s = INDEX_BYTES * (world - 1) / world / fitted["all_to_all"][1]
+    inputs = InputDistCoefficients(
+        inputs.latency_s, max(0.0, inputs.id_s - wire_s), inputs.bucketize_call_s, inputs.bucketize_id_s
+    )
+    groups = measure_group_steps(device, 5, QUICK_GROUP_KINDS) if quick else measure_group_steps(device, 21)
+    return fitted, lookup, inputs, groups
 
 
 def _collective_ops(
@@ -198,7 +249,7 @@ def measure_collectives(
         ops = _collective_ops(inputs, group, world, dim)
         for name, (op, wire) in ops.items():
             points[name][0].append(wire)
-            points[name][1].append(_median_s(op, repeats, device, barrier=True))
+            points[name][1].append(median_s(op, repeats, device, barrier=True))
     return {name: fit_latency_and_rate(*points[name]) for name in COLLECTIVES}
 
 
@@ -209,16 +260,27 @@ def _free_port() -> int:
 
 
 def _comm_rank(
-    rank: int, world: int, port: int, backend: str, device_type: str, messages: tuple[int, ...], results: Any
+    rank: int,
+    world: int,
+    port: int,
+    backend: str,
+    device_type: str,
+    quick: bool,
+    lookup_backend: str,
+    threads: int,
+    results: Any,
 ) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    # time the steady state: cross-rank metadata checks (the first calls of each op) off
+    os.environ["TRITONREC_DIST_CHECKS"] = "0"
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)  # one host
+    torch.set_num_threads(threads)
     device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device(device_type)
     if backend == "nccl":
         torch.cuda.set_device(device)
     try:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        fitted = measure_collectives(None, device, messages)
-        results.put((rank, fitted))
+        results.put((rank, _rank_sweep(device, quick, lookup_backend)))
     except BaseException as err:  # reported to the parent, which raises
         results.put((rank, repr(err)))
     finally:
@@ -226,9 +288,10 @@ def _comm_rank(
             dist.destroy_process_group()
 
 
-def _spawn_collectives(
-    world: int, device_type: str, messages: tuple[int, ...], timeout_s: float = 300.0
-) -> tuple[dict[str, tuple[float, float]], str]:
+def _spawn_ranks(
+    world: int, device_type: str, quick: bool, lookup_backend: str, threads: int, timeout_s: float = 600.0
+) -> tuple[tuple[Any, ...], str]:
+    """Rank 0's :func:`_rank_sweep` of ``world`` spawned processes, and the backend they used."""
     use_nccl = device_type == "cuda" and torch.cuda.device_count() >= world
     backend = "nccl" if use_nccl else "gloo"
     comm_device = device_type if use_nccl else "cpu"
@@ -236,7 +299,11 @@ def _spawn_collectives(
     results = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_comm_rank, args=(r, world, port, backend, comm_device, messages, results), daemon=True)
+        ctx.Process(
+            target=_comm_rank,
+            args=(r, world, port, backend, comm_device, quick, lookup_backend, threads, results),
+            daemon=True,
+        )
         for r in range(world)
     ]
     for proc in procs:
@@ -256,10 +323,10 @@ def _spawn_collectives(
             if proc.is_alive():
                 proc.kill()
     if len(outputs) < world:
-        raise TimeoutError(f"collective calibration: ranks {sorted(set(range(world)) - set(outputs))} timed out")
+        raise TimeoutError(f"calibration: ranks {sorted(set(range(world)) - set(outputs))} timed out")
     failed = {r: p for r, p in outputs.items() if isinstance(p, str)}
     if failed:
-        raise RuntimeError(f"collective calibration failed on rank {min(failed)}: {failed[min(failed)]}")
+        raise RuntimeError(f"calibration failed on rank {min(failed)}: {failed[min(failed)]}")
     return outputs[0], backend
 
 
@@ -269,34 +336,47 @@ def calibrate(
     quick: bool = False,
     skip_comms: bool = False,
     backend: str = "auto",
+    threads: int | None = None,
 ) -> PerfCoefficients:
-    """Measure lookups (this process) and collectives (``world_size`` spawned processes) on this machine."""
+    """Measure collectives, input dist and lookups on ``world_size`` spawned processes running at once (``threads``
+    torch threads each; default: this host's cores shared among them), or with ``skip_comms`` the lookups alone in
+    this process (collective and input-dist coefficients: the defaults)."""
     if device_type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device_type!r}")
     if device_type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but CUDA is not available")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
         raise ValueError(f"world_size must be an int >= 2, got {world_size!r}")
-    rows, dims, batch, poolings = QUICK_LOOKUPS if quick else FULL_LOOKUPS
-    repeats = 3 if quick else 5
-    lookup = measure_lookups(torch.device(device_type), rows, dims, batch, poolings, repeats, backend)
+    if threads is None:
+        threads = max(1, (os.cpu_count() or 1) // world_size)
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be a positive int, got {threads!r}")
     defaults = DEFAULT_COEFFICIENTS[device_type]
-    comms, comm_backend = dict(defaults.comms), "none (defaults)"
-    if not skip_comms:
-        fitted, comm_backend = _spawn_collectives(world_size, device_type, QUICK_MESSAGES if quick else FULL_MESSAGES)
+    if skip_comms:
+        rows, dims, batches, poolings, tables = QUICK_LOOKUPS if quick else FULL_LOOKUPS
+        lookup = measure_lookups(
+            torch.device(device_type), rows, dims, batches, poolings, tables, 3 if quick else 5, backend
+        )
+        comms, inputs, comm_backend = dict(defaults.comms), defaults.input_dist, "none (defaults)"
+        groups = dict(defaults.group_step_s)
+    else:
+        (fitted, lookup, inputs, groups), comm_backend = _spawn_ranks(world_size, device_type, quick, backend, threads)
         comms = {name: CommCoefficients(lat, rate) for name, (lat, rate) in fitted.items()}
     measured_on = {
         "host": platform.node(),
-        "threads": torch.get_num_threads(),
+        "threads": threads if not skip_comms else torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "torch": torch.__version__,
         "backend": comm_backend,
         "world_size": world_size,
         "device": torch.cuda.get_device_name() if device_type == "cuda" else platform.processor() or "cpu",
         "quick": quick,
         "lookup_backend": backend,
+        "lookups_on": "one process" if skip_comms else f"{world_size} ranks at once",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    return PerfCoefficients(device_type, lookup, comms, defaults.inter_host_bw, measured_on)
+    return PerfCoefficients(device_type, lookup, comms, defaults.inter_host_bw, measured_on, inputs, groups)
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -304,20 +384,32 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: the planner's default file)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--world-size", type=int, default=2, help="processes for the collectives (default 2)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / ranks)")
     parser.add_argument("--quick", action="store_true", help="tiny sweep (seconds; for smoke tests, not planning)")
     parser.add_argument("--skip-comms", action="store_true", help="keep the default collective coefficients")
     parser.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto", help="lookup backend")
     args = parser.parse_args(argv)
-    coefficients = calibrate(args.device, args.world_size, args.quick, args.skip_comms, args.backend)
+    coefficients = calibrate(args.device, args.world_size, args.quick, args.skip_comms, args.backend, args.threads)
     path = coefficients.save(args.out or default_calibration_path(args.device))
-    lk = coefficients.lookup
-    print(
-        f"lookup: fwd {lk.fwd_bytes_per_s / 1e9:.2f} GB/s + {lk.fwd_id_s * 1e9:.1f} ns/id + "
-        f"{lk.fwd_call_s * 1e6:.0f} us/call, bwd {lk.bwd_bytes_per_s / 1e9:.2f} GB/s + {lk.bwd_id_s * 1e9:.1f} ns/id + "
-        f"{lk.bwd_call_s * 1e6:.0f} us/call"
-    )
+    lk, ind = coefficients.lookup, coefficients.input_dist
+    for way in ("fwd", "bwd"):
+
+        def get(name: str, way: str = way) -> float:
+            return float(getattr(lk, f"{way}_{name}"))
+
+        print(
+            f"lookup {way}: {get('call_s') * 1e6:.0f} us/call + {get('table_s') * 1e6:.1f} us/table + "
+            f"{get('bag_s') * 1e9:.1f} ns/bag + {get('id_s') * 1e9:.1f} ns/id + {get('bytes_per_s') / 1e9:.2f} GB/s"
+        )
+    print(f"lookups alone on the host: {lk.alone_speedup:.2f}x faster than with every rank busy")
     for name, c in coefficients.comms.items():
         print(f"{name}: {c.bytes_per_s / 1e9:.2f} GB/s per rank + {c.latency_s * 1e6:.0f} us latency")
+    print(
+        f"input dist: {ind.latency_s * 1e6:.0f} us + {ind.id_s * 1e9:.1f} ns/id; bucketize "
+        f"{ind.bucketize_call_s * 1e6:.0f} us + {ind.bucketize_id_s * 1e9:.1f} ns/id"
+    )
+    for kind, (fwd, bwd) in coefficients.group_step_s.items():
+        print(f"group of {kind}: {fwd * 1e3:.2f} ms forward + {bwd * 1e3:.2f} ms backward per step")
     print(f"wrote {path}")
     return path
 

@@ -15,20 +15,26 @@ none), for the ``dense`` kernel the autograd gradient (``r c x element size``), 
 (8 bytes each, +4 with per-id weights) and lengths (8 bytes per bag), output (4 bytes per output element: ``bags x
 c`` pooled, ``ids x c`` sequence) counted twice (forward output and its gradient).
 
-**Perf** (seconds): lookup compute ``served ids x id_s + served ids x c x element size / bytes_per_s`` forward and
-backward (the dense kernel also touches its whole gradient: ``+ r c x element size / bwd bytes_per_s``); comms with
-the topology's link bandwidth (``intra_host_bw`` when all ranks share a host, else ``inter_host_bw``) times the
-collective's calibrated efficiency, on the bytes that cross ranks (a fraction ``(W-1)/W`` of what the rank exchanges):
+**Perf** (seconds): lookup compute ``table_s + served bags x bag_s + served ids x id_s + served ids x c x element
+size / bytes_per_s`` forward and backward (the dense kernel also touches its whole gradient: ``+ r c x element size /
+bwd bytes_per_s``): a row shard divides a table's ids but not its bags or its per-table cost, which is why row-wise
+does not halve a small table's time. Comms with the topology's link bandwidth (``intra_host_bw`` when all ranks
+share a host, else ``inter_host_bw``) times the collective's calibrated efficiency, on the bytes that cross ranks (a
+fraction ``(W-1)/W`` of what the rank exchanges):
 
-* input dist (every type but DP): all-to-all of the served ids and lengths;
+* input dist (every type but DP): all-to-all of the served ids and lengths, plus ``input_dist.id_s`` per served id
+  (unpacking and regrouping by key); row-split types also bucketize the rank's own ids of the table by row block
+  (``ids x bucketize_id_s``, on every rank holding a row shard);
 * output dist of TW / CW / TWCW, and of sequence lookups: all-to-all of the output, its gradient back in backward;
 * RW pooled: reduce-scatter of the partial output, all-gather of its gradient;
 * TWRW / GRID pooled: reduce-scatter inside the host (``(L-1)/L`` of the output, host bandwidth), then all-to-all of
   the reduced ``1/L`` slice; mirrored in backward;
 * DP: all-reduce of the gradient (``2 (W-1)/W x r c x element size``).
 
-Fixed per-call costs (a lookup call, each collective's latency) are paid once per group of tables batched together,
-not per table: the perf model adds them per plan (:func:`group_fixed_perf`).
+Fixed per-call costs (a lookup call, each collective's latency, the KJT all-to-all's calls, one bucketize call) are
+paid once per group of tables batched together, not per table: the perf model adds them per plan
+(:func:`group_fixed_perf`). On a CPU host over gloo these fixed costs are milliseconds, so a plan mixing sharding
+types (one more group: more collectives) or splitting small tables row-wise pays for them.
 """
 
 from __future__ import annotations
@@ -147,8 +153,10 @@ class EmbeddingPerfEstimator:
         world, local = topo.world_size, topo.local_world_size
         elem = option.tensor.element_size()
         ids, bags = served_ids_and_bags(option, r, world)
-        fwd_compute = ids * lookup.fwd_id_s + ids * c * elem / lookup.fwd_bytes_per_s
-        bwd_compute = ids * lookup.bwd_id_s + ids * c * elem / lookup.bwd_bytes_per_s
+        fwd_compute = lookup.fwd_table_s + bags * lookup.fwd_bag_s + ids * lookup.fwd_id_s
+        fwd_compute += ids * c * elem / lookup.fwd_bytes_per_s
+        bwd_compute = lookup.bwd_table_s + bags * lookup.bwd_bag_s + ids * lookup.bwd_id_s
+        bwd_compute += ids * c * elem / lookup.bwd_bytes_per_s
         if option.compute_kernel == EmbeddingComputeKernel.DENSE.value:
             bwd_compute += r * c * elem / lookup.bwd_bytes_per_s
         link = topo.intra_host_bw if topo.num_hosts == 1 else topo.inter_host_bw
@@ -157,7 +165,11 @@ class EmbeddingPerfEstimator:
         if kind == _DP:
             all_reduce = self._comm("all_reduce", 2 * remote * r * c * elem, link)
             return Perf(fwd_compute, 0.0, bwd_compute, all_reduce)
-        input_dist = self._comm("all_to_all", remote * _input_bytes(option, ids, bags), link)
+        inputs = topo.coefficients.input_dist
+        input_dist = self._comm("all_to_all", remote * _input_bytes(option, ids, bags), link) + ids * inputs.id_s
+        if kind in _ROW_SPLIT:  # the rank holding this shard bucketizes its own batch's ids of the table
+            local_ids, _ = served_ids_and_bags(option, option.tensor.shape[0], 1)
+            fwd_compute += local_ids * inputs.bucketize_id_s
         out_bytes = _output_elements(option, ids, bags, c) * OUTPUT_BYTES
         if kind in _WHOLE_BATCH or not option.is_pooled:
             fwd_out = bwd_out = self._comm("all_to_all", remote * out_bytes, link)
@@ -174,13 +186,17 @@ class EmbeddingPerfEstimator:
 
 def group_fixed_perf(sharding_type: str, is_pooled: bool, topology: Topology) -> tuple[Perf, Perf]:
     """``(comms, compute)`` fixed costs of one group of tables sharded alike in one module: the collectives'
-    latencies (paid by every rank, all take part) and one lookup call forward and backward (paid by the ranks
-    holding a shard of the group)."""
+    latencies and, for row-split types, one bucketize call (paid by every rank, all take part) and one lookup call
+    forward and backward (paid by the ranks holding a shard of the group)."""
     coeffs = topology.coefficients
+    inputs = coeffs.input_dist
     latency = {name: c.latency_s for name, c in coeffs.comms.items()}
     compute = Perf(fwd_compute=coeffs.lookup.fwd_call_s, bwd_compute=coeffs.lookup.bwd_call_s)
     if topology.world_size == 1:
         return Perf(), compute
+    if sharding_type in coeffs.group_step_s:  # measured end to end: every rank waits for the whole of it
+        fwd, bwd = coeffs.group_step_s[sharding_type]
+        return Perf(fwd_comms=fwd, bwd_comms=bwd), Perf()
     if sharding_type == _DP:
         return Perf(bwd_comms=latency["all_reduce"]), compute
     if sharding_type in _WHOLE_BATCH or not is_pooled:
@@ -190,4 +206,5 @@ def group_fixed_perf(sharding_type: str, is_pooled: bool, topology: Topology) ->
     else:
         out_fwd = latency["reduce_scatter"] + latency["all_to_all"]
         out_bwd = latency["all_gather"] + latency["all_to_all"]
-    return Perf(fwd_comms=latency["all_to_all"] + out_fwd, bwd_comms=out_bwd), compute
+    bucketize = inputs.bucketize_call_s if sharding_type in _ROW_SPLIT else 0.0
+    return Perf(fwd_compute=bucketize, fwd_comms=inputs.latency_s + out_fwd, bwd_comms=out_bwd), compute

@@ -12,6 +12,7 @@ from tritonrec.dist.planner import (
     EmbeddingShardingPlanner,
     EmbeddingStats,
     HeuristicalStorageReservation,
+    InputDistCoefficients,
     LookupCoefficients,
     PerfCoefficients,
     Topology,
@@ -24,7 +25,7 @@ ALL_TYPES = [t.value for t in ShardingType]
 
 # round numbers so the tests can write estimates by hand: lookups 1 GB/s and 1 ns per id forward, 0.5 GB/s and 2 ns
 # per id backward; all-to-all is the reference collective (efficiency 1), reduce-scatter 0.5, all-gather 1,
-# all-reduce 0.25
+# all-reduce 0.25; the KJT all-to-all's fixed cost 50 us (no per-id or bucketize terms: see test_planner_cost_terms)
 COEFFS = PerfCoefficients(
     "cpu",
     LookupCoefficients(1e9, 1e-4, 5e8, 2e-4, fwd_id_s=1e-9, bwd_id_s=2e-9),
@@ -35,6 +36,7 @@ COEFFS = PerfCoefficients(
         "all_reduce": CommCoefficients(4e-5, 2.5e8),
     },
     inter_host_bw=1e8,
+    input_dist=InputDistCoefficients(latency_s=5e-5),
 )
 
 

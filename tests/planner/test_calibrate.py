@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tritonrec.dist.planner import Topology, load_perf_coefficients
+from tritonrec.dist.planner import DEFAULT_COEFFICIENTS, Topology, load_perf_coefficients
 from tritonrec.dist.planner.calibrate import calibrate, main
 
 
@@ -35,3 +35,8 @@ def test_cli_times_collectives_on_spawned_gloo_ranks(tmp_path) -> None:  # type:
     coefficients = load_perf_coefficients(path, "cpu")
     assert coefficients.measured_on["backend"] == "gloo"
     assert all(c.bytes_per_s > 0 and c.latency_s >= 0 for c in coefficients.comms.values())
+    # measured on the ranks, not the defaults: the KJT all-to-all, host sharing, the quick sweep's group steps
+    assert coefficients.input_dist.latency_s > 0 and coefficients.lookup.alone_speedup >= 1.0
+    assert coefficients.input_dist != DEFAULT_COEFFICIENTS["cpu"].input_dist
+    assert set(coefficients.group_step_s) == {"table_wise", "row_wise"}
+    assert all(fwd > 0 and bwd > 0 for fwd, bwd in coefficients.group_step_s.values())

@@ -116,10 +116,11 @@ def test_plan_rating_adds_each_groups_fixed_costs_once() -> None:
     both[0].shards[0].rank, both[1].shards[0].rank = 0, 0
     perfs = EmbeddingPerfModel(topo).rank_perfs(both)
     shard = both[0].shards[0].perf
-    latency = COEFFS.comms["all_to_all"].latency_s
-    # rank 0: both shards + one lookup call (1e-4 fwd, 2e-4 bwd) + input and output all-to-all latencies, once
-    assert perfs[0].total == pytest.approx(2 * shard.total + 3e-4 + 3 * latency)
-    assert perfs[1].total == pytest.approx(3 * latency)  # takes part in the collectives only
+    # rank 0: both shards + one lookup call (1e-4 fwd, 2e-4 bwd) + the KJT all-to-all's fixed cost (5e-5) and the
+    # output all-to-all's latency forward and backward (1e-5 each), once
+    fixed = COEFFS.input_dist.latency_s + 2 * COEFFS.comms["all_to_all"].latency_s
+    assert perfs[0].total == pytest.approx(2 * shard.total + 3e-4 + fixed)
+    assert perfs[1].total == pytest.approx(fixed)  # takes part in the collectives only
     assert EmbeddingPerfModel(topo).rate(both) == pytest.approx(perfs[0].total)
 
 
