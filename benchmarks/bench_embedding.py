@@ -1,15 +1,20 @@
-"""Table-batched pooled embedding lookups: ours vs FBGEMM's TBE (when ``fbgemm-gpu-cpu`` is installed) and a
-per-table torch path, measured in the same run; with CUDA, ours vs the device copy bandwidth as well.
+"""Table-batched pooled embedding lookups: ours through ``FusedEmbeddingBagCollection`` (the module users call) vs
+FBGEMM's TBE (when ``fbgemm-gpu-cpu`` is installed) and a per-table torch path, measured in the same run; with CUDA,
+ours vs the device copy bandwidth as well.
 
-    python benchmarks/bench_embedding.py [--cases cpu_sized fbgemm_default] [--rounds 3] [--plot]
+    python benchmarks/bench_embedding.py [--cases cpu_sized fbgemm_default] [--threads 1 2] [--rounds 3] [--plot]
 
-Phases: ``fwd`` (pooled forward) and ``fwd_bwd_update`` (forward, backward, and the optimizer update: our fused
-EXACT_ROWWISE_ADAGRAD, FBGEMM's fused EXACT_ROWWISE_ADAGRAD, torch's Adagrad after ``nn.EmbeddingBag`` per table
-with sparse or dense gradients). GB/s uses FBGEMM's benchmark formula: bytes = rows read (``N * D * 4``) + output
-written (``B * sum(D) * 4``) for the forward, twice that for forward + backward. On a shared machine every
-implementation is measured in ``--rounds`` interleaved rounds and the best round's median is kept; each row records
-the 1-minute load average, since other tenants' load inflates wall-clock times (with several OpenMP threads on an
-oversubscribed machine, implementations made of many small torch ops stall at every parallel region).
+Every implementation is fed the same stream of ``--batches`` distinct batches (cycled; each call takes the next),
+so no implementation is timed on rows it touched in the previous call. Phases: ``fwd`` (pooled forward) and
+``fwd_bwd_update`` (forward, backward, and the optimizer update: our fused EXACT_ROWWISE_ADAGRAD, FBGEMM's fused
+EXACT_ROWWISE_ADAGRAD, torch's Adagrad after ``nn.EmbeddingBag`` per table with sparse or dense gradients). GB/s
+uses FBGEMM's benchmark formula: bytes = rows read (``N * D * 4``) + output written (``B * sum(D) * 4``) for the
+forward, twice that for forward + backward (``N`` averaged over the stream).
+
+On a shared machine every (thread count, phase, implementation) is measured in ``--rounds`` interleaved rounds and
+the best round's median is kept; each row records the 1-minute load average, since other tenants' load inflates
+wall-clock times (with several OpenMP threads on an oversubscribed machine, implementations made of many small torch
+ops stall at every parallel region).
 """
 
 from __future__ import annotations
@@ -23,13 +28,8 @@ from pathlib import Path
 import torch
 from harness import append_csv, copy_bandwidth_gbps, device_name, gbps, measure, print_table
 
-from tritonrec.kernels.embedding import (
-    OptimType,
-    TableBatchedLayout,
-    TableSpec,
-    create_fused_optimizer_state,
-    pooled_embedding_lookup,
-)
+from tritonrec.data import KeyedJaggedTensor
+from tritonrec.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, OptimType
 
 try:
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -41,6 +41,7 @@ except Exception:  # the anchor is optional; any import failure means "not insta
     HAS_FBGEMM = False
 
 LR, EPS = 0.01, 1e-8
+PHASES = ("fwd", "fwd_bwd_update")
 
 
 @dataclass(frozen=True)
@@ -61,125 +62,159 @@ class Shape:
         lengths = f"L={self.L}" if self.fixed_length else f"L~U[0,{self.L})"
         return f"T={self.T} E={self.E} D={self.D} B={self.B} {lengths}"
 
+    @property
+    def keys(self) -> list[str]:
+        return [f"f{t}" for t in range(self.T)]
+
 
 SHAPES = {
     # FBGEMM's benchmark default (uniform ids, fixed bag size)
     "fbgemm_default": Shape(
         "fbgemm_default", T=32, E=100_000, D=128, B=512, L=20, fixed_length=True, dense_anchor=False
     ),
+    # the config of issue 11's sharded benchmark, on one process
     "cpu_sized": Shape("cpu_sized", T=8, E=100_000, D=64, B=512, L=40, fixed_length=False, dense_anchor=True),
 }
 
 
 @dataclass
 class Batch:
+    """One batch, key-major: ``indices [N]``, ``offsets [T * B + 1]``, the same as a KJT, the upstream gradient
+    ``grad [B, T * D]`` and each feature's ``(indices, bag starts)`` for the per-table path."""
+
     indices: torch.Tensor
     offsets: torch.Tensor
+    kjt: KeyedJaggedTensor
     grad: torch.Tensor
-
-    def feature(self, f: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feature ``f``'s indices and bag offsets (first B entries, relative)."""
-        bag_offsets = self.offsets[f * batch : (f + 1) * batch + 1]
-        start, end = int(bag_offsets[0]), int(bag_offsets[-1])
-        return self.indices[start:end], bag_offsets[:-1] - start
+    features: list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def make_batch(shape: Shape, device: str, gen: torch.Generator) -> Batch:
-    num_bags = shape.T * shape.B
-    if shape.fixed_length:
-        lengths = torch.full((num_bags,), shape.L, dtype=torch.int64)
-    else:
-        lengths = torch.randint(0, shape.L, (num_bags,), generator=gen)
-    offsets = torch.zeros(num_bags + 1, dtype=torch.int64)
-    offsets[1:] = lengths.cumsum(0)
-    indices = torch.randint(0, shape.E, (int(offsets[-1]),), generator=gen)
-    grad = torch.randn(shape.B, shape.T * shape.D, generator=gen)
-    return Batch(indices.to(device), offsets.to(device), grad.to(device))
+class Stream:
+    """Cycles through the distinct batches: every call of a timed function takes the next one."""
+
+    def __init__(self, batches: list[Batch]) -> None:
+        self.batches, self.position = batches, 0
+
+    def next(self) -> Batch:
+        batch = self.batches[self.position % len(self.batches)]
+        self.position += 1
+        return batch
 
 
-def ours(shape: Shape, batch: Batch, device: str) -> dict[str, Callable[[], object]]:
-    layout = TableBatchedLayout(
-        [TableSpec(shape.E, shape.D, name=f"t{t}") for t in range(shape.T)], list(range(shape.T))
-    )
-    weights = torch.empty(layout.num_weights, device=device).uniform_(-0.01, 0.01)
-    state = create_fused_optimizer_state(layout, OptimType.EXACT_ROWWISE_ADAGRAD, device, lr=LR, eps=EPS)
-    params = [torch.nn.Parameter(layout.table_view(weights, t)) for t in range(shape.T)]
+def make_batches(shape: Shape, count: int, device: str, gen: torch.Generator) -> list[Batch]:
+    batches = []
+    for _ in range(count):
+        num_bags = shape.T * shape.B
+        if shape.fixed_length:
+            lengths = torch.full((num_bags,), shape.L, dtype=torch.int64)
+        else:
+            lengths = torch.randint(0, shape.L, (num_bags,), generator=gen)
+        offsets = torch.zeros(num_bags + 1, dtype=torch.int64)
+        offsets[1:] = lengths.cumsum(0)
+        indices = torch.randint(0, shape.E, (int(offsets[-1]),), generator=gen).to(device)
+        offsets, lengths = offsets.to(device), lengths.to(device)
+        features = []
+        for f in range(shape.T):
+            bag_offsets = offsets[f * shape.B : (f + 1) * shape.B + 1]
+            start, end = int(bag_offsets[0]), int(bag_offsets[-1])
+            features.append((indices[start:end], bag_offsets[:-1] - start))
+        kjt = KeyedJaggedTensor(keys=shape.keys, values=indices, lengths=lengths, offsets=offsets)
+        grad = torch.randn(shape.B, shape.T * shape.D, generator=gen).to(device)
+        batches.append(Batch(indices, offsets, kjt, grad, features))
+    return batches
+
+
+def ours(shape: Shape, batches: list[Batch], device: str) -> dict[str, Callable[[], object]]:
+    tables = [
+        EmbeddingBagConfig(num_embeddings=shape.E, embedding_dim=shape.D, name=f"t{t}", feature_names=[key])
+        for t, key in enumerate(shape.keys)
+    ]
+    ebc = FusedEmbeddingBagCollection(tables, OptimType.EXACT_ROWWISE_ADAGRAD, {"lr": LR, "eps": EPS}, device=device)
+    stream = Stream(batches)
 
     def forward() -> object:
         with torch.no_grad():
-            return pooled_embedding_lookup(weights, layout, batch.indices, batch.offsets)
+            return ebc(stream.next().kjt)
 
     def train_step() -> None:
-        out = pooled_embedding_lookup(weights, layout, batch.indices, batch.offsets, table_weights=params, fused=state)
-        out.backward(batch.grad)
+        batch = stream.next()
+        ebc(batch.kjt).values().backward(batch.grad)
 
     return {"fwd": forward, "fwd_bwd_update": train_step}
 
 
-def fbgemm(shape: Shape, batch: Batch) -> dict[str, Callable[[], object]]:
+def fbgemm(shape: Shape, batches: list[Batch]) -> dict[str, Callable[[], object]]:
     specs = [(shape.E, shape.D, EmbeddingLocation.HOST, ComputeDevice.CPU)] * shape.T
     module = SplitTableBatchedEmbeddingBagsCodegen(
         specs, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=LR, eps=EPS
     )
+    stream = Stream(batches)
 
     def forward() -> object:
+        batch = stream.next()
         with torch.no_grad():
             return module(batch.indices, batch.offsets)
 
     def train_step() -> None:
+        batch = stream.next()
         module(batch.indices, batch.offsets).backward(batch.grad)
 
     return {"fwd": forward, "fwd_bwd_update": train_step}
 
 
-def torch_per_table(shape: Shape, batch: Batch, device: str, sparse: bool) -> dict[str, Callable[[], object]]:
+def torch_per_table(shape: Shape, batches: list[Batch], device: str, sparse: bool) -> dict[str, Callable[[], object]]:
     bags = [torch.nn.EmbeddingBag(shape.E, shape.D, mode="sum", sparse=sparse, device=device) for _ in range(shape.T)]
     optimizer = torch.optim.Adagrad([b.weight for b in bags], lr=LR, eps=EPS)
-    features = [batch.feature(f, shape.B) for f in range(shape.T)]
+    stream = Stream(batches)
 
-    def pooled() -> torch.Tensor:
-        return torch.cat([bag(idx, off) for bag, (idx, off) in zip(bags, features, strict=True)], dim=1)
+    def pooled(batch: Batch) -> torch.Tensor:
+        return torch.cat([bag(idx, off) for bag, (idx, off) in zip(bags, batch.features, strict=True)], dim=1)
 
     def forward() -> object:
         with torch.no_grad():
-            return pooled()
+            return pooled(stream.next())
 
     def train_step() -> None:
+        batch = stream.next()
         optimizer.zero_grad(set_to_none=True)
-        pooled().backward(batch.grad)
+        pooled(batch).backward(batch.grad)
         optimizer.step()
 
     return {"fwd": forward, "fwd_bwd_update": train_step}
 
 
-def bytes_moved(shape: Shape, batch: Batch) -> int:
+def bytes_moved(shape: Shape, lookups: float) -> float:
     """FBGEMM's forward formula: every looked-up row read once, the pooled output written once (fp32)."""
-    return 4 * (batch.indices.numel() * shape.D + shape.B * shape.T * shape.D)
+    return 4 * (lookups * shape.D + shape.B * shape.T * shape.D)
 
 
-def run_shape(shape: Shape, device: str, rounds: int, repeats: int) -> list[dict]:
-    gen = torch.Generator().manual_seed(0)
-    batch = make_batch(shape, device, gen)
-    impls: dict[str, dict[str, Callable[[], object]]] = {"ours": ours(shape, batch, device)}
+def run_shape(
+    shape: Shape, device: str, rounds: int, repeats: int, thread_counts: list[int], num_batches: int
+) -> dict[int, list[dict]]:
+    """Rows per thread count; every (threads, phase, implementation) timed once per round, rounds interleaved."""
+    batches = make_batches(shape, num_batches, device, torch.Generator().manual_seed(0))
+    impls: dict[str, dict[str, Callable[[], object]]] = {"ours": ours(shape, batches, device)}
     if HAS_FBGEMM and device == "cpu":
-        impls["fbgemm_tbe"] = fbgemm(shape, batch)
-    impls["torch_per_table_sparse"] = torch_per_table(shape, batch, device, sparse=True)
+        impls["fbgemm_tbe"] = fbgemm(shape, batches)
+    impls["torch_per_table_sparse"] = torch_per_table(shape, batches, device, sparse=True)
     if shape.dense_anchor:
-        impls["torch_per_table_dense"] = torch_per_table(shape, batch, device, sparse=False)
-    num_bytes = bytes_moved(shape, batch)
-    best: dict[tuple[str, str], dict[str, float]] = {}
+        impls["torch_per_table_dense"] = torch_per_table(shape, batches, device, sparse=False)
+    lookups = sum(b.indices.numel() for b in batches) / len(batches)
+    best: dict[tuple[int, str, str], dict[str, float]] = {}
     for _ in range(rounds):  # interleaved, so background load hits every implementation alike
-        for phase in ("fwd", "fwd_bwd_update"):
-            for impl, fns in impls.items():
-                timing = measure(fns[phase], warmup=2, repeats=repeats, min_time_s=0.5, device=device)
-                timing["load_avg_1m"] = os.getloadavg()[0]
-                key = (impl, phase)
-                if key not in best or timing["median_ms"] < best[key]["median_ms"]:
-                    best[key] = timing
-    rows = []
-    for (impl, phase), timing in best.items():
-        moved = num_bytes * (1 if phase == "fwd" else 2)
-        rows.append(
+        for threads in thread_counts:
+            torch.set_num_threads(threads)
+            for phase in PHASES:
+                for impl, fns in impls.items():
+                    timing = measure(fns[phase], warmup=2, repeats=repeats, min_time_s=0.5, device=device)
+                    timing["load_avg_1m"] = os.getloadavg()[0]
+                    key = (threads, impl, phase)
+                    if key not in best or timing["median_ms"] < best[key]["median_ms"]:
+                        best[key] = timing
+    rows: dict[int, list[dict]] = {threads: [] for threads in thread_counts}
+    for (threads, impl, phase), timing in best.items():
+        moved = bytes_moved(shape, lookups) * (1 if phase == "fwd" else 2)
+        rows[threads].append(
             {
                 "case": shape.name,
                 "shape": shape.describe(),
@@ -189,35 +224,45 @@ def run_shape(shape: Shape, device: str, rounds: int, repeats: int) -> list[dict
                 "p10_ms": timing["p10_ms"],
                 "p90_ms": timing["p90_ms"],
                 "gbps": gbps(moved, timing["median_ms"]),
-                "lookups": batch.indices.numel(),
+                "lookups": round(lookups),
+                "distinct_batches": num_batches,
                 "load_avg_1m": timing["load_avg_1m"],
+                "ours_speedup": timing["median_ms"] / best[(threads, "ours", phase)]["median_ms"],
             }
         )
-    for row in rows:
-        ours_ms = best[("ours", row["phase"])]["median_ms"]
-        row["ours_speedup"] = row["median_ms"] / ours_ms  # > 1: ours is faster than this implementation
     return rows
 
 
 def plot(rows: list[dict], path: Path, device: str) -> None:
+    """One panel per phase; bars per implementation for each (case, thread count); ours labelled with its speedup
+    over FBGEMM's TBE."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = sorted({(r["case"], r["phase"]) for r in rows})
+    groups = sorted({(r["case"], r["threads"]) for r in rows})
     impls = sorted({r["impl"] for r in rows}, key=lambda i: (i != "ours", i))
-    fig, ax = plt.subplots(figsize=(2.4 * len(groups) + 2, 4))
+    fig, axes = plt.subplots(1, len(PHASES), figsize=(1.8 * len(groups) * len(PHASES) + 2, 4.4))
     width = 0.8 / len(impls)
-    for k, impl in enumerate(impls):
-        values = [
-            next((r["gbps"] for r in rows if (r["case"], r["phase"]) == g and r["impl"] == impl), 0.0) for g in groups
-        ]
-        ax.bar([i + k * width for i in range(len(groups))], values, width, label=impl)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))], [f"{c}\n{p}" for c, p in groups])
-    ax.set_ylabel("GB/s (FBGEMM formula)")
-    ax.set_title(f"Pooled embedding lookups on {device}, {torch.get_num_threads()} thread(s)")
-    ax.legend()
+    for ax, phase in zip(axes, PHASES, strict=True):
+        mine = {(r["case"], r["threads"], r["impl"]): r for r in rows if r["phase"] == phase}
+        for k, impl in enumerate(impls):
+            xs = [i + k * width for i in range(len(groups))]
+            values = [mine[(*g, impl)]["gbps"] if (*g, impl) in mine else 0.0 for g in groups]
+            ax.bar(xs, values, width, label=impl)
+            if impl != "ours":
+                continue
+            for x, g, value in zip(xs, groups, values, strict=True):
+                anchor = mine.get((*g, "fbgemm_tbe"))
+                if anchor is not None:
+                    ax.annotate(f"{anchor['ours_speedup']:.2f}x", (x, value), ha="center", va="bottom", fontsize=7)
+        labels = [f"{case}\n{threads} thread{'s' if threads > 1 else ''}" for case, threads in groups]
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))], labels, fontsize=7)
+        ax.set_title(f"{phase} (ours: speedup over FBGEMM TBE)", fontsize=9)
+        ax.set_ylabel("GB/s (FBGEMM formula)")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"Pooled embedding lookups on {device}, stream of distinct batches", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -226,27 +271,35 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--cases", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--threads", nargs="+", type=int, default=[1, 2], help="CPU thread counts (torch)")
+    parser.add_argument("--batches", type=int, default=16, help="distinct batches in the stream")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=None, help="CSV under benchmarks/results/ (default embedding_<device>.csv)")
     parser.add_argument("--plot", action="store_true", help="also write a PNG next to the CSV")
     args = parser.parse_args()
-    rows = []
+    thread_counts = args.threads if args.device == "cpu" else [torch.get_num_threads()]
+    by_threads: dict[int, list[dict]] = {threads: [] for threads in thread_counts}
     for name in args.cases:
-        rows += run_shape(SHAPES[name], args.device, args.rounds, args.repeats)
-    copy_gbps = copy_bandwidth_gbps(256 << 20, args.device)
-    for row in rows:
-        row["pct_of_copy_bw"] = 100 * row["gbps"] / copy_gbps
-    print(
-        f"device: {args.device}; FBGEMM anchor: {'yes' if HAS_FBGEMM else 'not installed'}; "
-        f"same-run copy bandwidth {copy_gbps:.1f} GB/s"
-    )
-    print_table(rows, ["case", "phase", "impl", "median_ms", "p10_ms", "p90_ms", "gbps", "ours_speedup"])
-    path = append_csv(args.out or f"embedding_{args.device}.csv", rows, device=args.device)
-    print(f"appended {len(rows)} rows to {path}")
-    if args.plot:
+        for threads, rows in run_shape(
+            SHAPES[name], args.device, args.rounds, args.repeats, thread_counts, args.batches
+        ).items():
+            by_threads[threads] += rows
+    print(f"device: {args.device}; FBGEMM anchor: {'yes' if HAS_FBGEMM else 'not installed'}")
+    path, all_rows = None, []
+    for threads, rows in by_threads.items():
+        torch.set_num_threads(threads)  # the CSV's threads column is read from torch
+        copy_gbps = copy_bandwidth_gbps(256 << 20, args.device)
+        for row in rows:
+            row["pct_of_copy_bw"] = 100 * row["gbps"] / copy_gbps
+        print(f"\n{threads} thread(s); same-run copy bandwidth {copy_gbps:.1f} GB/s")
+        print_table(rows, ["case", "phase", "impl", "median_ms", "p10_ms", "p90_ms", "gbps", "ours_speedup"])
+        path = append_csv(args.out or f"embedding_{args.device}.csv", rows, device=args.device)
+        all_rows += [{**row, "threads": threads} for row in rows]
+    print(f"\nappended {len(all_rows)} rows to {path}")
+    if args.plot and path is not None:
         png = Path(path).with_suffix(".png")
-        plot(rows, png, device_name(args.device))
+        plot(all_rows, png, device_name(args.device))
         print(f"wrote {png}")
 
 

@@ -269,9 +269,10 @@ def pooled_forward_reference(
     dims = {spec.dim for spec in layout.tables}
     if len(dims) == 1:
         dim = dims.pop()
-        global_rows = rows.clone()
-        for f, table in enumerate(layout.feature_tables):
-            global_rows[starts[f] : starts[f + 1]] += layout.table_row_offsets[table]
+        global_rows = torch.empty_like(rows)
+        for f, table in enumerate(layout.feature_tables):  # written in place: no copy of all rows first
+            span = slice(starts[f], starts[f + 1])
+            torch.add(rows[span], layout.table_row_offsets[table], out=global_rows[span])
         pooled = _sum_bags(weights.view(layout.num_rows, dim), global_rows, offsets, psw)
         if divisors is not None:
             pooled = torch.where(divisors[:, None] > 0, pooled / divisors.clamp(min=1e-30)[:, None], 0.0)

@@ -4,7 +4,8 @@ the per-sample weights.
 Row sums follow a :class:`~tritonrec.kernels.embedding.grad_plan.RowGradientPlan`: unique row ``u`` receives the sum
 of its sorted run of contributions ``scale * grad[goff : goff + D]``. The result is *compact*: table ``t``'s unique
 rows are stored one after another as a ``[U_t, D_t]`` block, blocks in table order (the caller scatters them into a
-dense gradient or wraps them as sparse rows).
+dense gradient or wraps them as sparse rows). The torch twin sums each run as one ``embedding_bag`` bag over the
+gradient rows, read in place wherever they lie on a grid of the flat gradient (no scatter, no per-row copy).
 
 Per-sample-weight gradient of value ``j`` in bag ``b``: ``dot(W[idx_j], grad_output[b, cols_f]) / divisor_b`` (zero
 for out-of-range rows and for bags whose divisor is 0).
@@ -17,10 +18,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from tritonrec.kernels._triton import tl, triton
 from tritonrec.kernels.backend import autotune
-from tritonrec.kernels.embedding.grad_plan import RowGradientPlan, ValueGradientInfo, long_runs
+from tritonrec.kernels.embedding.grad_plan import RowGradientPlan, ValueGradientInfo
 from tritonrec.kernels.embedding.layout import TableBatchedLayout
 from tritonrec.kernels.embedding.pooled_forward import block_d_for
 
@@ -169,38 +171,94 @@ def row_spans(layout: TableBatchedLayout, plan: RowGradientPlan) -> list[RowSpan
     return spans
 
 
+def gradient_row_source(
+    grad_flat: torch.Tensor,
+    grad_offsets: torch.Tensor,
+    dim: int,
+    row_stride: int | None = None,
+    grid: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(matrix [R, dim], ids [M])`` with ``matrix[ids[j]] == grad_flat[grad_offsets[j] : ... + dim]``.
+
+    ``matrix`` is a view of ``grad_flat`` with row stride ``dim`` (or ``row_stride``, e.g. a pooled gradient's
+    ``sum(D)``) when every offset sits on that grid, so the rows are read in place; otherwise the rows are gathered
+    into a ``[M, dim]`` copy and ``ids`` is ``arange(M)``. A caller that knows the grid (``(stride, first offset
+    modulo stride)``) passes it and the offsets are not checked. Overlapping rows (a stride below ``dim``) are never
+    used: ``embedding_bag`` would copy the whole buffer to make them contiguous."""
+    if grid is None and grad_offsets.numel():
+        for stride in (dim, row_stride):
+            if stride is None or stride < dim:
+                continue
+            residues = grad_offsets & (stride - 1) if stride & (stride - 1) == 0 else grad_offsets % stride
+            low, high = torch.aminmax(residues)
+            if int(low) == int(high):
+                grid = (stride, int(low))
+                break
+    if grid is None:
+        rows = grad_rows(grad_flat, grad_offsets, dim)
+        return rows, torch.arange(rows.shape[0], device=grad_flat.device)
+    stride, first = grid
+    num_rows = (grad_flat.numel() - first - dim) // stride + 1
+    matrix = grad_flat.as_strided((num_rows, dim), (stride, 1), grad_flat.storage_offset() + first)
+    if stride & (stride - 1) == 0:  # a shift: int64 division is ~10x slower on CPU
+        return matrix, grad_offsets >> (stride.bit_length() - 1)
+    return matrix, grad_offsets.div(stride, rounding_mode="floor")
+
+
+def pooled_gradient_grid(layout: TableBatchedLayout, table: int | None, row_stride: int) -> tuple[int, int] | None:
+    """The grid ``(stride, first offset modulo stride)`` holding every gradient row of table ``table``'s features
+    (every table's when None) in a pooled gradient, read from the layout alone: row ``b`` of feature ``f`` starts at
+    ``b * row_stride + feature_out_offsets[f]``. None when no single grid of stride ``dim`` or ``row_stride`` does."""
+    dim = layout.max_dim if table is None else layout.tables[table].dim
+    starts = {layout.feature_out_offsets[f] for f, t in enumerate(layout.feature_tables) if table is None or t == table}
+    if row_stride % dim == 0 and len({start % dim for start in starts}) == 1:
+        return dim, min(starts) % dim
+    if len(starts) == 1 and row_stride >= dim:
+        return row_stride, starts.pop()
+    return None
+
+
+def segment_sums(
+    matrix: torch.Tensor, ids: torch.Tensor, segment_offsets: torch.Tensor, scales: torch.Tensor | None
+) -> torch.Tensor:
+    """``[S, D]`` fp32: segment ``s`` sums ``scales[j] * matrix[ids[j]]`` over ``j`` in
+    ``[segment_offsets[s] - segment_offsets[0], segment_offsets[s + 1] - segment_offsets[0])``, strictly in ``j``
+    order (``embedding_bag`` in sum mode adds a bag's rows one after another, and never splits a bag across threads),
+    so a run summed in the plan's canonical order gives the same bits wherever it sits in the batch."""
+    return F.embedding_bag(
+        ids,
+        matrix,
+        segment_offsets - segment_offsets[0],
+        mode="sum",
+        per_sample_weights=scales,
+        include_last_offset=True,
+    )
+
+
 def iter_row_sums(
     layout: TableBatchedLayout,
     plan: RowGradientPlan,
     grad_flat: torch.Tensor,
     chunk_bytes: int | None = None,
-    out: torch.Tensor | None = None,
 ) -> Iterator[tuple[RowSpan, int, int, torch.Tensor]]:
     """Yield ``(span, a, b, sums)``: the fp32 gradient sums ``[b - a, dim]`` of unique rows ``[a, b)``, at most
-    ``chunk_bytes`` of sums at a time (so a consumer's temporaries stay in cache), written into ``out`` (the
-    compact buffer) when given.
+    ``chunk_bytes`` of sums at a time (so a consumer's temporaries stay in cache).
 
-    Each run's first contribution is gathered straight into the sums and the others are added with ``index_add_``,
-    which adds in index order: every run is summed in the plan's canonical order."""
-    goff, scales = plan.sorted_grad_offsets, plan.sorted_scales
-    rest, rest_run = long_runs(plan.segment_offsets, plan.segment_offsets[1:] - plan.segment_offsets[:-1], True)
+    Each run is one ``embedding_bag`` segment over the gradient rows read in place (:func:`gradient_row_source`),
+    added in the plan's canonical order."""
+    goff, scales, row_stride = plan.sorted_grad_offsets, plan.sorted_scales, plan.grad_row_stride
     for span in row_spans(layout, plan):
+        grid = None if row_stride is None else pooled_gradient_grid(layout, span.table, row_stride)
+        matrix, ids = gradient_row_source(grad_flat, goff[span.c0 : span.c1], span.dim, row_stride, grid)
+        span_scales = None if scales is None else scales[span.c0 : span.c1]
         rows_per_chunk = max(1, chunk_bytes // (4 * span.dim)) if chunk_bytes else span.u1 - span.u0
         bounds = [*range(span.u0, span.u1, rows_per_chunk), span.u1]
-        rest_bounds = torch.searchsorted(rest_run, torch.tensor(bounds, device=rest_run.device)).tolist()
+        starts = plan.segment_offsets[bounds].tolist() if len(bounds) > 2 else [span.c0, span.c1]
         for k, (a, b) in enumerate(itertools.pairwise(bounds)):
-            start = span.start + (a - span.u0) * span.dim
-            block = None if out is None else out[start : start + (b - a) * span.dim].view(b - a, span.dim)
-            first = plan.segment_offsets[a:b]
-            sums = grad_rows(grad_flat, goff[first], span.dim, out=block)
-            if scales is not None:
-                sums.mul_(scales[first, None])
-            r0, r1 = rest_bounds[k], rest_bounds[k + 1]
-            if r1 > r0:  # rows looked up more than once: add their other contributions, in the plan's order
-                rest_rows = grad_rows(grad_flat, goff[rest[r0:r1]], span.dim)
-                if scales is not None:
-                    rest_rows.mul_(scales[rest[r0:r1], None])
-                sums.index_add_(0, rest_run[r0:r1] - a, rest_rows)
+            c0, c1 = starts[k] - span.c0, starts[k + 1] - span.c0
+            sums = segment_sums(
+                matrix, ids[c0:c1], plan.segment_offsets[a : b + 1], None if span_scales is None else span_scales[c0:c1]
+            )
             yield span, a, b, sums
 
 
@@ -208,10 +266,12 @@ def row_gradient_sums_reference(
     layout: TableBatchedLayout, plan: RowGradientPlan, grad_flat: torch.Tensor
 ) -> torch.Tensor:
     """The specification: compact fp32 row sums (see module docstring and :func:`iter_row_sums`)."""
-    out = torch.empty(compact_offsets(layout, plan)[-1], dtype=torch.float32, device=grad_flat.device)
-    for _ in iter_row_sums(layout, plan, grad_flat, out=out):
-        pass
-    return out
+    blocks = [sums.reshape(-1) for _, _, _, sums in iter_row_sums(layout, plan, grad_flat)]
+    if len(blocks) == 1:
+        return blocks[0]
+    if not blocks:
+        return torch.empty(0, dtype=torch.float32, device=grad_flat.device)
+    return torch.cat(blocks)
 
 
 @triton.jit
@@ -318,11 +378,14 @@ __all__ = [
     "RowSpan",
     "compact_offsets",
     "grad_rows",
+    "gradient_row_source",
     "iter_row_sums",
     "per_sample_weight_grad_reference",
     "per_sample_weight_grad_triton",
+    "pooled_gradient_grid",
     "row_gradient_sums_reference",
     "row_gradient_sums_triton",
     "row_spans",
     "segment_grad",
+    "segment_sums",
 ]

@@ -1,5 +1,6 @@
 """Pooled backward without an optimizer: dense / sparse row gradients and per-sample-weight gradients against
-autograd through per-table torch.nn.EmbeddingBag, and order independence of the row sums."""
+autograd through per-table torch.nn.EmbeddingBag, order independence of the row sums, and how the torch twin finds
+the gradient rows."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from hypothesis import given, settings
 
 from tritonrec.kernels.embedding import PoolingMode, pooled_embedding_lookup
 from tritonrec.kernels.embedding.grad_plan import build_row_gradient_plan, pooled_fingerprints, pooled_value_info
+from tritonrec.kernels.embedding.row_gradients import gradient_row_source, pooled_gradient_grid
 
 SUM, MEAN = PoolingMode.SUM, PoolingMode.MEAN
 
@@ -156,3 +158,45 @@ def test_plan_sorts_by_row_then_fingerprint_and_drops_invalid_rows():
         valid_rows.sort().values,
     )
     assert plan.table_unique_offsets[-1] == valid_rows.unique().numel()
+
+
+@pytest.mark.parametrize(
+    ("grad_offsets", "dim", "row_stride", "in_place"),
+    [
+        ([0, 8, 4, 16], 4, None, True),  # every row on the grid of its dim (a power of two)
+        ([3, 9, 6, 15], 3, None, True),  # the same with a dim that is not a power of two
+        ([5, 18, 31], 4, 13, True),  # only on the grid of the caller's row stride (a pooled gradient's sum(D))
+        ([1, 2, 7], 3, 5, False),  # on no grid: gathered
+        ([0, 2, 4], 4, 2, False),  # a stride below the dim would overlap rows: gathered
+    ],
+)
+def test_gradient_row_source_reads_rows_in_place_when_they_lie_on_a_grid(grad_offsets, dim, row_stride, in_place):
+    grad_flat = torch.arange(40, dtype=torch.float32)
+    offsets = torch.tensor(grad_offsets)
+    matrix, ids = gradient_row_source(grad_flat, offsets, dim, row_stride)
+    expected = torch.stack([grad_flat[o : o + dim] for o in grad_offsets])
+    assert torch.equal(matrix.index_select(0, ids), expected)
+    shares_storage = matrix.untyped_storage().data_ptr() == grad_flat.untyped_storage().data_ptr()
+    assert shares_storage == in_place
+
+
+@pytest.mark.parametrize(
+    ("dims", "feature_tables", "grids"),
+    [
+        ((4, 4), [0, 1, 0], {None: (4, 0), 0: (4, 0), 1: (4, 0)}),  # equal dims: every row on the dim grid
+        ((3, 129), [0, 1, 0], {0: (3, 0), 1: (135, 3)}),  # table 1 has one feature: the sum(D) grid
+        ((2, 3), [0, 1, 0], {0: None, 1: (7, 2)}),  # table 0's features start at columns 0 and 5 of 7: no grid
+    ],
+)
+def test_pooled_gradient_grid_holds_every_gradient_row(dims, feature_tables, grids):
+    layout = make_layout(list(dims), feature_tables=feature_tables)
+    for table, expected in grids.items():
+        grid = pooled_gradient_grid(layout, table, layout.total_dim)
+        assert grid == expected
+        if grid is None:
+            continue
+        stride, first = grid
+        for f, t in enumerate(layout.feature_tables):
+            if table is None or t == table:
+                offsets = torch.arange(5) * layout.total_dim + layout.feature_out_offsets[f]
+                assert bool(((offsets - first) % stride == 0).all())

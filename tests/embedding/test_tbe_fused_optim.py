@@ -1,6 +1,6 @@
 """Fused optimizers in the backward: 5 steps of SGD / rowwise Adagrad / Adam match a plain-torch implementation of
-the same rules (weights and state), for the Triton kernel and the torch twin; low-precision storage; the
-multi-block path for very wide rows; order independence of the updated weights."""
+the same rules (weights and state), for the Triton kernel and the torch twin (also split into one-row chunks);
+low-precision storage; the multi-block path for very wide rows; order independence of the updated weights."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 from embedding.tbe_testing import BACKENDS, PooledCase, make_case, make_layout, pooled_reference
 
+import tritonrec.kernels.embedding.fused_update as fused_update_module
 from tritonrec.kernels.embedding import OptimType, PoolingMode, create_fused_optimizer_state, pooled_embedding_lookup
 from tritonrec.kernels.embedding.fused_update import fused_update_reference, fused_update_triton
 from tritonrec.kernels.embedding.grad_plan import build_row_gradient_plan, pooled_fingerprints, pooled_value_info
@@ -116,6 +117,36 @@ def test_five_fused_steps_match_plain_torch(backend, optim, dims, tolerance):
                 layout.table_view(state.momentum2, t), reference.m2[t], **tolerance(torch.float32)
             )
     assert state.step.tolist() == [5, 5]
+
+
+@pytest.mark.parametrize("optim", list(RULES))
+@pytest.mark.parametrize("dims", [(3, 129), (4, 4)], ids=["mixed_dims", "equal_dims"])
+def test_twin_in_one_row_chunks_matches_plain_torch(optim, dims, monkeypatch, tolerance):
+    # the twin updates rows chunk by chunk (rowwise state gathered once, sliced per chunk, written back once): with a
+    # few bytes per chunk every row is its own chunk, so every chunk boundary is crossed in every step
+    monkeypatch.setattr(fused_update_module, "_CHUNK_BYTES_PER_THREAD", 4)
+    monkeypatch.setattr(fused_update_module, "_MAX_CHUNKS_MULTITHREADED", 1 << 20)  # whatever the thread count
+    layout = _layout(dims)
+    batches = _batches(layout)
+    weights = batches[0].weights.clone()
+    reference = ReferenceOptimizer(layout, weights, optim, RULES[optim])
+    state = create_fused_optimizer_state(layout, optim, **RULES[optim])
+    gen = torch.Generator().manual_seed(2)
+    for case in batches:
+        grad_output = torch.randn(case.batch_size, layout.total_dim, generator=gen)
+        pooled_embedding_lookup(
+            weights, layout, case.indices, case.offsets, case.per_sample_weights, fused=state, backend="torch"
+        ).backward(grad_output)
+        reference.step(case, grad_output)
+    for t in range(layout.num_tables):
+        torch.testing.assert_close(layout.table_view(weights, t), reference.tables[t], **tolerance(torch.float32))
+        if optim == OptimType.EXACT_ROWWISE_ADAGRAD:
+            rows = slice(layout.table_row_offsets[t], layout.table_row_offsets[t + 1])
+            torch.testing.assert_close(state.momentum1[rows], reference.m1[t], **tolerance(torch.float32))
+        if optim == OptimType.ADAM:
+            m1, m2 = layout.table_view(state.momentum1, t), layout.table_view(state.momentum2, t)
+            torch.testing.assert_close(m1, reference.m1[t], **tolerance(torch.float32))
+            torch.testing.assert_close(m2, reference.m2[t], **tolerance(torch.float32))
 
 
 @pytest.mark.parametrize("optim", [OptimType.EXACT_ROWWISE_ADAGRAD, OptimType.ADAM])
