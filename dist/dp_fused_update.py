@@ -36,6 +36,11 @@ def _table_counts(span: WidthSpan, rows: torch.Tensor) -> list[int]:
     return [b - a for a, b in itertools.pairwise(at)]
 
 
+# Largest common multiple of the span widths for which the gathered rows are read in place (padding each rank's
+# segment to a multiple of it); past it (many odd widths) they are copied into one block first.
+_MAX_ALIGN = 1 << 16
+
+
 # Row ids travel bit-cast to fp32 inside the data-parallel exchange: a span keeps its rows below 2**31.
 _MAX_SPAN_ROWS = 2**31 - 1
 
@@ -58,6 +63,7 @@ class DataParallelFusedUpdate:
         self.groups = list(groups)
         self.spans = width_spans(self.groups, _MAX_SPAN_ROWS)
         self.exchange = exchange
+        self.max_align = _MAX_ALIGN
 
     def __call__(self, grads: Sequence[torch.Tensor | None]) -> None:
         device = self.groups[0].weights.device
@@ -114,7 +120,7 @@ class DataParallelFusedUpdate:
         dims = [span.dim for span in self.spans]
         layouts = [_segment_layout(dims, counts) for counts in per_rank]
         align = math.lcm(*dims)
-        aligned = align <= _MAX_ALIGN
+        aligned = align <= self.max_align
         size = max(used for _, _, used in layouts)
         size = -(-size // align) * align if aligned else size
         device = self.groups[0].weights.device
@@ -147,11 +153,6 @@ class DataParallelFusedUpdate:
                 ids_cat = torch.arange(blocks_cat.shape[0], device=device)
                 out.append(sum_rows_in_order(rows, blocks_cat, ids_cat, scale))
         return out
-
-
-# Largest common multiple of the span widths for which the gathered rows are read in place (padding each rank's
-# segment to a multiple of it); past it (many odd widths) they are copied into one block first.
-_MAX_ALIGN = 1 << 16
 
 
 def _segment_layout(dims: list[int], counts: list[int]) -> tuple[list[int], int, int]:

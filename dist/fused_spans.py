@@ -137,18 +137,20 @@ def span_rows(span: WidthSpan, grads: Sequence[torch.Tensor | None]) -> SpanRows
 
 def spans_rows(spans: Sequence[WidthSpan], grads: Sequence[torch.Tensor | None]) -> list[SpanRows]:
     """Each span's touched rows from the per-table gradients of all the spans' groups (group-then-table order)."""
+    tables = sum(span.end - span.first for span in spans)
+    if tables != len(grads):
+        raise RuntimeError(f"the fused groups have {tables} tables but the backward delivered {len(grads)} gradients")
     out, k = [], 0
     for span in spans:
         n = span.end - span.first
         out.append(span_rows(span, grads[k : k + n]))
         k += n
-    if k != len(grads):
-        raise RuntimeError(f"the fused groups have {k} tables but the backward delivered {len(grads)} gradients")
     return out
 
 
 def decayed_gradient(span: WidthSpan, touched: SpanRows, scalars: StepScalars) -> torch.Tensor:
-    """The touched rows' fp32 gradient plus ``weight_decay * w`` (L2, as the fused rules add it first)."""
+    """The touched rows' fp32 gradient plus ``weight_decay * w`` (L2, as the fused rules add it first): without
+    weight decay, the gathered gradients themselves (which :func:`apply_span_rule` then consumes)."""
     g = touched.values.float()
     if scalars.weight_decay != 0.0:
         g = g + scalars.weight_decay * span.weights().index_select(0, touched.rows).float()
