@@ -1,26 +1,38 @@
 """Loader throughput: samples/s of reading Criteo TSV and npy files into model batches (dense features + KJT +
 labels), in-process and with 1 and 2 DataLoader workers, and of the batch cache (memory-mapped cached batches turned
-into model batches). In the same run and on the same files, the anchors: torchrec 1.8's Criteo readers where
-installed (``criteo_kaggle``'s TSV datapipe batched by ``torch.utils.data.datapipes``' Batcher, plus the row-to-KJT
-step torchrec leaves to the user; ``InMemoryBinaryCriteoIterDataPipe`` for npy, twice: with ``mmap_mode`` it reads
-and hashes per batch as ours does (the like-for-like anchor), by default it loads the files and hashes every id in
-its constructor, untimed, so its passes only slice memory: that one is the anchor of our batch cache, the other
-precomputed path) and the default DLRM's train step on the same batches (the loader must reach 3x its samples/s so
-it never bounds a rank's step).
+into model batches). Our npy rows: the key-major layout with ids hashed when written (``criteo_tsv_to_npy(...,
+num_embeddings=...)``, the fast path) and torchrec's rows layout with raw ids (hashed per read).
 
-    python benchmarks/bench_loader.py [--rows 60000] [--batch-size 2048] [--repeats 3] [--out loader_cpu.csv] [--plot]
+In the same run and on the same files, the anchors: torchrec 1.8's Criteo readers where installed
+(``criteo_kaggle``'s TSV datapipe batched by ``torch.utils.data.datapipes``' Batcher, plus the row-to-KJT step
+torchrec leaves to the user; ``InMemoryBinaryCriteoIterDataPipe`` for npy, with ``mmap_mode`` and ``hashes`` read
+and hashed per batch (the like-for-like anchor), wrapped in a ``DataLoader(batch_size=None)`` as the reference DLRM
+script does (facebookresearch/dlrm, ``torchrec_dlrm/data/dlrm_dataloader.py``), and also iterated bare; by default
+it loads the files and hashes every id in its constructor, untimed, so its passes only slice memory: that one is the
+anchor of our batch cache) and the default DLRM's train step on the same batches (the loader must reach 3x its
+samples/s so it never bounds a rank's step).
 
-One timed call is one whole pass over the file (every batch distinct). torchrec's readers have no per-worker
-sharding of one file (its TSV pipe splits by file, its npy pipe not at all), so they are timed in-process and
-compared with our in-process rows; the worker rows show how ours scale.
+    python benchmarks/bench_loader.py [--rows 122880] [--batch-sizes 2048 8192] [--rounds 5] [--out loader_cpu.csv]
+        [--plot]
+
+Batch sizes: 2048 (the criteo_kaggle TSV experiment's) and 8192 (the criteo_terabyte_npy experiment's). One timed
+call is one whole pass over the file (every batch distinct); the train-step bar is timed over 5 steps. The
+machine may be shared: every case is timed once per round, round after round, in a new random order each round
+(interleaved, so load changes hit all cases alike, and no case always inherits the same predecessor's leftovers in the
+caches); wall-clock rates use the median pass, per-CPU-second rates the pass with the fewest CPU seconds of this
+process (blind to worker processes, so in-process rows only). torchrec's readers have no per-worker sharding of one
+file (its TSV pipe splits by file, its npy pipe not at all), so they are timed in-process and compared with our
+in-process rows; the worker rows show how ours scale.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -28,7 +40,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from harness import append_csv, measure, print_table
+from harness import append_csv, print_table
 
 from tritonrec.data.batch import Batch
 from tritonrec.data.batch_cache import DataGroup
@@ -61,15 +73,29 @@ def write_tsv(path: Path, rows: int, seed: int = 0) -> None:
                 handle.write("\t".join([str(labels[i]), *ints, *cats]) + "\n")
 
 
-def cpu_seconds(run: Callable[[], Any], repeats: int) -> float:
-    """Fewest CPU seconds of this process over ``repeats`` calls: robust to other jobs on a loaded machine, but blind
-    to work done in worker processes (so only in-process rows report it)."""
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.process_time()
-        run()
-        best = min(best, time.process_time() - started)
-    return best
+def interleaved(runs: list[Callable[[], int]], rounds: int) -> list[tuple[int, list[float], list[float]]]:
+    """Each run called once per round, ``rounds`` rounds after one untimed warm-up round, in a new random order each
+    round (so no run always follows the same one, whose leftovers in the caches and the heap it would inherit): per
+    run ``(samples, wall ms per call, CPU seconds of this process per call)``."""
+    results = [(run(), [], []) for run in runs]  # warm-up (page cache, workers, allocator)
+    order = np.random.default_rng(0)
+    for _ in range(rounds):
+        for index in order.permutation(len(runs)).tolist():
+            _, walls, cpus = results[index]
+            cpu, wall = time.process_time(), time.perf_counter()
+            runs[index]()
+            walls.append((time.perf_counter() - wall) * 1e3)
+            cpus.append(time.process_time() - cpu)
+    return results
+
+
+def timing(walls: list[float]) -> dict[str, float]:
+    """The harness's timing columns (median, p10, p90, count) from per-call wall milliseconds."""
+    ordered, last = sorted(walls), len(walls) - 1
+    return {
+        "median_ms": statistics.median(ordered), "p10_ms": ordered[int(0.1 * last)], "p90_ms": ordered[int(0.9 * last)],
+        "repeats": len(ordered),
+    }  # fmt: skip
 
 
 def passes(make_batches: Callable[[], Iterable[Any]]) -> Callable[[], int]:
@@ -108,9 +134,12 @@ def torchrec_tsv_pass(path: Path, batch_size: int) -> Callable[[], Iterable[Any]
     return lambda: (to_batch(rows) for rows in dp.iter.Batcher(criteo_kaggle(str(path)), batch_size))
 
 
-def torchrec_npy_pass(prefix: Path, batch_size: int, mmap_mode: bool) -> Callable[[], Iterable[Any]]:
+def torchrec_npy_pass(
+    prefix: Path, batch_size: int, mmap_mode: bool, data_loader: bool = False
+) -> Callable[[], Iterable[Any]]:
     """In memory (the default): files loaded and ids hashed in the constructor, untimed; ``mmap_mode``: read and
-    hashed per batch, as ours are."""
+    hashed per batch, as ours are. ``data_loader``: wrapped as the reference DLRM script wraps it."""
+    from torch.utils.data import DataLoader
     from torchrec.datasets.criteo import InMemoryBinaryCriteoIterDataPipe
 
     dense, sparse, labels = (str(p) for p in npy_paths(prefix))
@@ -118,7 +147,14 @@ def torchrec_npy_pass(prefix: Path, batch_size: int, mmap_mode: bool) -> Callabl
         "train", [dense], [sparse], [labels], batch_size, rank=0, world_size=1, hashes=[HASH] * 26,
         mmap_mode=mmap_mode,
     )  # fmt: skip
+    if data_loader:
+        loader = DataLoader(pipe, batch_size=None, collate_fn=_identity)
+        return lambda: loader
     return lambda: iter(pipe)
+
+
+def _identity(batch: Any) -> Any:
+    return batch
 
 
 def torchrec_npy_files(ours: Path, theirs: Path) -> None:
@@ -163,9 +199,9 @@ def cached_pass(group: DataGroup) -> Callable[[], Iterable[Batch]]:
 
 
 # ---------------------------------------------------------------------------------------------------- train step
-def train_step_rates(prefix: Path, batch_size: int) -> tuple[dict[str, float], float]:
-    """The default DLRM's optimizer step on distinct batches of the npy data (tables of HASH rows per feature):
-    ``(wall timing, CPU samples/s)``."""
+def train_steps(prefix: Path, batch_size: int, steps: int) -> Callable[[], int]:
+    """``steps`` optimizer steps of the default DLRM on distinct batches of the npy data (tables of HASH rows per
+    feature); returns the samples they trained on."""
     source = CriteoNPYSource(prefix, HASH)
     sources = DataSources(source, None, source.element_spec, source.num_embeddings)
     model = build_model(DLRMConfig(backend="torch"), sources, OptimConfig())
@@ -173,20 +209,76 @@ def train_step_rates(prefix: Path, batch_size: int) -> tuple[dict[str, float], f
     batches = list(make_rank_loader(source, batch_size, drop_remainder=True))
     position = [0]
 
-    def step() -> None:
-        batch = batches[position[0] % len(batches)]
-        position[0] += 1
-        train_step(model, optimizer, batch)
+    def run() -> int:
+        for _ in range(steps):
+            train_step(model, optimizer, batches[position[0] % len(batches)])
+            position[0] += 1
+        return steps * batch_size
 
-    timing = measure(step, warmup=2, repeats=10, min_time_s=0.5)
-    return timing, batch_size / cpu_seconds(step, 10)
+    return run
+
+
+def bench_batch_size(tsv: Path, root: Path, B: int, rounds: int) -> list[dict[str, Any]]:
+    """Every case at batch size ``B``, interleaved; one CSV row each, with its ratios to its anchor and the bar."""
+    rows_prefix, hashed_prefix = root / "rows" / "day_0", root / "hashed" / "day_0"
+    cases: list[tuple[str, str, int, Callable[[], Iterable[Any]]]] = []
+    for workers in (0, 1, 2):
+        loaders = {
+            "tsv": make_rank_loader(CriteoTSVSource(tsv, HASH), B, num_workers=workers),
+            "npy": make_rank_loader(CriteoNPYSource(hashed_prefix, HASH), B, num_workers=workers),
+        }
+        cases.append(("tritonrec CriteoTSVSource -> Batch", "tsv", workers, lambda lo=loaders["tsv"]: lo))
+        cases.append(("tritonrec CriteoNPYSource (key-major, hashed when written) -> Batch", "npy", workers,
+                      lambda lo=loaders["npy"]: lo))  # fmt: skip
+    rows_loader = make_rank_loader(CriteoNPYSource(rows_prefix, HASH), B)
+    cases.append(("tritonrec CriteoNPYSource (rows layout, raw ids) -> Batch", "npy_rows", 0, lambda: rows_loader))
+    cases.append(("tritonrec batch cache (mmap .npy) -> Batch", "cache", 0, cached_pass(
+        cached_group(rows_prefix, root / f"cache_{B}", B))))  # fmt: skip
+    anchor_notes: dict[str, str] = {}
+    try:
+        theirs = root / "torchrec" / "day_0"
+        cases.append(("anchor: torchrec criteo_kaggle datapipe + Batcher + KJT", "tsv", 0, torchrec_tsv_pass(tsv, B)))
+        cases.append(("anchor: torchrec InMemoryBinaryCriteoIterDataPipe (mmap_mode) in a DataLoader", "npy", 0,
+                      torchrec_npy_pass(theirs, B, mmap_mode=True, data_loader=True)))  # fmt: skip
+        cases.append(("torchrec InMemoryBinaryCriteoIterDataPipe (mmap_mode), bare", "npy_bare", 0,
+                      torchrec_npy_pass(theirs, B, mmap_mode=True)))  # fmt: skip
+        cases.append(("anchor: torchrec InMemoryBinaryCriteoIterDataPipe (in memory, pre-hashed)", "npy_mem", 0,
+                      torchrec_npy_pass(theirs, B, mmap_mode=False)))  # fmt: skip
+    except ImportError as error:
+        anchor_notes["tsv"] = anchor_notes["npy"] = f"torchrec anchor unavailable: {error}"
+    runs = [passes(make) for *_, make in cases] + [train_steps(rows_prefix, B, steps=5)]
+    load = os.getloadavg()[0]
+    results = interleaved(runs, rounds)
+    load = (load + os.getloadavg()[0]) / 2
+    rows_out: list[dict[str, Any]] = []
+    labels = [(impl, fmt, workers) for impl, fmt, workers, _ in cases]
+    labels.append(("bar: default DLRM train step (same batches)", "step", 0))
+    for (impl, fmt, workers), (samples, walls, cpus) in zip(labels, results, strict=True):
+        wall = timing(walls)
+        rows_out.append({
+            "bench": "loader", "impl": impl, "format": fmt, "workers": workers, "rows": samples, "batch_size": B,
+            **wall, "samples_per_s": samples / (wall["median_ms"] * 1e-3),
+            "cpu_samples_per_s": samples / min(cpus) if workers == 0 else None, "load_1min": load,
+        })  # fmt: skip
+    anchors = {r["format"]: r for r in rows_out if r["impl"].startswith("anchor")}
+    anchor_of = {"npy_rows": "npy", "npy_bare": "npy", "cache": "npy_mem"}
+    step = rows_out[-1]
+    for row in rows_out:
+        fmt = anchor_of.get(row["format"], row["format"])
+        anchor = anchors.get(fmt)
+        for column in ("samples_per_s", "cpu_samples_per_s"):
+            mine, theirs_rate, bar = row[column], anchor[column] if anchor else None, step[column]
+            row[f"{column}_vs_torchrec"] = mine / theirs_rate if mine and theirs_rate else None
+            row[f"{column}_vs_train_step"] = mine / bar if mine and bar else None
+        row["note"] = anchor_notes.get(fmt, "")
+    return rows_out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=60_000)
-    parser.add_argument("--batch-size", type=int, default=2048)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=122_880)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="loader_cpu.csv")
     parser.add_argument("--plot", action="store_true")
@@ -197,86 +289,64 @@ def main() -> None:
         root = Path(tmp)
         tsv = root / "day_0.tsv"
         write_tsv(tsv, args.rows)
-        criteo_tsv_to_npy(tsv, root / "ours" / "day_0")
-        prefix = root / "ours" / "day_0"
-        B = args.batch_size
-        cases: list[tuple[str, str, int, Callable[[], Iterable[Any]]]] = []
-        for workers in (0, 1, 2):
-            tsv_loader = make_rank_loader(CriteoTSVSource(tsv, HASH), B, num_workers=workers)
-            npy_loader = make_rank_loader(CriteoNPYSource(prefix, HASH), B, num_workers=workers)
-            cases.append(("tritonrec CriteoTSVSource -> Batch", "tsv", workers, lambda loader=tsv_loader: loader))
-            cases.append(("tritonrec CriteoNPYSource -> Batch", "npy", workers, lambda loader=npy_loader: loader))
-        cases.append(("tritonrec batch cache (mmap .npy) -> Batch", "cache", 0, cached_pass(
-            cached_group(prefix, root / "cache", B))))  # fmt: skip
-        anchor_notes: dict[str, str] = {}
+        criteo_tsv_to_npy(tsv, root / "rows" / "day_0")
+        criteo_tsv_to_npy(tsv, root / "hashed" / "day_0", num_embeddings=HASH)
+        opened = time.process_time()
+        CriteoNPYSource(root / "hashed" / "day_0", HASH)
+        open_ms = (time.process_time() - opened) * 1e3  # the key-major files are validated when opened
         try:
-            cases.append(("anchor: torchrec criteo_kaggle datapipe + Batcher + KJT", "tsv", 0,
-                          torchrec_tsv_pass(tsv, B)))  # fmt: skip
             (root / "torchrec").mkdir()
-            torchrec_npy_files(prefix, root / "torchrec" / "day_0")
-            cases.append(("anchor: torchrec InMemoryBinaryCriteoIterDataPipe (mmap_mode)", "npy", 0,
-                          torchrec_npy_pass(root / "torchrec" / "day_0", B, mmap_mode=True)))  # fmt: skip
-            cases.append(("anchor: torchrec InMemoryBinaryCriteoIterDataPipe (in memory, pre-hashed)", "npy_mem", 0,
-                          torchrec_npy_pass(root / "torchrec" / "day_0", B, mmap_mode=False)))  # fmt: skip
-        except ImportError as error:
-            anchor_notes["tsv"] = anchor_notes["npy"] = f"torchrec anchor unavailable: {error}"
-        load = os.getloadavg()[0]
-        for impl, fmt, workers, make in cases:
-            run = passes(make)
-            samples = run()
-            timing = measure(run, warmup=1, repeats=args.repeats, min_time_s=0.0)
-            cpu = samples / cpu_seconds(run, args.repeats) if workers == 0 else None
-            rows_out.append({
-                "bench": "loader", "impl": impl, "format": fmt, "workers": workers, "rows": samples,
-                "batch_size": B, **timing, "samples_per_s": samples / (timing["median_ms"] * 1e-3),
-                "cpu_samples_per_s": cpu, "load_1min": load,
-            })  # fmt: skip
-        timing, step_cpu = train_step_rates(prefix, B)
-        rows_out.append({"bench": "loader", "impl": "bar: default DLRM train step (same batches)", "format": "step",
-                         "workers": 0, "rows": B, "batch_size": B, **timing,
-                         "samples_per_s": B / (timing["median_ms"] * 1e-3), "cpu_samples_per_s": step_cpu,
-                         "load_1min": load})  # fmt: skip
-    anchors = {r["format"]: r for r in rows_out if r["impl"].startswith("anchor")}
-    step = rows_out[-1]
-    for row in rows_out:
-        anchor = anchors.get(row["format"] if row["format"] != "cache" else "npy_mem")
-        for column in ("samples_per_s", "cpu_samples_per_s"):
-            mine, theirs, bar = row[column], anchor[column] if anchor else None, step[column]
-            row[f"{column}_vs_torchrec"] = mine / theirs if mine and theirs else None
-            row[f"{column}_vs_train_step"] = mine / bar if mine and bar else None
-        row["note"] = anchor_notes.get(row["format"], "")
-    print_table(rows_out, ["impl", "format", "workers", "samples_per_s", "cpu_samples_per_s",
-                           "cpu_samples_per_s_vs_torchrec", "samples_per_s_vs_train_step",
-                           "cpu_samples_per_s_vs_train_step"])  # fmt: skip
+            torchrec_npy_files(root / "rows" / "day_0", root / "torchrec" / "day_0")
+        except ImportError:
+            pass
+        for B in args.batch_sizes:
+            rows_out += bench_batch_size(tsv, root, B, args.rounds)
+    print_table(rows_out, ["impl", "format", "workers", "batch_size", "samples_per_s", "cpu_samples_per_s",
+                           "samples_per_s_vs_torchrec", "cpu_samples_per_s_vs_torchrec",
+                           "samples_per_s_vs_train_step", "cpu_samples_per_s_vs_train_step"])  # fmt: skip
+    for B in args.batch_sizes:
+        of_size = [r for r in rows_out if r["batch_size"] == B]
+        bare = next((r for r in of_size if r["format"] == "npy_bare"), None)
+        ours = next(r for r in of_size if r["format"] == "npy" and r["workers"] == 0 and r["impl"].startswith("trit"))
+        if bare:
+            print(f"B={B}: key-major npy vs torchrec's bare pipe: {ours['samples_per_s'] / bare['samples_per_s']:.2f}x "
+                  f"wall, {ours['cpu_samples_per_s'] / bare['cpu_samples_per_s']:.2f}x per CPU second")  # fmt: skip
+    print(f"opening (validating) the key-major day of {args.rows} rows: {open_ms:.1f} ms of CPU")
     path = append_csv(args.out, rows_out)
-    print(f"appended {len(rows_out)} rows to {path} (threads={args.threads}, load {load:.1f})", file=sys.stderr)
+    load = max(r["load_1min"] for r in rows_out)
+    print(f"appended {len(rows_out)} rows to {path} (threads={args.threads}, load up to {load:.1f})", file=sys.stderr)
     if args.plot:
         plot(rows_out, path.with_suffix(".png"))
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """Two bars per row: wall-clock samples/s, and samples per CPU second of the process (in-process rows only)."""
+    """One panel per batch size, two bars per case: wall-clock samples/s, and samples per CPU second of the process
+    (in-process rows only)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(11, 5.5))
-    positions = np.arange(len(rows))
-    labels = [f"{r['impl']}\n({r['format']}, {r['workers']} workers)" for r in rows]
-    anchor = ["tab:gray" if r["impl"].startswith(("anchor", "bar")) else "tab:blue" for r in rows]
-    ax.barh(positions - 0.2, [float(r["samples_per_s"]) for r in rows], height=0.4, color=anchor, label="wall-clock")
-    cpu = [float(r["cpu_samples_per_s"] or "nan") for r in rows]
-    ax.barh(positions + 0.2, cpu, height=0.4, color=anchor, alpha=0.45, hatch="//", label="per CPU second")
-    ax.set_yticks(positions, labels, fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xscale("log")
-    ax.set_xlabel("samples/s (log scale); grey: torchrec anchors and the train-step bar")
-    load = float(rows[0]["load_1min"])
-    ax.set_title(f"Criteo into batches of {rows[0]['batch_size']}, CPU, one run (2 shared cores, load {load:.0f})")
-    ax.legend(loc="lower right", fontsize=8)
+    sizes = sorted({r["batch_size"] for r in rows})
+    fig, axes = plt.subplots(1, len(sizes), figsize=(7 * len(sizes) + 2, 7), sharey=True, squeeze=False)
+    for ax, size in zip(axes[0], sizes, strict=True):
+        panel = [r for r in rows if r["batch_size"] == size]
+        positions = np.arange(len(panel))
+        grey = ["tab:gray" if r["impl"].startswith(("anchor", "bar", "torchrec")) else "tab:blue" for r in panel]
+        wall = [float(r["samples_per_s"]) for r in panel]
+        cpu = [float(r["cpu_samples_per_s"] or "nan") for r in panel]
+        ax.barh(positions - 0.2, wall, height=0.4, color=grey, label="wall-clock")
+        ax.barh(positions + 0.2, cpu, height=0.4, color=grey, alpha=0.45, hatch="//", label="per CPU second")
+        names = [textwrap.fill(f"{r['impl']} ({r['format']}, {r['workers']} workers)", 48) for r in panel]
+        ax.set_yticks(positions, names, fontsize=7)
+        ax.set_xscale("log")
+        ax.set_xlabel("samples/s (log scale); grey: torchrec and the train-step bar")
+        ax.set_title(f"batches of {size} (load {float(panel[0]['load_1min']):.0f} on 2 shared cores)", fontsize=9)
+        ax.legend(loc="lower right", fontsize=8)
+    axes[0][0].invert_yaxis()
+    fig.suptitle("Criteo TSV / npy into model batches, CPU, 1 thread, one interleaved run")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     print(f"wrote {path}", file=sys.stderr)
 
 

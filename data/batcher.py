@@ -34,6 +34,7 @@ import torch
 from tritonrec.data.batch import Batch
 from tritonrec.data.element_chunk import ElementChunk
 from tritonrec.data.elements import BatchSpec, ElementSource, ElementSpec, RecElement, TensorSpec
+from tritonrec.data.key_major import KeyMajorRows
 from tritonrec.data.keyed_jagged_tensor import KeyedJaggedTensor
 from tritonrec.data.sharding import ChunkReader
 
@@ -262,29 +263,43 @@ def chunk_from_elements(elements: list[RecElement], spec: ElementSpec, first_ind
 def collate_chunk(chunk: ElementChunk, spec: ElementSpec, batch_size: int) -> Batch:
     """``n <= batch_size`` stacked samples -> one Batch of ``batch_size`` rows, the last ``batch_size - n`` padding.
 
-    Ids arrive sample-major (each sample's features back to back); the KJT wants them key-major, so one gather
-    reorders them: bag ``(f, b)`` starts at its sample-major offset.
+    Each chunk layout has its own way to the KJT's key-major values: key-major chunks concatenate per-feature
+    slices, id-matrix chunks transpose and drop the empty bags, jagged chunks gather (bag ``(f, b)`` starts at its
+    sample-major offset).
     """
     n, num_keys = len(chunk), len(spec.sparse_keys)
     if n > batch_size:
         raise ValueError(f"a chunk of {n} samples does not fit batch_size={batch_size}")
-    sparse_shape = (chunk.id_matrix if chunk.id_matrix is not None else chunk.lengths).shape
+    if chunk.key_major is not None:
+        sparse_shape = (n, chunk.key_major.store.lengths.shape[0])
+    else:
+        sparse_shape = (chunk.id_matrix if chunk.id_matrix is not None else chunk.lengths).shape
     if chunk.dense.shape != (n, spec.dense_dim) or sparse_shape != (n, num_keys):
         raise ValueError(
             f"chunk arrays dense {chunk.dense.shape} and lengths/id matrix {sparse_shape} do not fit the element "
             f"spec (dense_dim={spec.dense_dim}, {num_keys} sparse keys)"
         )
-    dense = np.zeros((batch_size, spec.dense_dim), dtype=np.float32)
-    labels = np.zeros(batch_size, dtype=np.float32)
+    allocate = np.empty if n == batch_size else np.zeros  # padding rows are zero; a full batch has none
+    dense = allocate((batch_size, spec.dense_dim), np.float32)
+    labels = allocate(batch_size, np.float32)
     dense[:n] = chunk.dense
     labels[:n] = chunk.labels
-    valid = np.zeros(batch_size, dtype=bool)
-    valid[:n] = True
-    if chunk.id_matrix is not None:
+    valid = torch.ones(batch_size, dtype=torch.bool)
+    if n < batch_size:
+        valid[n:] = False
+    if chunk.key_major is not None:
+        sparse = _kjt_from_key_major(chunk.key_major, spec.sparse_keys, batch_size)
+    elif chunk.id_matrix is not None:
         sparse = _kjt_from_id_matrix(chunk.id_matrix, spec.sparse_keys, batch_size)
-        return Batch(torch.from_numpy(dense), sparse, torch.from_numpy(labels), torch.from_numpy(valid))
+    else:
+        sparse = _kjt_from_jagged(chunk, spec.sparse_keys, batch_size)
+    return Batch(torch.from_numpy(dense), sparse, torch.from_numpy(labels), valid)
+
+
+def _kjt_from_jagged(chunk: ElementChunk, keys: tuple[str, ...], batch_size: int) -> KeyedJaggedTensor:
     if not np.issubdtype(chunk.ids.dtype, np.integer):
         raise TypeError(f"chunk ids must have an integer dtype, got {chunk.ids.dtype}")
+    n, num_keys = len(chunk), len(keys)
     lengths = np.zeros((batch_size, num_keys), dtype=np.int64)
     lengths[:n] = chunk.lengths
     ids = chunk.ids.astype(np.int64, copy=False)
@@ -295,35 +310,56 @@ def collate_chunk(chunk: ElementChunk, spec: ElementSpec, batch_size: int) -> Ba
     starts_key_major = starts.reshape(batch_size, num_keys).T.reshape(-1)
     out_starts = np.cumsum(lengths_key_major) - lengths_key_major
     gather = np.repeat(starts_key_major - out_starts, lengths_key_major) + np.arange(ids.shape[0])
-    sparse = KeyedJaggedTensor(
-        keys=list(spec.sparse_keys),
+    return KeyedJaggedTensor(
+        keys=list(keys),
         values=torch.from_numpy(ids[gather]),
         lengths=torch.from_numpy(lengths_key_major.astype(np.int32)),
         stride=batch_size,
         length_per_key=lengths.sum(0).tolist(),
     )
-    return Batch(torch.from_numpy(dense), sparse, torch.from_numpy(labels), torch.from_numpy(valid))
 
 
 def _kjt_from_id_matrix(id_matrix: np.ndarray, keys: tuple[str, ...], batch_size: int) -> KeyedJaggedTensor:
-    """``[n, F]`` ids (-1: empty bag), ``n <= batch_size`` -> a KJT of stride ``batch_size`` (padding rows empty):
-    key-major is the transpose, and the present ids are one mask away."""
+    """``[n, F]`` ids (negative: empty bag), ``n <= batch_size`` -> a KJT of stride ``batch_size`` (padding rows
+    empty): key-major is one transposing copy, and the present ids are one mask away. Without an empty bag the
+    transpose is the values and every length is 1.
+
+    The parts are consistent by construction (one id per present bag, lengths 0 or 1), so the KJT is built without
+    re-checking them."""
     if not np.issubdtype(id_matrix.dtype, np.integer):
         raise TypeError(f"chunk id_matrix must have an integer dtype, got {id_matrix.dtype}")
-    n = id_matrix.shape[0]
+    n, num_keys = id_matrix.shape[0], len(keys)
     if n == batch_size:
         key_major = np.ascontiguousarray(id_matrix.T, dtype=np.int64)
     else:  # a short last batch: its padding rows are empty bags
-        key_major = np.full((len(keys), batch_size), -1, dtype=np.int64)
+        key_major = np.full((num_keys, batch_size), -1, dtype=np.int64)
         key_major[:, :n] = id_matrix.T
     present = key_major >= 0
-    return KeyedJaggedTensor(
-        keys=list(keys),
-        values=torch.from_numpy(key_major[present]),
-        lengths=torch.from_numpy(present.reshape(-1).astype(np.int32)),
-        stride=batch_size,
-        length_per_key=present.sum(1).tolist(),
+    if np.count_nonzero(present) == present.size:
+        values, lengths = key_major.reshape(-1), np.ones(present.size, np.int32)
+        length_per_key = [batch_size] * num_keys
+    else:
+        values, lengths = np.compress(present.reshape(-1), key_major), present.reshape(-1).astype(np.int32)
+        length_per_key = present.sum(1, dtype=np.int32).tolist()
+    return KeyedJaggedTensor._trusted(
+        list(keys), torch.from_numpy(values), None, torch.from_numpy(lengths), batch_size, None, length_per_key
     )
+
+
+def _kjt_from_key_major(rows: KeyMajorRows, keys: tuple[str, ...], batch_size: int) -> KeyedJaggedTensor:
+    """Key-major rows -> a KJT of stride ``batch_size``: the values are the rows' per-feature slices concatenated,
+    the lengths their bag lengths (padding rows empty). The store was validated when opened (lengths consistent with
+    the ids), so the KJT is built without re-checking."""
+    values, bag_lengths, length_per_key = rows.arrays()
+    if len(rows) == batch_size:
+        lengths = bag_lengths.astype(np.int32, order="C")  # key-major whatever the file's memory order
+    else:
+        lengths = np.zeros((len(keys), batch_size), np.int32)
+        lengths[:, : len(rows)] = bag_lengths
+    return KeyedJaggedTensor._trusted(
+        list(keys), torch.from_numpy(values), None, torch.from_numpy(lengths.reshape(-1)), batch_size, None,
+        length_per_key.tolist(),
+    )  # fmt: skip
 
 
 def _raise_shape_mismatch(elements: list[RecElement], spec: ElementSpec, first_index: int) -> None:

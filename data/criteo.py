@@ -83,9 +83,16 @@ def resolve_num_embeddings(num_embeddings: int | Sequence[int], num_features: in
 
 
 def hash_id_matrix(raw_ids: np.ndarray, num_embeddings: np.ndarray) -> np.ndarray:
-    """``raw_ids [n, F]`` (negative = missing) -> the same ids folded into their tables by modulo, -1 where missing."""
-    hashed = raw_ids % num_embeddings
-    np.copyto(hashed, -1, where=raw_ids < 0)
+    """``raw_ids [n, F]`` (negative = missing) -> the same ids folded into their tables by modulo, -1 where missing.
+
+    ``a - (a // n) * n`` is ``a % n``; numpy divides by a scalar with a multiply and a shift, which makes this twice
+    as fast as ``%`` when every table has the same size. In place after the division: a block's temporaries are
+    large, and each fresh one costs page faults."""
+    sizes = num_embeddings[0] if (num_embeddings == num_embeddings[0]).all() else num_embeddings
+    hashed = raw_ids // sizes
+    hashed *= sizes
+    np.subtract(raw_ids, hashed, out=hashed)
+    hashed |= raw_ids >> 63  # all bits set (-1) where the raw id is negative
     return hashed
 
 

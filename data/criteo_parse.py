@@ -13,11 +13,12 @@ instead of clipping); an empty count is 0. An id becomes its integer value, -1 w
 
 from __future__ import annotations
 
-import itertools
 import re
 from dataclasses import dataclass
 
 import numpy as np
+
+from tritonrec.data.criteo_words import WORD_BYTES, parse_narrow_fields
 
 INT_FEATURE_COUNT = 13
 CAT_FEATURE_COUNT = 26
@@ -31,7 +32,8 @@ MAX_HEX_DIGITS = 15  # 16**15 - 1 < 2**63
 _FIELD_WIDTH = MAX_COUNT_DIGITS + 1  # widest valid field: '-' and 18 digits
 _COUNT = re.compile(rb"-?[0-9]{1,%d}" % MAX_COUNT_DIGITS)
 _HEX = re.compile(rb"[0-9a-fA-F]{1,%d}" % MAX_HEX_DIGITS)
-_NARROW_WIDTH = 8  # first-pass field width: every Criteo id (8 hex digits) and nearly every count fits
+_TAB, _NEWLINE = 9, 10
+_SUB_BLOCK = 512  # lines parsed as words at a time: their temporaries stay in cache
 
 
 def _shown(field: bytes) -> str:
@@ -90,32 +92,47 @@ class ParsedBlock:
 
 
 def parse_criteo_block(lines: list[bytes]) -> ParsedBlock:
-    """Parse many lines at once: the same results and the same malformed lines as :func:`parse_criteo_line`.
+    """Parse many lines (without their newlines) at once: the same results and the same malformed lines as
+    :func:`parse_criteo_line`.
 
-    The fields go into one fixed-width byte array, 8 bytes wide (every Criteo id and nearly every count fits); the
-    lines with a longer field are parsed again 19 bytes wide, and a line with a field longer than that is malformed.
+    The lines are joined into one buffer; the positions of its tabs and newlines give every field's start and
+    length, and lines with 40 fields whose fields all fit 8 bytes (nearly all Criteo lines) are parsed as words
+    (:mod:`tritonrec.data.criteo_words`). Lines with a longer field are parsed again byte by byte, 19 bytes wide (a
+    field longer than that is malformed).
     """
     n = len(lines)
-    tabs = np.fromiter(map(bytes.count, lines, itertools.repeat(b"\t")), dtype=np.int64, count=n)
-    shaped = np.flatnonzero(tabs == NUM_FIELDS - 1)
-    ok = np.zeros(n, dtype=bool)
     dense = np.zeros((0, INT_FEATURE_COUNT), np.float32)
     raw_ids = np.zeros((0, CAT_FEATURE_COUNT), np.int64)
     labels = np.zeros(0, np.float32)
+    ok = np.zeros(n, dtype=bool)
+    shaped = np.zeros(0, np.int64)
+    if n:
+        block = b"\n".join(lines) + b"\n" + bytes(WORD_BYTES)  # padded: 8-byte loads at any field start stay inside
+        text = np.frombuffer(block, np.uint8)[:-WORD_BYTES]
+        delimiters = np.flatnonzero((text == _TAB) | (text == _NEWLINE))
+        line_ends = np.flatnonzero(text[delimiters] == _NEWLINE)  # index in delimiters of each line's newline
+        if line_ends.size != n:
+            raise ValueError("lines must come without newlines (one line per entry)")
+        shaped = np.flatnonzero(np.diff(line_ends, prepend=-1) == NUM_FIELDS)
+        before = np.concatenate(([-1], delimiters))  # before[k]: the delimiter before field k (-1: block start)
+        if shaped.size == n:
+            ends, starts = delimiters.reshape(n, NUM_FIELDS), before[:-1].reshape(n, NUM_FIELDS) + 1
+        else:
+            field_index = (line_ends[shaped] - (NUM_FIELDS - 1))[:, None] + np.arange(NUM_FIELDS)
+            ends, starts = delimiters[field_index], before[field_index] + 1
     if shaped.size:
-        kept = lines if shaped.size == n else [lines[i] for i in shaped]
-        fields = b"\t".join(kept).split(b"\t")
-        line_lengths = np.fromiter(map(len, kept), dtype=np.int64, count=len(kept))
-        good, counts, ids, label, whole = _parse_fields(fields, line_lengths, _NARROW_WIDTH)
-        if not whole.all():  # lines with a long field (or a NUL byte): once more, as wide as a valid field can be
-            redo = np.flatnonzero(~whole)
-            wide = [field for i in redo.tolist() for field in fields[i * NUM_FIELDS : (i + 1) * NUM_FIELDS]]
-            redo_good, counts[redo], ids[redo], label[redo], redo_whole = _parse_fields(
-                wide, line_lengths[redo], _FIELD_WIDTH
+        lengths = ends - starts
+        parts = [
+            parse_narrow_fields(block, starts[i : i + _SUB_BLOCK], lengths[i : i + _SUB_BLOCK], INT_FEATURE_COUNT)
+            for i in range(0, shaped.size, _SUB_BLOCK)
+        ]
+        good, counts, ids, label = (np.concatenate(arrays) for arrays in zip(*parts, strict=True))
+        long_lines = np.flatnonzero((lengths > WORD_BYTES).any(1))
+        if long_lines.size:  # once more, byte by byte, as wide as a valid field can be
+            long_fields = [field for i in long_lines.tolist() for field in lines[shaped[i]].split(b"\t")]
+            good[long_lines], counts[long_lines], ids[long_lines], label[long_lines] = _parse_wide_fields(
+                long_fields, long_lines.size
             )
-            good[redo] = redo_good & redo_whole
-        if b"\x00" in b"".join(kept):  # a NUL byte would pass for the padding of a shorter field
-            good &= np.fromiter((b"\x00" not in line for line in kept), dtype=bool, count=len(kept))
         ok[shaped[good]] = True
         dense, raw_ids, labels = signed_log1p(counts[good]), ids[good], label[good]
     bad_rows = np.flatnonzero(~ok)
@@ -131,34 +148,28 @@ def _reason(line: bytes) -> str:
     raise AssertionError(f"the block parser rejected a line the line parser accepts: {line!r}")
 
 
-def _parse_fields(
-    fields: list[bytes], line_lengths: np.ndarray, width: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``40 * m`` fields of ``m`` lines, cut to ``width`` bytes -> ``(valid [m], counts [m, 13] int64, ids [m, 26]
-    int64 (-1 empty), labels [m] float32, whole [m])``; ``whole`` is False where a field was cut (its line must be
-    parsed wider)."""
-    m = line_lengths.shape[0]
-    array = np.array(fields, dtype=f"S{width}")
+def _parse_wide_fields(fields: list[bytes], m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``40 * m`` fields of ``m`` lines -> ``(valid [m], counts [m, 13] int64, ids [m, 26] int64 (-1 empty), labels
+    [m] float32)``, byte by byte in a ``19``-byte-wide array (a longer field, or a NUL byte, which would pass for the
+    padding of a shorter field, makes its line invalid)."""
+    array = np.array(fields, dtype=f"S{_FIELD_WIDTH}")
+    field_lengths = np.fromiter(map(len, fields), dtype=np.int64, count=len(fields)).reshape(m, NUM_FIELDS)
     lengths = np.char.str_len(array).reshape(m, NUM_FIELDS)
-    chars = array.view(np.uint8).reshape(m, NUM_FIELDS, width)
-    whole = lengths.sum(1) == line_lengths - (NUM_FIELDS - 1)
+    chars = array.view(np.uint8).reshape(m, NUM_FIELDS, _FIELD_WIDTH)
     label_ok = ((chars[:, 0, 0] | 1) == ord("1")) & (lengths[:, 0] == 1)  # '0' | 1 == '1'
-    words = array.view("<u8").reshape(m, NUM_FIELDS) if width == 8 else None  # one little-endian word per field
     counts_at, ids_at = slice(1, 1 + INT_FEATURE_COUNT), slice(1 + INT_FEATURE_COUNT, NUM_FIELDS)
-    counts, counts_ok = _parse_counts(
-        chars[:, counts_at], lengths[:, counts_at], None if words is None else words[:, counts_at]
-    )
-    ids, ids_ok = _parse_hex(chars[:, ids_at], lengths[:, ids_at], None if words is None else words[:, ids_at])
+    counts, counts_ok = _parse_counts(chars[:, counts_at], lengths[:, counts_at])
+    ids, ids_ok = _parse_hex(chars[:, ids_at], lengths[:, ids_at])
     labels = (chars[:, 0, 0] == ord("1")).astype(np.float32)
-    return label_ok & counts_ok & ids_ok, counts, ids, labels, whole
+    whole = (lengths == field_lengths).all(1)  # no field cut at the width or at a NUL byte
+    return label_ok & counts_ok & ids_ok & whole, counts, ids, labels
 
 
-def _parse_counts(chars: np.ndarray, lengths: np.ndarray, words: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+def _parse_counts(chars: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``chars [m, 13, W]`` uint8 fields (NUL-padded) of ``lengths [m, 13]`` -> ``(values [m, 13], row_ok [m])``.
 
     Every position's digit (0 outside the digits) times its power of ten gives the field's number times
-    ``10 ** (W - length)``, which one exact division removes. With ``words`` (8-byte fields as ``[m, 13]`` words)
-    the digits are combined inside each word (:func:`_decimal_words`) instead."""
+    ``10 ** (W - length)``, which one exact division removes."""
     width = chars.shape[-1]
     position = np.arange(width)
     minus = chars[..., 0] == ord("-")
@@ -166,10 +177,6 @@ def _parse_counts(chars: np.ndarray, lengths: np.ndarray, words: np.ndarray | No
     outside = position >= lengths[..., None]
     fields_ok = (is_digit | outside | (minus[..., None] & (position == 0))).all(-1)
     fields_ok &= (lengths - minus <= MAX_COUNT_DIGITS) & ~(minus & (lengths == 1))
-    if words is not None:
-        values = _decimal_words(words, minus) // 10 ** (width - np.maximum(lengths, 1)).astype(np.uint64)
-        values = values.astype(np.int64)
-        return np.where(minus, -values, values), fields_ok.all(-1)
     digits = np.where(is_digit, chars - ord("0"), 0).astype(np.uint64)
     # uint64: 18 digits scaled by 10 (a 19-byte-wide pass) reach 10**19 > 2**63; only invalid fields overflow it
     scaled = digits @ 10 ** np.arange(width - 1, -1, -1, dtype=np.uint64)
@@ -177,52 +184,17 @@ def _parse_counts(chars: np.ndarray, lengths: np.ndarray, words: np.ndarray | No
     return np.where(minus, -values, values), fields_ok.all(-1)
 
 
-def _parse_hex(chars: np.ndarray, lengths: np.ndarray, words: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+def _parse_hex(chars: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``chars [m, 26, W]`` uint8 fields of ``lengths [m, 26]`` -> ``(ids [m, 26] with -1 for empty, row_ok [m])``:
-    the nibbles of the first 15 positions as one number, shifted right past the padding (with ``words``: packed
-    inside each 8-byte word, :func:`_hex_words`)."""
+    the nibbles of the first 15 positions as one number, shifted right past the padding."""
     lower = chars | 0x20
     is_digit = (chars - ord("0")) < 10
     is_letter = (lower - ord("a")) < 6
     outside = np.arange(chars.shape[-1]) >= lengths[..., None]
     fields_ok = (is_digit | is_letter | outside).all(-1) & (lengths <= MAX_HEX_DIGITS)
-    if words is not None:
-        values = (_hex_words(words) >> (4 * (8 - lengths)).astype(np.uint64)).astype(np.int64)
-        values[lengths == 0] = -1
-        return values, fields_ok.all(-1)
     places = min(chars.shape[-1], MAX_HEX_DIGITS)
     nibbles = np.where(is_digit, chars - ord("0"), np.where(is_letter, lower - (ord("a") - 10), 0))[..., :places]
     scaled = nibbles.astype(np.int64) @ 16 ** np.arange(places - 1, -1, -1, dtype=np.int64)
     values = scaled >> (4 * (places - np.minimum(lengths, places)))
     values[lengths == 0] = -1
     return values, fields_ok.all(-1)
-
-
-# SWAR ("SIMD within a register") on 8-byte fields read as little-endian uint64 words: byte k is character k. Each
-# step merges neighbouring lanes of one word, so a field costs a few word operations instead of eight byte ones.
-_BYTES = np.uint64(0x00FF00FF00FF00FF)
-_HALVES = np.uint64(0x0000FFFF0000FFFF)
-_LOW32 = np.uint64(0xFFFFFFFF)
-
-
-def _hex_words(words: np.ndarray) -> np.ndarray:
-    """Words of up to 8 hex digits (NUL bytes after them) -> the digits as one left-aligned 32-bit number.
-
-    A hex digit's value is its low nibble, plus 9 for letters (bit 6 set: 'A' 0x41, 'a' 0x61); NUL gives 0. Values
-    of bytes that are not hex digits are garbage, but their lines are rejected by the byte checks."""
-    nibbles = (words & np.uint64(0x0F0F0F0F0F0F0F0F)) + np.uint64(9) * (
-        (words >> np.uint64(6)) & np.uint64(0x0101010101010101)
-    )
-    pairs = ((nibbles & _BYTES) << np.uint64(4)) | ((nibbles >> np.uint64(8)) & _BYTES)
-    quads = ((pairs & _HALVES) << np.uint64(8)) | ((pairs >> np.uint64(16)) & _HALVES)
-    return ((quads & _LOW32) << np.uint64(16)) | (quads >> np.uint64(32))
-
-
-def _decimal_words(words: np.ndarray, minus: np.ndarray) -> np.ndarray:
-    """Words of up to 8 decimal characters (a leading '-' allowed) -> the digits as one left-aligned 8-digit number
-    (NUL and '-' count as 0)."""
-    digits = words & np.uint64(0x0F0F0F0F0F0F0F0F)
-    digits = np.where(minus, digits & ~np.uint64(0xFF), digits)  # '-' is 0x2D: its low nibble is not a digit
-    pairs = (digits & _BYTES) * np.uint64(10) + ((digits >> np.uint64(8)) & _BYTES)
-    quads = (pairs & _HALVES) * np.uint64(100) + ((pairs >> np.uint64(16)) & _HALVES)
-    return (quads & _LOW32) * np.uint64(10_000) + (quads >> np.uint64(32))

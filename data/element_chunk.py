@@ -1,30 +1,36 @@
-"""``ElementChunk``: many samples stacked, in one of two layouts, and the protocol of sources that stream them.
+"""``ElementChunk``: many samples stacked, in one of three layouts, and the protocol of sources that stream them.
 
 * **jagged** (any bag lengths): ``ids [N]`` sample-major (sample ``i``'s ids, feature after feature, are
   ``ids[offsets[i]:offsets[i + 1]]``) with ``lengths [n, F]``;
 * **id matrix** (each bag empty or one id, as in Criteo): ``id_matrix [n, F]`` int64 with -1 for an empty bag. The
   Batcher builds a KJT from it with a transpose and one mask instead of a gather over jagged offsets, and no
-  sample-major copy of the ids ever exists.
+  sample-major copy of the ids ever exists;
+* **key-major** (any bag lengths, ids stored the KJT's way): ``key_major``, rows of a
+  :class:`~tritonrec.data.key_major.KeyMajorStore` (memory-mapped views; slicing copies nothing). The Batcher's KJT
+  values are one concatenation of per-feature slices.
 
-Both hold ``dense [n, Dd]`` float32 and ``labels [n]`` float32. ``ids`` / ``lengths`` of an id-matrix chunk are
-derived on first use (for per-sample access), so every consumer can read either layout.
+All hold ``dense [n, Dd]`` float and ``labels [n]`` (float32, or 0/1 integers). ``ids`` / ``lengths`` of the
+id-matrix and key-major layouts are derived on first use (for per-sample access), so every consumer can read any
+layout.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from tritonrec.data.elements import ElementSource, RecElement
+from tritonrec.data.key_major import KeyMajorRows
 
 
 class ElementChunk:
     """``n`` samples stacked (see module docstring); ``ElementChunk(dense, ids, lengths, labels)`` is the jagged
-    layout, :meth:`from_id_matrix` the id-matrix one."""
+    layout, :meth:`from_id_matrix` and :meth:`from_key_major` the others."""
 
-    __slots__ = ("_ids", "_lengths", "_offsets", "dense", "id_matrix", "labels")
+    __slots__ = ("_ids", "_lengths", "_offsets", "dense", "id_matrix", "key_major", "labels")
 
     def __init__(
         self, dense: np.ndarray, ids: np.ndarray | None, lengths: np.ndarray | None, labels: np.ndarray
@@ -32,6 +38,7 @@ class ElementChunk:
         self.dense, self.labels = dense, labels
         self._ids, self._lengths = ids, lengths
         self.id_matrix: np.ndarray | None = None
+        self.key_major: KeyMajorRows | None = None
         self._offsets: np.ndarray | None = None
 
     @classmethod
@@ -41,6 +48,13 @@ class ElementChunk:
         chunk.id_matrix = id_matrix
         return chunk
 
+    @classmethod
+    def from_key_major(cls, dense: np.ndarray, key_major: KeyMajorRows, labels: np.ndarray) -> ElementChunk:
+        """Samples whose ids are the rows ``key_major`` of a key-major store."""
+        chunk = cls(dense, None, None, labels)
+        chunk.key_major = key_major
+        return chunk
+
     def __len__(self) -> int:
         return self.labels.shape[0]
 
@@ -48,14 +62,21 @@ class ElementChunk:
     def lengths(self) -> np.ndarray:
         """``[n, F]`` int64 bag lengths."""
         if self._lengths is None:
-            self._lengths = (self.id_matrix >= 0).astype(np.int64)  # type: ignore[operator]
+            if self.key_major is not None:
+                self._lengths = self.key_major.arrays()[1].T.astype(np.int64)
+            else:
+                self._lengths = (self.id_matrix >= 0).astype(np.int64)  # type: ignore[operator]
         return self._lengths
 
     @property
     def ids(self) -> np.ndarray:
         """``[N]`` sample-major ids."""
         if self._ids is None:
-            self._ids = self.id_matrix[self.id_matrix >= 0]  # type: ignore[index, operator]
+            if self.key_major is not None:
+                values, lengths, _ = self.key_major.arrays()
+                self._ids = values[_sample_major_order(lengths)]
+            else:
+                self._ids = self.id_matrix[self.id_matrix >= 0]  # type: ignore[index, operator]
         return self._ids
 
     @property
@@ -72,6 +93,10 @@ class ElementChunk:
         if self.id_matrix is not None:
             return ElementChunk.from_id_matrix(
                 self.dense[start:stop], self.id_matrix[start:stop], self.labels[start:stop]
+            )
+        if self.key_major is not None:
+            return ElementChunk.from_key_major(
+                self.dense[start:stop], self.key_major.slice(start, stop), self.labels[start:stop]
             )
         offsets = self.offsets
         return ElementChunk(
@@ -97,6 +122,9 @@ class ElementChunk:
         labels = np.concatenate([c.labels for c in chunks])
         if all(c.id_matrix is not None for c in chunks):
             return ElementChunk.from_id_matrix(dense, np.concatenate([c.id_matrix for c in chunks]), labels)
+        joined = _adjacent_rows([c.key_major for c in chunks])
+        if joined is not None:
+            return ElementChunk.from_key_major(dense, joined, labels)
         ids = np.concatenate([c.ids for c in chunks])
         return ElementChunk(dense, ids, np.concatenate([c.lengths for c in chunks]), labels)
 
@@ -104,6 +132,27 @@ class ElementChunk:
         offsets, ids, lengths = self.offsets, self.ids, self.lengths
         for i in range(len(self)):
             yield RecElement(self.dense[i], ids[offsets[i] : offsets[i + 1]], lengths[i], float(self.labels[i]))
+
+
+def _sample_major_order(lengths: np.ndarray) -> np.ndarray:
+    """For key-major values with bag lengths ``[F, n]``: the gather that puts them sample-major."""
+    lengths_key_major = lengths.reshape(-1).astype(np.int64)
+    starts_key_major = np.cumsum(lengths_key_major) - lengths_key_major
+    lengths_sample_major = lengths.T.reshape(-1).astype(np.int64)
+    starts = starts_key_major.reshape(lengths.shape).T.reshape(-1)
+    out_starts = np.cumsum(lengths_sample_major) - lengths_sample_major
+    return np.repeat(starts - out_starts, lengths_sample_major) + np.arange(int(lengths_sample_major.sum()))
+
+
+def _adjacent_rows(parts: list[KeyMajorRows | None]) -> KeyMajorRows | None:
+    """Consecutive key-major rows of one store, end to end, as one range (else None)."""
+    first, last = parts[0], parts[-1]
+    if first is None or last is None:
+        return None
+    for before, after in itertools.pairwise(parts):
+        if after is None or before.store is not after.store or before.stop != after.start:  # type: ignore[union-attr]
+            return None
+    return KeyMajorRows(first.store, first.start, last.stop, first.begin, last.end)
 
 
 @runtime_checkable

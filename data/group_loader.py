@@ -97,6 +97,7 @@ class GroupLoader:
         self._slots = threading.Semaphore(self.depth)
         self._queue: queue.Queue = queue.Queue()
         self._stop = threading.Event()
+        self._making = False  # the producer holds a slot for a batch it has not queued yet
         self._thread = threading.Thread(target=self._produce, name="GroupLoader", daemon=True)
         self._thread.start()
         return self._consume()
@@ -116,16 +117,21 @@ class GroupLoader:
                 return self._queue.get(timeout=0.05)
             except queue.Empty:
                 with self._lock:
-                    stalled = self.alive >= self.depth and self._queue.empty()
+                    stalled = self._stalled()
                 if stalled:  # every slot is held by a batch the consumer still has: nothing can ever arrive
                     gc.collect()  # batches only reachable through reference cycles give their slots back here
                     with self._lock:
-                        stalled = self.alive >= self.depth and self._queue.empty()
+                        stalled = self._stalled()
                     if stalled:
                         raise RuntimeError(
                             f"all depth={self.depth} batches are still alive, so no next batch can be loaded: "
                             "release() batches (or use them in a with block) before asking for more"
                         ) from None
+
+    def _stalled(self) -> bool:
+        """Every slot is held by a batch the consumer already has (none waiting in the queue, none being made: a
+        batch the producer is still making holds a slot too, and a slow ``loader_fn`` is not a stall)."""
+        return self.alive >= self.depth and self._queue.empty() and not self._making
 
     def close(self) -> None:
         """Stop the producer (a consumer that leaves early calls this through the generator's cleanup)."""
@@ -150,7 +156,10 @@ class GroupLoader:
                 with self._lock:
                     self.alive += 1
                     self.max_alive = max(self.max_alive, self.alive)
+                    self._making = True
                 self._queue.put(self._make(group, index, epoch, is_validation))
+                with self._lock:
+                    self._making = False
         except BaseException as error:  # handed to the consumer, raised from next()
             self._queue.put(_Failure(error))
         self._queue.put(_END)

@@ -96,27 +96,27 @@ def check_seed(seed: object, name: str = "seed") -> int:
 
 
 class ChunkReader:
-    """Reads a chunk stream ``count`` rows at a time, whatever the sizes of the chunks it is made of."""
+    """Reads a chunk stream ``count`` rows at a time, whatever the sizes of the chunks it is made of (a chunk larger
+    than ``count`` is sliced where the reader stands in it: one slice per read, the chunk itself when it fits)."""
 
     def __init__(self, chunks: Iterator[ElementChunk]) -> None:
         self._chunks = chunks
-        self._leftover: ElementChunk | None = None
+        self._current: ElementChunk | None = None
+        self._offset = 0  # rows of the current chunk already read
 
     def take(self, count: int) -> ElementChunk | None:
         """The next ``count`` rows as one chunk (fewer at the end of the stream; ``None`` when it is exhausted)."""
         parts, have = [], 0
         while have < count:
-            if self._leftover is not None:
-                chunk, self._leftover = self._leftover, None
-            else:
-                chunk = next(self._chunks, None)
-                if chunk is None:
+            if self._current is None or self._offset == len(self._current):
+                self._current, self._offset = next(self._chunks, None), 0
+                if self._current is None:
                     break
-            need = count - have
-            if len(chunk) > need:
-                chunk, self._leftover = chunk.slice(0, need), chunk.slice(need, len(chunk))
-            parts.append(chunk)
-            have += len(chunk)
+                continue
+            chunk, start = self._current, self._offset
+            stop = min(start + count - have, len(chunk))
+            parts.append(chunk if start == 0 and stop == len(chunk) else chunk.slice(start, stop))
+            have, self._offset = have + stop - start, stop
         return ElementChunk.concat(parts) if parts else None
 
 

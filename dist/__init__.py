@@ -62,6 +62,13 @@ from tritonrec.dist.fp_embeddingbag import (
     ShardedFeatureProcessedEmbeddingBagCollection,
 )
 from tritonrec.dist.kjt_dist import get_recat
+from tritonrec.dist.model_parallel import (
+    DataParallelWrapper,
+    DefaultDataParallelWrapper,
+    DistributedModelParallel,
+    get_module,
+    get_unwrapped_module,
+)
 from tritonrec.dist.qcomm_codec import CommType, TritonQuantizedCommCodec
 from tritonrec.dist.qcomm_config import QCommsConfig, get_qcomm_codecs, get_qcomm_codecs_registry
 from tritonrec.dist.qcomm_protocol import (
@@ -104,6 +111,9 @@ __all__ = [
     "CollectiveTimeoutError",
     "CommOp",
     "CommType",
+    "DataParallelWrapper",
+    "DefaultDataParallelWrapper",
+    "DistributedModelParallel",
     "EmbeddingBagCollectionSharder",
     "EmbeddingCollectionSharder",
     "EmbeddingComputeKernel",
@@ -165,11 +175,13 @@ __all__ = [
     "get_group_rank",
     "get_local_rank",
     "get_local_size",
+    "get_module",
     "get_module_to_default_sharders",
     "get_num_groups",
     "get_qcomm_codecs",
     "get_qcomm_codecs_registry",
     "get_recat",
+    "get_unwrapped_module",
     "grid_shard",
     "intra_and_cross_node_pg",
     "invoke_on_rank_and_broadcast_result",

@@ -72,47 +72,71 @@ class CollectivePlan(abc.ABC):
         """One gradient per forward input."""
 
 
+class _Mailbox:
+    """What a request's two autograd nodes share: the plan, the collective in flight and the wire records. Not the
+    request itself: it holds the output, and a node whose context reaches its own output forms a reference cycle
+    through autograd's C++ edges that Python's collector cannot see - every step's graph (its inputs, the tables it
+    read) would stay alive."""
+
+    __slots__ = ("backward_traffic", "forward_traffic", "in_flight", "plan")
+
+    def __init__(self, plan: CollectivePlan) -> None:
+        self.plan = plan
+        self.in_flight: InFlight[Any] | None = None
+        self.forward_traffic: WireTraffic | None = None
+        self.backward_traffic: WireTraffic | None = None
+
+    def take_in_flight(self) -> InFlight[Any]:
+        in_flight, self.in_flight = self.in_flight, None
+        if in_flight is None:
+            raise RuntimeError(f"{self.plan.name}: no collective in flight (was backward run twice?)")
+        return in_flight
+
+
 class Request(Awaitable[W]):
     """The awaitable a comm op returns: launched at construction, finished by ``wait()`` (once; later waits return
     the same result). ``forward_traffic`` / ``backward_traffic`` record what went on the wire."""
 
     def __init__(self, plan: CollectivePlan, inputs: tuple[torch.Tensor, ...]) -> None:
         super().__init__()
-        self.plan = plan
-        self.forward_traffic: WireTraffic | None = None
-        self.backward_traffic: WireTraffic | None = None
-        self._in_flight: InFlight[Any] | None = None
+        self._mailbox = _Mailbox(plan)
         self._result: Any = None
-        self._token: torch.Tensor | None = _Launch.apply(self, *inputs)
+        self._token: torch.Tensor | None = _Launch.apply(self._mailbox, *inputs)
+
+    @property
+    def plan(self) -> CollectivePlan:
+        return self._mailbox.plan
+
+    @property
+    def forward_traffic(self) -> WireTraffic | None:
+        return self._mailbox.forward_traffic
+
+    @property
+    def backward_traffic(self) -> WireTraffic | None:
+        return self._mailbox.backward_traffic
 
     def _wait_impl(self) -> W:
         if self._token is not None:
-            result = _Finish.apply(self, self._token)
+            result = _Finish.apply(self._mailbox, self._token)
             self._result = list(result) if isinstance(result, tuple) else result
             self._token = None
         return self._result
 
-    def _take_in_flight(self) -> InFlight[Any]:
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is None:
-            raise RuntimeError(f"{self.plan.name}: no collective in flight (was backward run twice?)")
-        return in_flight
-
 
 class _Launch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, request: Request, *inputs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        in_flight = request.plan.launch_forward(inputs)
-        request._in_flight = in_flight
-        request.forward_traffic = in_flight.traffic
-        ctx.request = request
+    def forward(ctx: Any, mailbox: _Mailbox, *inputs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        in_flight = mailbox.plan.launch_forward(inputs)
+        mailbox.in_flight = in_flight
+        mailbox.forward_traffic = in_flight.traffic
+        ctx.mailbox = mailbox
         return torch.empty(0, device=inputs[0].device)
 
     @staticmethod
     def backward(ctx: Any, _token_grad: torch.Tensor) -> tuple[Any, ...]:
-        request: Request = ctx.request
-        plan = request.plan
-        grads = plan.finish_backward(request._take_in_flight().wait())
+        mailbox: _Mailbox = ctx.mailbox
+        plan = mailbox.plan
+        grads = plan.finish_backward(mailbox.take_in_flight().wait())
         if plan.gradient_division and plan.world_size > 1:
             # torchrec's convention: gradients of model-parallel outputs are averaged over ranks, as data-parallel
             # gradients are by DDP, so one learning rate fits both.
@@ -122,17 +146,17 @@ class _Launch(torch.autograd.Function):
 
 class _Finish(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, request: Request, token: torch.Tensor) -> Any:  # type: ignore[override]
-        ctx.request = request
+    def forward(ctx: Any, mailbox: _Mailbox, token: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.mailbox = mailbox
         ctx.token_device = token.device
-        return request.plan.finish_forward(request._take_in_flight().wait())
+        return mailbox.plan.finish_forward(mailbox.take_in_flight().wait())
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        request: Request = ctx.request
-        in_flight = request.plan.launch_backward(tuple(g.contiguous() for g in grads))
-        request._in_flight = in_flight
-        request.backward_traffic = in_flight.traffic
+        mailbox: _Mailbox = ctx.mailbox
+        in_flight = mailbox.plan.launch_backward(tuple(g.contiguous() for g in grads))
+        mailbox.in_flight = in_flight
+        mailbox.backward_traffic = in_flight.traffic
         return None, torch.zeros(0, device=ctx.token_device)
 
 

@@ -12,8 +12,11 @@ Index ``i`` of feature ``t`` (block size ``s = block_sizes[t]``, ``n = num_bucke
 where ``unbucketize_permute[j]`` is the output position of input index ``j`` (what sequence embeddings need to put
 rows back in input order).
 
-Triton path: two launches over bags (count per bucket, then scatter), both holding per-bucket counters in registers,
-so no atomics and bit-identical results run to run.
+Triton path: two launches, one lane per bag (``BAGS`` bags per program, programs striding over the bags), each lane
+walking its bag in order. The first counts the bag's indices per bucket, the second places each index at its (bucket,
+bag) write cursor (the exclusive scan of those counts) and advances it. Counters and cursors live in global memory,
+one per (bucket, bag), and only the lane owning the bag touches them: registers do not grow with the number of
+buckets (any count runs), no atomics or barriers are needed, and results are bit-identical run to run.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from tritonrec.kernels._triton import tl, triton
-from tritonrec.kernels.backend import Backend, resolve_backend
+from tritonrec.kernels.backend import Backend, grid_programs, resolve_backend
 from tritonrec.kernels.checks import (
     check_lengths_total,
     check_nonnegative,
@@ -32,8 +35,8 @@ from tritonrec.kernels.checks import (
 from tritonrec.kernels.lengths_to_offsets import lengths_to_offsets
 from tritonrec.kernels.library import custom_op, optional_outputs
 
-# Per-bucket counters live in registers as a [BLOCK, NUM_BUCKETS_P2] one-hot tile; beyond this the twin runs.
-_MAX_TRITON_BUCKETS = 8192
+# Bags per program (one per lane of 4 warps); the launches use 4 warps.
+_BAGS = 128
 
 
 @triton.jit
@@ -48,34 +51,29 @@ def _bucket_and_local(idx, block_size, num_buckets, KEEP_ORIG_IDX: tl.constexpr)
 
 
 @triton.jit
+def _bag_spans(offsets_ptr, block_sizes_ptr, first, B, TB, BAGS: tl.constexpr):
+    """Bags ``first ... first + BAGS - 1`` (int64), their first value, length (0 past TB) and block size."""
+    bag = first + tl.arange(0, BAGS).to(tl.int64)
+    ok = bag < TB
+    start = tl.load(offsets_ptr + bag, mask=ok, other=0).to(tl.int64)
+    length = tl.load(offsets_ptr + bag + 1, mask=ok, other=0).to(tl.int64) - start
+    block_size = tl.load(block_sizes_ptr + bag // B, mask=ok, other=1).to(tl.int64)
+    return bag, start, length, block_size
+
+
+@triton.jit
 def _bucket_count_kernel(
-    offsets_ptr,
-    indices_ptr,
-    block_sizes_ptr,
-    new_lengths_ptr,
-    B,
-    TB,
-    num_buckets,
-    NB: tl.constexpr,
-    BLOCK: tl.constexpr,
+    offsets_ptr, indices_ptr, block_sizes_ptr, new_lengths_ptr, B, TB, num_buckets, BAGS: tl.constexpr
 ):
-    """Program per bag: new_lengths[bucket * TB + bag] = number of the bag's indices landing in bucket."""
-    bag = tl.program_id(0).to(tl.int64)
-    start = tl.load(offsets_ptr + bag).to(tl.int64)
-    end = tl.load(offsets_ptr + bag + 1).to(tl.int64)
-    block_size = tl.load(block_sizes_ptr + bag // B).to(tl.int64)
-    buckets = tl.arange(0, NB)
-    counts = tl.zeros((NB,), dtype=tl.int64)
-    for j0 in range(start, end, BLOCK):
-        j = j0 + tl.arange(0, BLOCK)
-        valid = j < end
-        idx = tl.load(indices_ptr + j, mask=valid, other=0).to(tl.int64)
-        bucket, _ = _bucket_and_local(idx, block_size, num_buckets, False)
-        hit = (bucket[:, None] == buckets[None, :]) & valid[:, None]
-        counts += tl.sum(hit.to(tl.int64), axis=0)
-    tl.store(
-        new_lengths_ptr + buckets * TB + bag, counts.to(new_lengths_ptr.dtype.element_ty), mask=buckets < num_buckets
-    )
+    """Lane per bag: new_lengths[bucket * TB + bag] += 1 for each of the bag's indices (new_lengths starts at 0)."""
+    for first in range(tl.program_id(0) * BAGS, TB, tl.num_programs(0) * BAGS):
+        bag, start, length, block_size = _bag_spans(offsets_ptr, block_sizes_ptr, first, B, TB, BAGS)
+        for p in range(0, tl.max(length, axis=0)):
+            live = p < length
+            idx = tl.load(indices_ptr + start + p, mask=live, other=0).to(tl.int64)
+            bucket, _ = _bucket_and_local(idx, block_size, num_buckets, False)
+            counter = new_lengths_ptr + bucket * TB + bag
+            tl.store(counter, tl.load(counter, mask=live, other=0) + 1, mask=live)
 
 
 @triton.jit
@@ -84,7 +82,7 @@ def _bucket_scatter_kernel(
     indices_ptr,
     block_sizes_ptr,
     weights_ptr,
-    new_offsets_ptr,
+    cursors_ptr,
     new_indices_ptr,
     new_weights_ptr,
     new_pos_ptr,
@@ -96,36 +94,28 @@ def _bucket_scatter_kernel(
     BUCKETIZE_POS: tl.constexpr,
     SEQUENCE: tl.constexpr,
     KEEP_ORIG_IDX: tl.constexpr,
-    NB: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BAGS: tl.constexpr,
 ):
-    """Program per bag: each index goes to new_offsets[bucket * TB + bag] + (earlier indices of the bag in bucket)."""
-    bag = tl.program_id(0).to(tl.int64)
-    start = tl.load(offsets_ptr + bag).to(tl.int64)
-    end = tl.load(offsets_ptr + bag + 1).to(tl.int64)
-    block_size = tl.load(block_sizes_ptr + bag // B).to(tl.int64)
-    buckets = tl.arange(0, NB)
-    lanes = tl.arange(0, BLOCK)
-    seen = tl.zeros((NB,), dtype=tl.int64)  # indices of this bag already placed, per bucket
-    for j0 in range(start, end, BLOCK):
-        j = j0 + lanes
-        valid = j < end
-        idx = tl.load(indices_ptr + j, mask=valid, other=0).to(tl.int64)
-        bucket, local = _bucket_and_local(idx, block_size, num_buckets, KEEP_ORIG_IDX)
-        one_hot = ((bucket[:, None] == buckets[None, :]) & valid[:, None]).to(tl.int64)
-        seen_before = tl.sum(one_hot * seen[None, :], axis=1)
-        same_bucket = (bucket[:, None] == bucket[None, :]) & valid[None, :] & (lanes[None, :] < lanes[:, None])
-        rank = tl.sum(same_bucket.to(tl.int64), axis=1)
-        base = tl.load(new_offsets_ptr + bucket * TB + bag, mask=valid, other=0).to(tl.int64)
-        pos = base + seen_before + rank
-        tl.store(new_indices_ptr + pos, local.to(new_indices_ptr.dtype.element_ty), mask=valid)
-        if HAS_WEIGHTS:
-            tl.store(new_weights_ptr + pos, tl.load(weights_ptr + j, mask=valid), mask=valid)
-        if BUCKETIZE_POS:
-            tl.store(new_pos_ptr + pos, (j - start).to(new_pos_ptr.dtype.element_ty), mask=valid)
-        if SEQUENCE:
-            tl.store(unbucketize_ptr + j, pos.to(unbucketize_ptr.dtype.element_ty), mask=valid)
-        seen += tl.sum(one_hot, axis=0)
+    """Lane per bag: the bag's p-th index goes to cursors[bucket * TB + bag], which then moves on by one.
+    ``cursors`` starts as the exclusive offsets of the bucket-major lengths and is advanced in place."""
+    for first in range(tl.program_id(0) * BAGS, TB, tl.num_programs(0) * BAGS):
+        bag, start, length, block_size = _bag_spans(offsets_ptr, block_sizes_ptr, first, B, TB, BAGS)
+        for p in range(0, tl.max(length, axis=0)):
+            live = p < length
+            j = start + p
+            idx = tl.load(indices_ptr + j, mask=live, other=0).to(tl.int64)
+            bucket, local = _bucket_and_local(idx, block_size, num_buckets, KEEP_ORIG_IDX)
+            cursor = cursors_ptr + bucket * TB + bag
+            pos = tl.load(cursor, mask=live, other=0)
+            tl.store(cursor, pos + 1, mask=live)
+            pos = pos.to(tl.int64)
+            tl.store(new_indices_ptr + pos, local.to(new_indices_ptr.dtype.element_ty), mask=live)
+            if HAS_WEIGHTS:
+                tl.store(new_weights_ptr + pos, tl.load(weights_ptr + j, mask=live), mask=live)
+            if BUCKETIZE_POS:
+                tl.store(new_pos_ptr + pos, (j - start).to(new_pos_ptr.dtype.element_ty), mask=live)
+            if SEQUENCE:
+                tl.store(unbucketize_ptr + j, pos.to(unbucketize_ptr.dtype.element_ty), mask=live)
 
 
 Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
@@ -144,27 +134,24 @@ def _block_bucketize_triton(
     num_bags, n = lengths.numel(), indices.numel()
     batch = num_bags // max(block_sizes.numel(), 1)
     offsets = lengths_to_offsets(lengths, backend="triton")
-    new_lengths = torch.empty(num_buckets * num_bags, dtype=lengths.dtype, device=lengths.device)
-    nb = triton.next_power_of_2(num_buckets)
-    block = max(16, min(128, 8192 // nb))
+    new_lengths = torch.zeros(num_buckets * num_bags, dtype=lengths.dtype, device=lengths.device)
     indices, block_sizes = indices.contiguous(), block_sizes.contiguous()
-    if num_bags:
-        _bucket_count_kernel[(num_bags,)](
-            offsets, indices, block_sizes, new_lengths, batch, num_bags, num_buckets, NB=nb, BLOCK=block
-        )
-    new_offsets = lengths_to_offsets(new_lengths, backend="triton")
+    grid = (grid_programs(triton.cdiv(num_bags, _BAGS)),)
+    if num_bags and n:
+        _bucket_count_kernel[grid](offsets, indices, block_sizes, new_lengths, batch, num_bags, num_buckets, BAGS=_BAGS)
+    cursors = lengths_to_offsets(new_lengths, backend="triton")  # advanced in place by the scatter
     new_indices = torch.empty_like(indices)
     new_weights = None if weights is None else torch.empty_like(weights)
     new_pos = torch.empty_like(indices) if bucketize_pos else None
     unbucketize = torch.empty_like(indices) if sequence else None
     if num_bags and n:
         dummy = new_indices  # stands in for absent optional outputs; never written (the flags are constexpr)
-        _bucket_scatter_kernel[(num_bags,)](
+        _bucket_scatter_kernel[grid](
             offsets,
             indices,
             block_sizes,
             dummy if weights is None else weights.contiguous(),
-            new_offsets,
+            cursors,
             new_indices,
             dummy if new_weights is None else new_weights,
             dummy if new_pos is None else new_pos,
@@ -176,8 +163,7 @@ def _block_bucketize_triton(
             BUCKETIZE_POS=bucketize_pos,
             SEQUENCE=sequence,
             KEEP_ORIG_IDX=keep_orig_idx,
-            NB=nb,
-            BLOCK=block,
+            BAGS=_BAGS,
         )
     return new_lengths, new_indices, new_weights, new_pos, unbucketize
 
@@ -330,10 +316,6 @@ def block_bucketize_sparse_features(
     integers)."""
     _check_bucketize_inputs(lengths, indices, block_sizes, num_buckets, weights)
     resolved = resolve_backend(backend, lengths, indices)
-    if resolved == "triton" and num_buckets > _MAX_TRITON_BUCKETS:
-        if backend == "triton":
-            raise ValueError(f"backend='triton' supports num_buckets <= {_MAX_TRITON_BUCKETS}, got {num_buckets}")
-        resolved = "torch"
     outputs = _block_bucketize_op(
         lengths, indices, block_sizes, num_buckets, weights, bucketize_pos, sequence, keep_orig_idx, resolved
     )

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from tritonrec.kernels._triton import tl, triton
-from tritonrec.kernels.backend import Backend, autotune, pow2_bucket, resolve_backend
+from tritonrec.kernels.backend import Backend, autotune, grid_programs, pow2_bucket, resolve_backend
 from tritonrec.kernels.checks import check_offsets, check_same_device, check_tensor
 from tritonrec.kernels.library import custom_op, dynamic_size
 
@@ -25,13 +25,20 @@ def _tile_configs() -> list:
     return [triton.Config({"BLOCK_L": bl}, num_warps=w) for bl, w in ((16, 4), (4, 2), (64, 8), (128, 8))]
 
 
-@autotune(configs=_tile_configs(), key=["L_BUCKET", "D_BUCKET", "BLOCK_D"])
+def _tile_fits(config: dict, args: dict) -> bool:
+    """At most 32 values of a [BLOCK_L, BLOCK_D] tile per thread: the 128-row tile at BLOCK_D 128 (64 per thread)
+    reached 255 registers and spilled (python -m tritonrec.kernels.aot)."""
+    return config["BLOCK_L"] * args["BLOCK_D"] <= 32 * 32 * config["num_warps"]
+
+
+@autotune(configs=_tile_configs(), key=["L_BUCKET", "D_BUCKET", "BLOCK_D"], fits=_tile_fits)
 @triton.jit
 def _jagged_to_padded_dense_kernel(
     values_ptr,
     offsets_ptr,
     out_ptr,
     padding_ptr,
+    B,
     max_len,
     D,
     L_BUCKET,
@@ -39,27 +46,33 @@ def _jagged_to_padded_dense_kernel(
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Grid (B, cdiv(max_len, BLOCK_L), cdiv(D, BLOCK_D)): one [BLOCK_L, BLOCK_D] tile of the dense output."""
-    bag = tl.program_id(0).to(tl.int64)
-    rows = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
-    cols = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
-    start = tl.load(offsets_ptr + bag).to(tl.int64)
-    length = tl.load(offsets_ptr + bag + 1).to(tl.int64) - start
-    col_ok = cols[None, :] < D
-    from_values = (rows[:, None] < length) & col_ok
-    src = values_ptr + (start + rows[:, None]) * D + cols[None, :]
-    tile = tl.load(src, mask=from_values, other=0)
-    tile = tl.where(from_values, tile, tl.load(padding_ptr))
-    dst = out_ptr + (bag * max_len + rows[:, None]) * D + cols[None, :]
-    tl.store(dst, tile, mask=(rows[:, None] < max_len) & col_ok)
+    """Programs stride over the [BLOCK_L, BLOCK_D] tiles of the dense output, numbered bag-major then row block then
+    column block, so one grid axis covers any size (see ``grid_programs``)."""
+    row_blocks = tl.cdiv(max_len, BLOCK_L)
+    col_blocks = tl.cdiv(D, BLOCK_D)
+    tiles = B.to(tl.int64) * row_blocks * col_blocks
+    for tile in range(tl.program_id(0).to(tl.int64), tiles, tl.num_programs(0)):
+        bag = tile // (row_blocks * col_blocks)
+        rows = (tile // col_blocks) % row_blocks * BLOCK_L + tl.arange(0, BLOCK_L)
+        cols = tile % col_blocks * BLOCK_D + tl.arange(0, BLOCK_D)
+        start = tl.load(offsets_ptr + bag).to(tl.int64)
+        length = tl.load(offsets_ptr + bag + 1).to(tl.int64) - start
+        col_ok = cols[None, :] < D
+        from_values = (rows[:, None] < length) & col_ok
+        src = values_ptr + (start + rows[:, None]) * D + cols[None, :]
+        tile_values = tl.load(src, mask=from_values, other=0)
+        tile_values = tl.where(from_values, tile_values, tl.load(padding_ptr))
+        dst = out_ptr + (bag * max_len + rows[:, None]) * D + cols[None, :]
+        tl.store(dst, tile_values, mask=(rows[:, None] < max_len) & col_ok)
 
 
-@autotune(configs=_tile_configs(), key=["S_BUCKET", "D_BUCKET", "BLOCK_D"])
+@autotune(configs=_tile_configs(), key=["S_BUCKET", "D_BUCKET", "BLOCK_D"], fits=_tile_fits)
 @triton.jit
 def _dense_to_jagged_kernel(
     dense_ptr,
     offsets_ptr,
     out_ptr,
+    B,
     S,
     D,
     S_BUCKET,
@@ -67,18 +80,21 @@ def _dense_to_jagged_kernel(
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Grid (B, cdiv(D, BLOCK_D)): walk bag b's rows; rows at or past S (the dense length) become zeros."""
-    bag = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    start = tl.load(offsets_ptr + bag).to(tl.int64)
-    length = tl.load(offsets_ptr + bag + 1).to(tl.int64) - start
-    col_ok = cols[None, :] < D
-    for r0 in range(0, length, BLOCK_L):
-        rows = r0 + tl.arange(0, BLOCK_L)
-        in_bag = (rows[:, None] < length) & col_ok
-        src = dense_ptr + (bag * S + rows[:, None]) * D + cols[None, :]
-        tile = tl.load(src, mask=in_bag & (rows[:, None] < S), other=0)
-        tl.store(out_ptr + (start + rows[:, None]) * D + cols[None, :], tile, mask=in_bag)
+    """Programs stride over (bag, column block) pairs; each walks its bag's rows, rows at or past S (the dense
+    length) become zeros."""
+    col_blocks = tl.cdiv(D, BLOCK_D)
+    for item in range(tl.program_id(0).to(tl.int64), B.to(tl.int64) * col_blocks, tl.num_programs(0)):
+        bag = item // col_blocks
+        cols = item % col_blocks * BLOCK_D + tl.arange(0, BLOCK_D)
+        start = tl.load(offsets_ptr + bag).to(tl.int64)
+        length = tl.load(offsets_ptr + bag + 1).to(tl.int64) - start
+        col_ok = cols[None, :] < D
+        for r0 in range(0, length, BLOCK_L):
+            rows = r0 + tl.arange(0, BLOCK_L)
+            in_bag = (rows[:, None] < length) & col_ok
+            src = dense_ptr + (bag * S + rows[:, None]) * D + cols[None, :]
+            tile = tl.load(src, mask=in_bag & (rows[:, None] < S), other=0)
+            tl.store(out_ptr + (start + rows[:, None]) * D + cols[None, :], tile, mask=in_bag)
 
 
 def _row_width(t: torch.Tensor, first_feature_dim: int = 1) -> int:
@@ -107,12 +123,13 @@ def _jagged_to_padded_dense_triton(
     out = torch.empty((batch, max_len, d), dtype=values.dtype, device=values.device)
     if out.numel():
         block_d = _block_d(d)
-        grid = lambda meta: (batch, triton.cdiv(max_len, meta["BLOCK_L"]), triton.cdiv(d, block_d))
-        _jagged_to_padded_dense_kernel[grid](
+        tiles = lambda meta: batch * triton.cdiv(max_len, meta["BLOCK_L"]) * triton.cdiv(d, block_d)
+        _jagged_to_padded_dense_kernel[lambda meta: (grid_programs(tiles(meta)),)](
             values_2d,
             offsets.contiguous(),
             out,
             _padding_tensor(padding_value, values),
+            batch,
             max_len,
             d,
             pow2_bucket(max_len),
@@ -133,8 +150,8 @@ def _dense_to_jagged_triton(
     out = (torch.zeros if zero_tail else torch.empty)((total_len, d), dtype=dense.dtype, device=dense.device)
     if batch and d and total_len:
         block_d = _block_d(d)
-        _dense_to_jagged_kernel[(batch, triton.cdiv(d, block_d))](
-            dense_3d, offsets.contiguous(), out, s, d, pow2_bucket(s), pow2_bucket(d), BLOCK_D=block_d
+        _dense_to_jagged_kernel[(grid_programs(batch * triton.cdiv(d, block_d)),)](
+            dense_3d, offsets.contiguous(), out, batch, s, d, pow2_bucket(s), pow2_bucket(d), BLOCK_D=block_d
         )
     return out.reshape(total_len, *dense.shape[2:])
 

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
 from tritonrec.data import KeyedJaggedTensor
 from tritonrec.data.batch import Batch
@@ -124,7 +125,7 @@ class DLRMTrain(nn.Module):
         self.model = dlrm_module
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        if not isinstance(batch, Batch):
+        if not isinstance(batch, Batch) and not is_fx_symbolic_tracing():  # train pipelines trace with fx proxies
             raise TypeError(f"batch must be a tritonrec.data.batch.Batch, got {type(batch).__name__}")
         logits = self.model(batch.dense_features, batch.sparse_features).squeeze(-1)
         loss = masked_bce_with_logits(logits, batch.labels, batch.valid_mask)

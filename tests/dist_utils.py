@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -41,7 +42,11 @@ def free_port() -> int:
 def _rank_main(
     rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, results: Any, pg_timeout_s: float
 ) -> None:
+    # One intra-op thread per rank: W ranks share the machine's cores, and torch's default (one thread per core) in
+    # every rank oversubscribes them (tiny ops then stall at each parallel region). The environment variable alone is
+    # too late here (the spawned child has already imported torch), so set both.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
         dist.init_process_group(
             "gloo",

@@ -1,6 +1,7 @@
 """Training utilities of the hydra-configured jobs: typed configs (:mod:`.config`), config -> objects
 (:mod:`.builders`), the train step, evaluation and history (:mod:`.loop`), AUROC (:mod:`.metrics`), checkpoints
-(:mod:`.checkpoint`) and result files (:mod:`.report`). ``scripts/train.py`` wires them into ``run(cfg)``."""
+(:mod:`.checkpoint`) and result files (:mod:`.report`), wired into the job ``run(cfg)`` (:mod:`.run`: one process,
+torchrun ranks or spawned ranks; :mod:`.single`, :mod:`.distributed`). ``scripts/train.py`` wraps ``run`` in hydra."""
 
 from tritonrec.dist.train.builders import DataSources, build_data, build_dense_optimizer, build_model, build_tables
 from tritonrec.dist.train.checkpoint import load_checkpoint, save_checkpoint
@@ -16,6 +17,7 @@ from tritonrec.dist.train.config import (
 )
 from tritonrec.dist.train.loop import TrainHistory, evaluate, iterate_batches, train_step
 from tritonrec.dist.train.metrics import AUROCMetric, auroc
+from tritonrec.dist.train.run import run
 
 __all__ = [
     "AUROCMetric",
@@ -37,6 +39,7 @@ __all__ = [
     "iterate_batches",
     "load_checkpoint",
     "register_configs",
+    "run",
     "save_checkpoint",
     "train_step",
 ]

@@ -54,28 +54,32 @@ def _table_sizes(cfg: SyntheticDataConfig | CriteoTSVDataConfig | CriteoNPYDataC
         raise ValueError(f"data.num_embeddings / data.num_embeddings_per_feature: {error}") from None
 
 
-def build_data(cfg: object) -> DataSources:
-    """The sources named by a data config (synthetic, Criteo TSV or Criteo npy)."""
+def build_data(cfg: object, rank: int = 0, world_size: int = 1) -> DataSources:
+    """The sources named by a data config (synthetic, Criteo TSV or Criteo npy); with ``rank`` / ``world_size``,
+    this rank's shard of the training and held-out streams."""
+    shard = {"rank": rank, "world_size": world_size}
     if isinstance(cfg, SyntheticDataConfig):
         sizes = _table_sizes(cfg, cfg.num_sparse_features)
         common = dict(
             num_embeddings=sizes, num_dense=cfg.num_dense, zipf_alpha=cfg.zipf_alpha, pooling=cfg.pooling,
             pooling_factor=cfg.pooling_factor, min_pooling=cfg.min_pooling, max_pooling=cfg.max_pooling,
-            seed=cfg.seed, signal_std=cfg.signal_std, dense_share=cfg.dense_share,
+            seed=cfg.seed, signal_std=cfg.signal_std, dense_share=cfg.dense_share, **shard,
         )  # fmt: skip
+        if cfg.chunk_size is not None:
+            common["chunk_size"] = cfg.chunk_size
         train: ElementSource = SyntheticRecSource(**common, num_samples=cfg.num_samples, stream=0)
         eval_source: ElementSource | None = None
         if cfg.num_eval_samples > 0:
             eval_source = SyntheticRecSource(**common, num_samples=cfg.num_eval_samples, stream=1)
     elif isinstance(cfg, CriteoTSVDataConfig):
         sizes = _table_sizes(cfg, 26)
-        train = CriteoTSVSource(list(cfg.paths), sizes, cfg.malformed)
-        eval_source = CriteoTSVSource(list(cfg.eval_paths), sizes, cfg.malformed) if cfg.eval_paths else None
+        train = CriteoTSVSource(list(cfg.paths), sizes, cfg.malformed, **shard)
+        eval_source = CriteoTSVSource(list(cfg.eval_paths), sizes, cfg.malformed, **shard) if cfg.eval_paths else None
     elif isinstance(cfg, CriteoNPYDataConfig):
         probe = CriteoNPYSource(list(cfg.prefixes), 1)
         sizes = _table_sizes(cfg, len(probe.element_spec.sparse_keys))
-        train = CriteoNPYSource(list(cfg.prefixes), sizes)
-        eval_source = CriteoNPYSource(list(cfg.eval_prefixes), sizes) if cfg.eval_prefixes else None
+        train = CriteoNPYSource(list(cfg.prefixes), sizes, **shard)
+        eval_source = CriteoNPYSource(list(cfg.eval_prefixes), sizes, **shard) if cfg.eval_prefixes else None
     else:
         raise TypeError(
             f"data must be a SyntheticDataConfig, CriteoTSVDataConfig or CriteoNPYDataConfig, got {type(cfg).__name__}"

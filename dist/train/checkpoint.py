@@ -16,6 +16,7 @@ import torch
 
 from tritonrec.data.batcher import Batcher
 from tritonrec.dist.train.builders import embedding_collection
+from tritonrec.dist.train.job_state import check_resume
 from tritonrec.dist.train.loop import TrainHistory
 from tritonrec.modules.dlrm import DLRMTrain
 
@@ -30,8 +31,10 @@ def save_checkpoint(
     dense_optimizer: torch.optim.Optimizer,
     batcher: Batcher,
     history: TrainHistory,
+    data_fingerprint: dict[str, Any] | None = None,
 ) -> Path:
-    """Write the job's state after ``step`` steps to ``path`` (atomically); returns the path."""
+    """Write the job's state after ``step`` steps to ``path`` (atomically); returns the path. ``data_fingerprint``
+    (:func:`~tritonrec.dist.train.job_state.data_fingerprint`) lets a resume refuse changed data."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -40,7 +43,7 @@ def save_checkpoint(
         "model": model.state_dict(),
         "fused_optimizer": embedding_collection(model).fused_optimizer.state_dict(),
         "dense_optimizer": dense_optimizer.state_dict(),
-        "data": {"batcher": batcher.get_state()},
+        "data": {"batcher": batcher.get_state(), "fingerprint": data_fingerprint},
         "history": history.state_dict(),
         "rng": {"torch": torch.get_rng_state()},
     }
@@ -56,14 +59,22 @@ def load_checkpoint(
     dense_optimizer: torch.optim.Optimizer,
     batcher: Batcher,
     history: TrainHistory,
+    steps: int | None = None,
+    data_fingerprint: dict[str, Any] | None = None,
 ) -> int:
-    """Restore a :func:`save_checkpoint` file into freshly built objects; returns the step it was taken at."""
+    """Restore a :func:`save_checkpoint` file into freshly built objects; returns the step it was taken at.
+
+    With ``steps`` (the job's total) and ``data_fingerprint``, first refuses a resume that would train nothing or
+    train on other data (:func:`~tritonrec.dist.train.job_state.check_resume`)."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"resume: no checkpoint file at {str(path)!r}")
     payload: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(payload, dict) or set(payload) != _KEYS or payload["format"] != CHECKPOINT_FORMAT:
         raise ValueError(f"resume: {str(path)!r} is not a tritonrec training checkpoint (format {CHECKPOINT_FORMAT})")
+    if steps is not None:
+        saved = payload["data"].get("fingerprint")
+        check_resume(str(path), int(payload["step"]), steps, saved, data_fingerprint or {})
     try:
         model.load_state_dict(payload["model"])
     except RuntimeError as error:  # torch reports shape and key mismatches as RuntimeError

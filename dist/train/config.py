@@ -6,9 +6,11 @@ from ``model/dlrm_schema``), so hydra type-checks every value and rejects unknow
 * ``model/``: :class:`DLRMConfig` (``dlrm_small``, ``dlrm_dcn``);
 * ``data/``: :class:`SyntheticDataConfig`, :class:`CriteoTSVDataConfig`, :class:`CriteoNPYDataConfig`;
 * ``optim/``: :class:`OptimConfig` (``adagrad``, ``adam``, ``sgd``);
+* ``sharding/``, ``pipeline/``, ``qcomm/``, ``logger/`` and the ``dist`` field: :mod:`.job_config`;
 * ``experiment/``: global overrides naming one combination of the above plus its schedule.
 
-``run(cfg)`` (``scripts/train.py``) accepts a composed DictConfig or a :class:`TrainConfig` built in Python.
+``run(cfg)`` (:mod:`tritonrec.dist.train.run`, wrapped by ``scripts/train.py``) accepts a composed DictConfig or a
+:class:`TrainConfig` built in Python.
 """
 
 from __future__ import annotations
@@ -20,6 +22,16 @@ from typing import Any
 import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+
+from tritonrec.dist.train.job_config import (
+    DistConfig,
+    LoggerConfig,
+    PipelineConfig,
+    QCommConfig,
+    ShardingConfig,
+    check_job_configs,
+    register_job_configs,
+)
 
 
 @dataclass
@@ -55,6 +67,8 @@ class SyntheticDataConfig:
     signal_std: float = 2.0  # std of the hidden logit: larger is easier to learn
     dense_share: float = 0.25  # share of the hidden logit's variance carried by dense features
     seed: int = 0  # fixes the hidden model and the samples
+    chunk_size: int | None = None  # samples per generated chunk; None: 4096 in one process, the per-rank batch size
+    # across ranks (rank r of W draws chunks r, r + W, ...: see tritonrec.dist.train.distributed)
 
 
 @dataclass
@@ -101,20 +115,25 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     name: str = "train"  # experiment name, recorded in metrics.json
     steps: int = 400  # optimizer steps (one batch each)
-    batch_size: int = 512
+    batch_size: int = 512  # per rank in a distributed job
     drop_remainder: bool = False  # drop an epoch's short last batch instead of padding and masking it
     eval_every: int = 100  # steps between held-out evaluations (0: only after the last step)
     eval_batch_size: int = 4096
     log_every: int = 20  # steps between progress-bar updates (loss, AUROC, samples/s)
     train_auroc_window: int = 8192  # samples in the running training AUROC (scored before their update)
     checkpoint_every: int = 0  # steps between checkpoints (0: only after the last step)
-    resume: str | None = None  # checkpoint file to resume from
+    resume: str | None = None  # checkpoint to resume from: a step_*.pt file (one process) or step_*/ folder (ranks)
     seed: int = 0  # torch seed: model initialisation
     device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
     num_threads: int = 0  # torch intra-op threads while the job runs; 0 keeps torch's default
     output_dir: str | None = None  # where results go; the hydra run dir under scripts/train.py
     progress: bool = True  # show the tqdm bar
     plot: bool = True  # write curves.png (needs matplotlib, the "plot" extra)
+    dist: DistConfig = field(default_factory=DistConfig)  # processes: dist.nproc=2 spawns 2 ranks
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)  # sharding/ group (distributed job)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)  # pipeline/ group (distributed job)
+    qcomm: QCommConfig = field(default_factory=QCommConfig)  # qcomm/ group (distributed job)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)  # logger/ group
 
 
 DATA_CONFIGS: dict[str, type] = {
@@ -132,6 +151,7 @@ def register_configs() -> None:
     store.store(group="optim", name="optim_schema", node=OptimConfig)
     for kind, node in DATA_CONFIGS.items():
         store.store(group="data", name=f"{kind}_schema", node=node)
+    register_job_configs(store)
 
 
 _POSITIVE_FIELDS = ("steps", "batch_size", "eval_batch_size", "log_every", "train_auroc_window")
@@ -166,6 +186,10 @@ def as_train_config(cfg: object) -> TrainConfig:
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{name} must be a non-negative int, got {name}={value!r}")
     check_device(cfg.device)
+    check_job_configs(cfg.dist, cfg.sharding, cfg.pipeline, cfg.qcomm, cfg.logger)
+    chunk = getattr(cfg.data, "chunk_size", None)
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"data.chunk_size must be a positive int or None, got data.chunk_size={chunk!r}")
     return cfg
 
 

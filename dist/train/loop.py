@@ -82,7 +82,7 @@ class TrainHistory:
         self.losses: list[float] = []
         self._pending: list[torch.Tensor] = []  # losses not yet read back (one sync per log interval, not per step)
         self.train_auroc_points: dict[str, list] = {"step": [], "auroc": []}
-        self.eval_points: dict[str, list] = {"step": [], "auroc": [], "logloss": []}
+        self.eval_points: dict[str, list] = {"step": [], "auroc": [], "logloss": [], "samples": []}
         self.train_seconds = 0.0
         self.train_samples = 0
 
@@ -95,6 +95,17 @@ class TrainHistory:
         self.train_auroc.update(logits.float(), batch.labels, batch.valid_mask)
         self.train_seconds += seconds
         self.train_samples += num_valid
+
+    def record_values(self, step: int, loss: float, scores: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                      num_samples: int, seconds: float) -> None:  # fmt: skip
+        """Step ``step`` with values already combined over ranks: its mean ``loss``, every rank's ``scores`` /
+        ``labels`` / ``weights [N]`` and real samples, and this rank's wall time."""
+        self.flush()
+        self.steps.append(step)
+        self.losses.append(loss)
+        self.train_auroc.update(scores, labels, weights)
+        self.train_seconds += seconds
+        self.train_samples += num_samples
 
     def flush(self) -> None:
         """Read pending losses back to the host."""
@@ -124,6 +135,7 @@ class TrainHistory:
         self.eval_points["step"].append(step)
         self.eval_points["auroc"].append(_finite_or_none(result["auroc"]))
         self.eval_points["logloss"].append(_finite_or_none(result["logloss"]))
+        self.eval_points.setdefault("samples", []).append(result.get("samples"))
 
     def samples_per_second(self) -> float:
         return self.train_samples / self.train_seconds if self.train_seconds > 0 else math.nan

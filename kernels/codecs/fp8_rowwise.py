@@ -50,9 +50,9 @@ from tritonrec.kernels.codecs.formats import (
     raise_if_nonfinite,
 )
 from tritonrec.kernels.codecs.rowwise import (
+    TILE_HEURISTICS,
     decoded_shape,
     encoded_shape,
-    groups_per_program,
     launch_decode,
     launch_encode,
     launch_geometry,
@@ -60,14 +60,56 @@ from tritonrec.kernels.codecs.rowwise import (
     load_le_word,
     pack_bytes_le,
     padded_groups,
+    program_groups,
     tile_configs,
 )
 from tritonrec.kernels.library import custom_op, seed_arg, seed_from_arg
 from tritonrec.kernels.random_bits import random_bits, random_bits_range_int32
 
 
+@triton.jit
+def _finite_amax(x):
+    """Per group (row of ``x``): the bit pattern of the largest finite magnitude (0 when there is none)."""
+    mag = x.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
+    return tl.max(tl.where(mag >= 0x7F800000, tl.zeros_like(mag), mag), axis=1)
+
+
+@triton.jit
+def _store_fp8_codes(
+    x, group, member, in_group, scale_exp, words_ptr, num_groups, row_dim, words_per_row, first, k1, k2,
+    MBITS: tl.constexpr, BIAS: tl.constexpr, OVERFLOW_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
+    INF_CODE: tl.constexpr, STOCHASTIC: tl.constexpr, BLOCK_G: tl.constexpr, COLS: tl.constexpr,
+):  # fmt: skip
+    """Encode one ``[BLOCK_G, COLS]`` tile (columns ``first ...``) with its groups' scale exponents and store the
+    packed code words."""
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = bits >> 31
+    mag = bits & 0x7FFFFFFF
+    nonfinite = mag >= 0x7F800000
+    is_nan = mag > 0x7F800000
+    mag = tl.where(nonfinite, tl.zeros_like(mag), mag)
+    sig, e = split_magnitude(mag)
+    if STOCHASTIC:
+        rand = random_bits(group[:, None] * row_dim + member[None, :], k1, k2)
+    else:
+        rand = mag
+    code = minifloat_code(sig, e - scale_exp[:, None], rand, MBITS, BIAS, OVERFLOW_CODE, STOCHASTIC)
+    code = tl.minimum(code, finite_code_cap(scale_exp, MBITS, BIAS, OVERFLOW_CODE)[:, None]) | (sign << 7)
+    nan_code = tl.full(code.shape, NAN_CODE, tl.uint32)
+    if INF_CODE >= 0:
+        code = tl.where(is_nan, nan_code, tl.where(nonfinite, (sign << 7) | INF_CODE, code))
+    else:
+        code = tl.where(nonfinite, nan_code, code)
+    code = tl.where(in_group, code, tl.zeros_like(code))
+    words = pack_bytes_le(code, BLOCK_G, COLS)
+    word = first // 4 + tl.arange(0, COLS // 4)
+    row_words = words_ptr + group * words_per_row
+    real = group < num_groups
+    tl.store(row_words[:, None] + word[None, :], words, mask=real[:, None] & (word < words_per_row - 1)[None, :])
+
+
 @autotune(configs=tile_configs(), key=["G_BUCKET", "ROW_P2", "MBITS", "STOCHASTIC"])
-@triton.heuristics({"BLOCK_G": groups_per_program})
+@triton.heuristics(TILE_HEURISTICS)
 @triton.jit(do_not_specialize=["k1", "k2"])
 def _fp8_encode_kernel(
     x_ptr,
@@ -92,43 +134,36 @@ def _fp8_encode_kernel(
     ROW_P2: tl.constexpr,
     ELEMS: tl.constexpr,
     BLOCK_G: tl.constexpr,
+    COLS: tl.constexpr,
 ):
     """Encode BLOCK_G groups; ``words_ptr`` is the int32 view of the ``[G, ceil4(row_dim) + 4]`` byte output.
-    ``INF_CODE < 0`` means the format has no Inf."""
-    group, member, in_group, x = load_group_tile(
-        x_ptr, num_groups, cols, groups_per_row, row_stride, row_dim, BLOCK_G, ROW_P2
-    )
-    bits = x.to(tl.uint32, bitcast=True)
-    sign = bits >> 31
-    mag = bits & 0x7FFFFFFF
-    nonfinite = mag >= 0x7F800000
-    is_nan = mag > 0x7F800000
-    mag = tl.where(nonfinite, tl.zeros_like(mag), mag)
-    scale_exp = row_scale_exponent(tl.max(mag, axis=1), EMAX, SIG_LIMIT, -149)
-    sig, e = split_magnitude(mag)
-    if STOCHASTIC:
-        rand = random_bits(group[:, None] * row_dim + member[None, :], k1, k2)
+    ``INF_CODE < 0`` means the format has no Inf. A group wider than a tile is read twice: its scale from every
+    chunk, then its codes chunk by chunk."""
+    group, real = program_groups(num_groups, BLOCK_G)
+    if COLS == ROW_P2:
+        member, in_group, x = load_group_tile(x_ptr, group, num_groups, cols, groups_per_row, row_stride, row_dim, 0,
+                                              COLS)  # fmt: skip
+        scale_exp = row_scale_exponent(_finite_amax(x), EMAX, SIG_LIMIT, -149)
+        _store_fp8_codes(x, group, member, in_group, scale_exp, words_ptr, num_groups, row_dim, words_per_row, 0, k1,
+                         k2, MBITS, BIAS, OVERFLOW_CODE, NAN_CODE, INF_CODE, STOCHASTIC, BLOCK_G, COLS)  # fmt: skip
     else:
-        rand = mag
-    code = minifloat_code(sig, e - scale_exp[:, None], rand, MBITS, BIAS, OVERFLOW_CODE, STOCHASTIC)
-    code = tl.minimum(code, finite_code_cap(scale_exp, MBITS, BIAS, OVERFLOW_CODE)[:, None]) | (sign << 7)
-    nan_code = tl.full(code.shape, NAN_CODE, tl.uint32)
-    if INF_CODE >= 0:
-        code = tl.where(is_nan, nan_code, tl.where(nonfinite, (sign << 7) | INF_CODE, code))
-    else:
-        code = tl.where(nonfinite, nan_code, code)
-    code = tl.where(in_group, code, tl.zeros_like(code))
-    words = pack_bytes_le(code, BLOCK_G, ROW_P2)
-    word = tl.arange(0, ROW_P2 // 4)
-    code_words = words_per_row - 1
-    real = group < num_groups
-    row_words = words_ptr + group * words_per_row
-    tl.store(row_words[:, None] + word[None, :], words, mask=real[:, None] & (word < code_words)[None, :])
-    tl.store(row_words + code_words, pow2_exponent_bits(scale_exp).to(tl.int32, bitcast=True), mask=real)
+        amax = tl.zeros((BLOCK_G,), tl.uint32)
+        for first in range(0, ROW_P2, COLS):
+            _, _, x = load_group_tile(x_ptr, group, num_groups, cols, groups_per_row, row_stride, row_dim, first, COLS)
+            amax = tl.maximum(amax, _finite_amax(x))
+        scale_exp = row_scale_exponent(amax, EMAX, SIG_LIMIT, -149)
+        for first in range(0, ROW_P2, COLS):
+            member, in_group, x = load_group_tile(x_ptr, group, num_groups, cols, groups_per_row, row_stride, row_dim,
+                                                  first, COLS)  # fmt: skip
+            _store_fp8_codes(x, group, member, in_group, scale_exp, words_ptr, num_groups, row_dim, words_per_row,
+                             first, k1, k2, MBITS, BIAS, OVERFLOW_CODE, NAN_CODE, INF_CODE, STOCHASTIC, BLOCK_G,
+                             COLS)  # fmt: skip
+    bits = pow2_exponent_bits(scale_exp).to(tl.int32, bitcast=True)
+    tl.store(words_ptr + group * words_per_row + words_per_row - 1, bits, mask=real)
 
 
 @autotune(configs=tile_configs(), key=["G_BUCKET", "ROW_P2", "MBITS", "OUT_KIND"])
-@triton.heuristics({"BLOCK_G": groups_per_program})
+@triton.heuristics(TILE_HEURISTICS)
 @triton.jit
 def _fp8_decode_kernel(
     q_ptr,
@@ -145,23 +180,24 @@ def _fp8_decode_kernel(
     ROW_P2: tl.constexpr,
     ELEMS: tl.constexpr,
     BLOCK_G: tl.constexpr,
+    COLS: tl.constexpr,
 ):
     """out[g * row_dim + j] = value(code[g, j]) * scale[g]; magnitude codes above NAN_ABOVE are NaN. Bytes are read
-    one by one, so the encoded buffer may start at any offset."""
-    group = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
-    member = tl.arange(0, ROW_P2)
-    real = group < num_groups
-    in_group = real[:, None] & (member < row_dim)[None, :]
+    one by one, so the encoded buffer may start at any offset. Groups wider than a tile go chunk by chunk."""
+    group, real = program_groups(num_groups, BLOCK_G)
     row = q_ptr + group * row_bytes
-    code = tl.load(row[:, None] + member[None, :], mask=in_group, other=0).to(tl.uint32)
     scale = load_le_word(row + row_bytes - 4, real).to(tl.float32, bitcast=True)
-    mag = code & 0x7F
-    value = minifloat_value(mag, MBITS, BIAS)
-    if INF_CODE >= 0:
-        value = tl.where(mag == INF_CODE, float("inf"), value)
-    value = tl.where((code >> 7) != 0, -value, value) * scale[:, None]
-    value = tl.where(mag > NAN_ABOVE, float("nan"), value)
-    store_output(out_ptr, group[:, None] * row_dim + member[None, :], in_group, value, OUT_KIND)
+    for first in range(0, ROW_P2, COLS):
+        member = first + tl.arange(0, COLS)
+        in_group = real[:, None] & (member < row_dim)[None, :]
+        code = tl.load(row[:, None] + member[None, :], mask=in_group, other=0).to(tl.uint32)
+        mag = code & 0x7F
+        value = minifloat_value(mag, MBITS, BIAS)
+        if INF_CODE >= 0:
+            value = tl.where(mag == INF_CODE, float("inf"), value)
+        value = tl.where((code >> 7) != 0, -value, value) * scale[:, None]
+        value = tl.where(mag > NAN_ABOVE, float("nan"), value)
+        store_output(out_ptr, group[:, None] * row_dim + member[None, :], in_group, value, OUT_KIND)
 
 
 def _quantize_fp8_triton(

@@ -37,9 +37,9 @@ from tritonrec.kernels.codecs.formats import (
     int8_row_bytes,
 )
 from tritonrec.kernels.codecs.rowwise import (
+    TILE_HEURISTICS,
     decoded_shape,
     encoded_shape,
-    groups_per_program,
     launch_decode,
     launch_encode,
     launch_geometry,
@@ -47,6 +47,7 @@ from tritonrec.kernels.codecs.rowwise import (
     load_le_word,
     pack_bytes_le,
     padded_groups,
+    program_groups,
     tile_configs,
 )
 from tritonrec.kernels.library import custom_op, seed_arg, seed_from_arg
@@ -55,8 +56,45 @@ from tritonrec.kernels.random_bits import random_bits, random_bits_range_int32
 _INV_2_POW_24 = 5.9604644775390625e-08  # 2**-24: turns 24 random bits into a uniform fp32 in [0, 1), exactly
 
 
+@triton.jit
+def _finite_range(x, in_group):
+    """Per group: the smallest and largest finite member and whether any member is NaN / Inf."""
+    nonfinite = (x.to(tl.uint32, bitcast=True) & 0x7F800000) == 0x7F800000
+    usable = in_group & ~nonfinite
+    low = tl.min(tl.where(usable, x, float("inf")), axis=1)
+    high = tl.max(tl.where(usable, x, float("-inf")), axis=1)
+    return low, high, tl.max(nonfinite.to(tl.int32), axis=1) > 0
+
+
+@triton.jit
+def _store_int8_codes(
+    x, group, member, in_group, low, safe_scale, has_scale, poisoned, words_ptr, num_groups, row_dim, words_per_row,
+    first, k1, k2, STOCHASTIC: tl.constexpr, BLOCK_G: tl.constexpr, COLS: tl.constexpr,
+):  # fmt: skip
+    """Quantize one ``[BLOCK_G, COLS]`` tile (columns ``first ...``) with its groups' scale and bias and store the
+    packed code words."""
+    usable = in_group & ((x.to(tl.uint32, bitcast=True) & 0x7F800000) != 0x7F800000)
+    # IEEE divisions (Triton's default fp32 '/' is approximate on GPUs).
+    q = tl.where(has_scale[:, None] & usable, tl.math.div_rn(x - low[:, None], safe_scale[:, None]), 0.0)
+    # 0 <= q < 2**24, so truncation is the floor and the fraction is exact (no libdevice floor: it flushes subnormals).
+    base = q.to(tl.int32)
+    frac = q - base.to(tl.float32)
+    if STOCHASTIC:
+        rand = random_bits(group[:, None] * row_dim + member[None, :], k1, k2)
+        up = (rand >> 8).to(tl.float32) * 5.9604644775390625e-08 < frac  # uniform in [0, 1) on a 2**-24 grid
+    else:
+        up = (frac > 0.5) | ((frac == 0.5) & ((base & 1) == 1))
+    code = tl.minimum(tl.maximum(base + up.to(tl.int32), 0), 255)
+    code = tl.where(in_group & ~poisoned[:, None], code, 0).to(tl.uint32)
+    words = pack_bytes_le(code, BLOCK_G, COLS)
+    word = first // 4 + tl.arange(0, COLS // 4)
+    row_words = words_ptr + group * words_per_row
+    real = group < num_groups
+    tl.store(row_words[:, None] + word[None, :], words, mask=real[:, None] & (word < words_per_row - 2)[None, :])
+
+
 @autotune(configs=tile_configs(), key=["G_BUCKET", "ROW_P2", "STOCHASTIC"])
-@triton.heuristics({"BLOCK_G": groups_per_program})
+@triton.heuristics(TILE_HEURISTICS)
 @triton.jit(do_not_specialize=["k1", "k2"])
 def _int8_encode_kernel(
     x_ptr,
@@ -74,47 +112,51 @@ def _int8_encode_kernel(
     ROW_P2: tl.constexpr,
     ELEMS: tl.constexpr,
     BLOCK_G: tl.constexpr,
+    COLS: tl.constexpr,
 ):
-    """Encode BLOCK_G groups; ``words_ptr`` is the int32 view of the ``[G, ceil4(row_dim) + 8]`` byte output."""
-    group, member, in_group, x = load_group_tile(
-        x_ptr, num_groups, cols, groups_per_row, row_stride, row_dim, BLOCK_G, ROW_P2
-    )
-    nonfinite = (x.to(tl.uint32, bitcast=True) & 0x7F800000) == 0x7F800000
-    usable = in_group & ~nonfinite
-    low = tl.min(tl.where(usable, x, float("inf")), axis=1) + 0.0  # -0.0 -> +0.0: one bit pattern for zero
-    high = tl.max(tl.where(usable, x, float("-inf")), axis=1) + 0.0
+    """Encode BLOCK_G groups; ``words_ptr`` is the int32 view of the ``[G, ceil4(row_dim) + 8]`` byte output. A group
+    wider than a tile is read twice: its range from every chunk, then its codes chunk by chunk."""
+    group, real = program_groups(num_groups, BLOCK_G)
+    if COLS == ROW_P2:
+        member, in_group, x = load_group_tile(x_ptr, group, num_groups, cols, groups_per_row, row_stride, row_dim, 0,
+                                              COLS)  # fmt: skip
+        low, high, any_nonfinite = _finite_range(x, in_group)
+    else:
+        low = tl.full((BLOCK_G,), float("inf"), tl.float32)
+        high = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+        any_nonfinite = tl.zeros((BLOCK_G,), tl.int1)
+        for first in range(0, ROW_P2, COLS):
+            member, in_group, x = load_group_tile(x_ptr, group, num_groups, cols, groups_per_row, row_stride, row_dim,
+                                                  first, COLS)  # fmt: skip
+            chunk_low, chunk_high, chunk_nonfinite = _finite_range(x, in_group)
+            low, high = tl.minimum(low, chunk_low), tl.maximum(high, chunk_high)
+            any_nonfinite = any_nonfinite | chunk_nonfinite
+    low, high = low + 0.0, high + 0.0  # -0.0 -> +0.0: one bit pattern for zero
     span = high - low
-    poisoned = (tl.max(nonfinite.to(tl.int32), axis=1) > 0) | (span == float("inf"))
-    # IEEE divisions (Triton's default fp32 '/' is approximate on GPUs).
+    poisoned = any_nonfinite | (span == float("inf"))
     scale = tl.math.div_rn(span, 255.0)
     has_scale = (scale > 0.0) & ~poisoned
     safe_scale = tl.where(has_scale, scale, 1.0)
-    q = tl.where(has_scale[:, None] & usable, tl.math.div_rn(x - low[:, None], safe_scale[:, None]), 0.0)
-    # 0 <= q < 2**24, so truncation is the floor and the fraction is exact (no libdevice floor: it flushes subnormals).
-    base = q.to(tl.int32)
-    frac = q - base.to(tl.float32)
-    if STOCHASTIC:
-        rand = random_bits(group[:, None] * row_dim + member[None, :], k1, k2)
-        up = (rand >> 8).to(tl.float32) * 5.9604644775390625e-08 < frac  # uniform in [0, 1) on a 2**-24 grid
+    if COLS == ROW_P2:
+        _store_int8_codes(x, group, member, in_group, low, safe_scale, has_scale, poisoned, words_ptr, num_groups,
+                          row_dim, words_per_row, 0, k1, k2, STOCHASTIC, BLOCK_G, COLS)  # fmt: skip
     else:
-        up = (frac > 0.5) | ((frac == 0.5) & ((base & 1) == 1))
-    code = tl.minimum(tl.maximum(base + up.to(tl.int32), 0), 255)
-    code = tl.where(in_group & ~poisoned[:, None], code, 0).to(tl.uint32)
+        for first in range(0, ROW_P2, COLS):
+            member, in_group, x = load_group_tile(x_ptr, group, num_groups, cols, groups_per_row, row_stride, row_dim,
+                                                  first, COLS)  # fmt: skip
+            _store_int8_codes(x, group, member, in_group, low, safe_scale, has_scale, poisoned, words_ptr,
+                              num_groups, row_dim, words_per_row, first, k1, k2, STOCHASTIC, BLOCK_G,
+                              COLS)  # fmt: skip
     nan = tl.full(scale.shape, 0x7FC00000, tl.uint32)
     scale_bits = tl.where(poisoned, nan, scale.to(tl.uint32, bitcast=True))
     bias_bits = tl.where(poisoned, nan, low.to(tl.uint32, bitcast=True))
-    words = pack_bytes_le(code, BLOCK_G, ROW_P2)
-    word = tl.arange(0, ROW_P2 // 4)
-    code_words = words_per_row - 2
-    real = group < num_groups
-    row_words = words_ptr + group * words_per_row
-    tl.store(row_words[:, None] + word[None, :], words, mask=real[:, None] & (word < code_words)[None, :])
-    tl.store(row_words + code_words, scale_bits.to(tl.int32, bitcast=True), mask=real)
-    tl.store(row_words + code_words + 1, bias_bits.to(tl.int32, bitcast=True), mask=real)
+    row_words = words_ptr + group * words_per_row + words_per_row - 2
+    tl.store(row_words, scale_bits.to(tl.int32, bitcast=True), mask=real)
+    tl.store(row_words + 1, bias_bits.to(tl.int32, bitcast=True), mask=real)
 
 
 @autotune(configs=tile_configs(), key=["G_BUCKET", "ROW_P2", "OUT_KIND"])
-@triton.heuristics({"BLOCK_G": groups_per_program})
+@triton.heuristics(TILE_HEURISTICS)
 @triton.jit
 def _int8_decode_kernel(
     q_ptr,
@@ -127,18 +169,20 @@ def _int8_decode_kernel(
     ROW_P2: tl.constexpr,
     ELEMS: tl.constexpr,
     BLOCK_G: tl.constexpr,
+    COLS: tl.constexpr,
 ):
-    """out[g * row_dim + j] = code[g, j] * scale[g] + bias[g], rounded twice (launched without FMA contraction)."""
-    group = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
-    member = tl.arange(0, ROW_P2)
-    real = group < num_groups
-    in_group = real[:, None] & (member < row_dim)[None, :]
+    """out[g * row_dim + j] = code[g, j] * scale[g] + bias[g], rounded twice (launched without FMA contraction).
+    Groups wider than a tile go chunk by chunk."""
+    group, real = program_groups(num_groups, BLOCK_G)
     row = q_ptr + group * row_bytes
-    code = tl.load(row[:, None] + member[None, :], mask=in_group, other=0).to(tl.float32)
     scale = load_le_word(row + row_bytes - 8, real).to(tl.float32, bitcast=True)
     bias = load_le_word(row + row_bytes - 4, real).to(tl.float32, bitcast=True)
-    value = code * scale[:, None] + bias[:, None]
-    store_output(out_ptr, group[:, None] * row_dim + member[None, :], in_group, value, OUT_KIND)
+    for first in range(0, ROW_P2, COLS):
+        member = first + tl.arange(0, COLS)
+        in_group = real[:, None] & (member < row_dim)[None, :]
+        code = tl.load(row[:, None] + member[None, :], mask=in_group, other=0).to(tl.float32)
+        value = code * scale[:, None] + bias[:, None]
+        store_output(out_ptr, group[:, None] * row_dim + member[None, :], in_group, value, OUT_KIND)
 
 
 def _quantize_int8_triton(input: torch.Tensor, row_dim: int, stochastic_rounding: bool, seed: int) -> torch.Tensor:

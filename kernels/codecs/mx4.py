@@ -51,14 +51,15 @@ from tritonrec.kernels.codecs.formats import (
     raise_if_nonfinite,
 )
 from tritonrec.kernels.codecs.rowwise import (
+    TILE_HEURISTICS,
     decoded_shape,
     encoded_shape,
-    groups_per_program,
     launch_decode,
     launch_encode,
     launch_geometry,
     load_group_tile,
     padded_groups,
+    program_groups,
     tile_configs,
 )
 from tritonrec.kernels.library import custom_op, seed_arg, seed_from_arg
@@ -68,8 +69,44 @@ _E2M1 = FP4_E2M1
 _MIN_SCALE_EXP = -E8M0_BIAS
 
 
+@triton.jit
+def _finite_amax_and_poison(x):
+    """Per group: the bit pattern of the largest finite magnitude and whether any member is NaN / Inf."""
+    mag = x.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
+    nonfinite = mag >= 0x7F800000
+    amax = tl.max(tl.where(nonfinite, tl.zeros_like(mag), mag), axis=1)
+    return amax, tl.max(nonfinite.to(tl.int32), axis=1) > 0
+
+
+@triton.jit
+def _store_mx4_codes(
+    x, group, member, in_group, scale_exp, poisoned, out_ptr, num_groups, group_size, first, k1, k2,
+    STOCHASTIC: tl.constexpr, BLOCK_G: tl.constexpr, COLS: tl.constexpr,
+):  # fmt: skip
+    """Encode one ``[BLOCK_G, COLS]`` tile (columns ``first ...``) with its groups' shared exponents and store the
+    packed nibbles."""
+    bits = x.to(tl.uint32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    mag = tl.where(mag >= 0x7F800000, tl.zeros_like(mag), mag)
+    sig, e = split_magnitude(mag)
+    if STOCHASTIC:
+        rand = random_bits(group[:, None] * group_size + member[None, :], k1, k2)
+    else:
+        rand = mag
+    # E2M1: 1 mantissa bit, bias 1, top binade 2**2, largest code 7 (saturating; never reached, see module doc).
+    code = minifloat_code(sig, e - scale_exp[:, None], rand, 1, 1, 7, STOCHASTIC)
+    code = tl.minimum(code, finite_code_cap(scale_exp, 1, 1, 7)[:, None]) | ((bits >> 31) << 3)
+    code = tl.where(in_group & ~poisoned[:, None], code, tl.zeros_like(code))
+    low, high = tl.split(tl.reshape(code, [BLOCK_G, COLS // 2, 2]))
+    packed = (low | (high << 4)).to(tl.uint8)
+    half = group_size // 2
+    pair = first // 2 + tl.arange(0, COLS // 2)
+    row = out_ptr + group * (half + 1)
+    tl.store(row[:, None] + pair[None, :], packed, mask=(group < num_groups)[:, None] & (pair < half)[None, :])
+
+
 @autotune(configs=tile_configs(), key=["G_BUCKET", "ROW_P2", "STOCHASTIC"])
-@triton.heuristics({"BLOCK_G": groups_per_program})
+@triton.heuristics(TILE_HEURISTICS)
 @triton.jit(do_not_specialize=["k1", "k2"])
 def _mx4_encode_kernel(
     x_ptr,
@@ -87,39 +124,38 @@ def _mx4_encode_kernel(
     ROW_P2: tl.constexpr,
     ELEMS: tl.constexpr,
     BLOCK_G: tl.constexpr,
+    COLS: tl.constexpr,
 ):
-    """Encode BLOCK_G groups into ``out_ptr`` (uint8, ``group_size / 2 + 1`` bytes per group)."""
-    group, member, in_group, x = load_group_tile(
-        x_ptr, num_groups, cols, groups_per_row, row_stride, group_size, BLOCK_G, ROW_P2
-    )
-    bits = x.to(tl.uint32, bitcast=True)
-    mag = bits & 0x7FFFFFFF
-    nonfinite = mag >= 0x7F800000
-    poisoned = tl.max(nonfinite.to(tl.int32), axis=1) > 0
-    mag = tl.where(nonfinite, tl.zeros_like(mag), mag)
-    # E2M1: 1 mantissa bit, bias 1, top binade 2**2, largest code 7 (saturating; never reached, see module doc).
-    scale_exp = row_scale_exponent(tl.max(mag, axis=1), 2, SIG_LIMIT, -127)
-    sig, e = split_magnitude(mag)
-    if STOCHASTIC:
-        rand = random_bits(group[:, None] * group_size + member[None, :], k1, k2)
+    """Encode BLOCK_G groups into ``out_ptr`` (uint8, ``group_size / 2 + 1`` bytes per group). A group wider than a
+    tile is read twice: its shared exponent from every chunk, then its codes chunk by chunk."""
+    group, real = program_groups(num_groups, BLOCK_G)
+    if COLS == ROW_P2:
+        member, in_group, x = load_group_tile(x_ptr, group, num_groups, cols, groups_per_row, row_stride, group_size,
+                                              0, COLS)  # fmt: skip
+        amax, poisoned = _finite_amax_and_poison(x)
+        scale_exp = row_scale_exponent(amax, 2, SIG_LIMIT, -127)
+        _store_mx4_codes(x, group, member, in_group, scale_exp, poisoned, out_ptr, num_groups, group_size, 0, k1, k2,
+                         STOCHASTIC, BLOCK_G, COLS)  # fmt: skip
     else:
-        rand = mag
-    code = minifloat_code(sig, e - scale_exp[:, None], rand, 1, 1, 7, STOCHASTIC)
-    code = tl.minimum(code, finite_code_cap(scale_exp, 1, 1, 7)[:, None]) | ((bits >> 31) << 3)
-    code = tl.where(in_group & ~poisoned[:, None], code, tl.zeros_like(code))
-    low, high = tl.split(tl.reshape(code, [BLOCK_G, ROW_P2 // 2, 2]))
-    packed = (low | (high << 4)).to(tl.uint8)
-    half = group_size // 2
-    pair = tl.arange(0, ROW_P2 // 2)
-    real = group < num_groups
-    row = out_ptr + group * (half + 1)
-    tl.store(row[:, None] + pair[None, :], packed, mask=real[:, None] & (pair < half)[None, :])
+        amax = tl.zeros((BLOCK_G,), tl.uint32)
+        poisoned = tl.zeros((BLOCK_G,), tl.int1)
+        for first in range(0, ROW_P2, COLS):
+            _, _, x = load_group_tile(x_ptr, group, num_groups, cols, groups_per_row, row_stride, group_size, first,
+                                      COLS)  # fmt: skip
+            chunk_amax, chunk_poisoned = _finite_amax_and_poison(x)
+            amax, poisoned = tl.maximum(amax, chunk_amax), poisoned | chunk_poisoned
+        scale_exp = row_scale_exponent(amax, 2, SIG_LIMIT, -127)
+        for first in range(0, ROW_P2, COLS):
+            member, in_group, x = load_group_tile(x_ptr, group, num_groups, cols, groups_per_row, row_stride,
+                                                  group_size, first, COLS)  # fmt: skip
+            _store_mx4_codes(x, group, member, in_group, scale_exp, poisoned, out_ptr, num_groups, group_size, first,
+                             k1, k2, STOCHASTIC, BLOCK_G, COLS)  # fmt: skip
     shared = tl.where(poisoned, 0xFF, scale_exp + 127).to(tl.uint8)
-    tl.store(row + half, shared, mask=real)
+    tl.store(out_ptr + group * (group_size // 2 + 1) + group_size // 2, shared, mask=real)
 
 
 @autotune(configs=tile_configs(), key=["G_BUCKET", "ROW_P2", "OUT_KIND"])
-@triton.heuristics({"BLOCK_G": groups_per_program})
+@triton.heuristics(TILE_HEURISTICS)
 @triton.jit
 def _mx4_decode_kernel(
     q_ptr,
@@ -131,23 +167,26 @@ def _mx4_decode_kernel(
     ROW_P2: tl.constexpr,
     ELEMS: tl.constexpr,
     BLOCK_G: tl.constexpr,
+    COLS: tl.constexpr,
 ):
-    """out[g * group_size + j] = e2m1(nibble j of group g) * 2**(exponent byte - 127); NaN for exponent 0xFF."""
-    group = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
-    pair = tl.arange(0, ROW_P2 // 2)
+    """out[g * group_size + j] = e2m1(nibble j of group g) * 2**(exponent byte - 127); NaN for exponent 0xFF.
+    Groups wider than a tile go chunk by chunk."""
+    group, real = program_groups(num_groups, BLOCK_G)
     half = group_size // 2
-    real = group < num_groups
     row = q_ptr + group * (half + 1)
-    packed = tl.load(row[:, None] + pair[None, :], mask=real[:, None] & (pair < half)[None, :], other=0)
-    packed = packed.to(tl.uint32)
-    code = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_G, ROW_P2])
     shared = tl.load(row + half, mask=real, other=0).to(tl.int32)
-    value = minifloat_value(code & 0x7, 1, 1) * pow2(shared - 127)[:, None]
-    value = tl.where((code >> 3) != 0, -value, value)
-    value = tl.where((shared == 0xFF)[:, None], float("nan"), value)
-    member = tl.arange(0, ROW_P2)
-    in_group = real[:, None] & (member < group_size)[None, :]
-    store_output(out_ptr, group[:, None] * group_size + member[None, :], in_group, value, OUT_KIND)
+    scale = pow2(shared - 127)
+    for first in range(0, ROW_P2, COLS):
+        pair = first // 2 + tl.arange(0, COLS // 2)
+        packed = tl.load(row[:, None] + pair[None, :], mask=real[:, None] & (pair < half)[None, :], other=0)
+        packed = packed.to(tl.uint32)
+        code = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_G, COLS])
+        value = minifloat_value(code & 0x7, 1, 1) * scale[:, None]
+        value = tl.where((code >> 3) != 0, -value, value)
+        value = tl.where((shared == 0xFF)[:, None], float("nan"), value)
+        member = first + tl.arange(0, COLS)
+        in_group = real[:, None] & (member < group_size)[None, :]
+        store_output(out_ptr, group[:, None] * group_size + member[None, :], in_group, value, OUT_KIND)
 
 
 def _quantize_mx4_triton(input: torch.Tensor, group_size: int, stochastic_rounding: bool, seed: int) -> torch.Tensor:

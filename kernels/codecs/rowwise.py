@@ -20,27 +20,42 @@ from tritonrec.kernels.random_bits import stream_key_args
 
 
 def tile_configs() -> list:
-    """``ELEMS`` values per program; the heuristic below turns it into whole groups per program."""
-    return [triton.Config({"ELEMS": e}, num_warps=w) for e, w in ((4096, 4), (2048, 4), (8192, 8))]
+    """``ELEMS`` values per program tile, 16 per thread (32-lane warps) in every config: at 32 per thread FP8 and MX4
+    encoding reached 255 registers and spilled on sm_80 / sm_90 (python -m tritonrec.kernels.aot)."""
+    return [triton.Config({"ELEMS": e}, num_warps=w) for e, w in ((2048, 4), (1024, 2), (4096, 8))]
 
 
 def groups_per_program(args: dict) -> int:
     return max(1, args["ELEMS"] // args["ROW_P2"])
 
 
+def chunk_columns(args: dict) -> int:
+    """Columns of a tile: the whole group, or for groups wider than ``ELEMS`` (one group per program) a chunk of
+    ``ELEMS`` columns that the kernel walks, so a tile never holds more than ``ELEMS`` values at any row width."""
+    return min(args["ROW_P2"], args["ELEMS"])
+
+
+# BLOCK_G groups per program, COLS columns per tile: BLOCK_G * COLS == ELEMS for every row width (4 to 8192).
+TILE_HEURISTICS = {"BLOCK_G": groups_per_program, "COLS": chunk_columns}
+
+
 @triton.jit
-def load_group_tile(
-    x_ptr, num_groups, cols, groups_per_row, row_stride, row_dim, BLOCK_G: tl.constexpr, ROW_P2: tl.constexpr
-):
-    """This program's ``[BLOCK_G, ROW_P2]`` tile: group ids ``[BLOCK_G]`` (int64), column ids ``[ROW_P2]``, the mask
-    of real group members, and the values (zeros outside the input, including the zero padding of the last group)."""
+def program_groups(num_groups, BLOCK_G: tl.constexpr):
+    """This program's group ids ``[BLOCK_G]`` (int64) and which of them exist."""
     group = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
-    member = tl.arange(0, ROW_P2)
+    return group, group < num_groups
+
+
+@triton.jit
+def load_group_tile(x_ptr, group, num_groups, cols, groups_per_row, row_stride, row_dim, first, COLS: tl.constexpr):
+    """Columns ``first ... first + COLS - 1`` of groups ``group``: column ids ``[COLS]``, the mask of real group
+    members, and the values (zeros outside the input, including the zero padding of the last group of a row)."""
+    member = first + tl.arange(0, COLS)
     in_group = (group < num_groups)[:, None] & (member < row_dim)[None, :]
     row = group // groups_per_row
     col = (group % groups_per_row)[:, None] * row_dim + member[None, :]
     x = tl.load(x_ptr + row[:, None] * row_stride + col, mask=in_group & (col < cols), other=0.0)
-    return group, member, in_group, x
+    return member, in_group, x
 
 
 @triton.jit
@@ -54,9 +69,9 @@ def load_le_word(ptr, mask):
 
 
 @triton.jit
-def pack_bytes_le(codes, BLOCK_G: tl.constexpr, ROW_P2: tl.constexpr):
-    """``[BLOCK_G, ROW_P2]`` byte codes (uint32 < 256) -> ``[BLOCK_G, ROW_P2 / 4]`` little-endian words (int32)."""
-    quads = tl.reshape(codes, [BLOCK_G, ROW_P2 // 4, 4])
+def pack_bytes_le(codes, BLOCK_G: tl.constexpr, COLS: tl.constexpr):
+    """``[BLOCK_G, COLS]`` byte codes (uint32 < 256) -> ``[BLOCK_G, COLS / 4]`` little-endian words (int32)."""
+    quads = tl.reshape(codes, [BLOCK_G, COLS // 4, 4])
     shifts = (tl.arange(0, 4) * 8).to(tl.uint32)
     return tl.sum(quads << shifts[None, None, :], axis=2).to(tl.int32, bitcast=True)
 

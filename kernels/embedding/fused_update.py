@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from tritonrec.kernels._triton import tl, triton
-from tritonrec.kernels.backend import autotune
+from tritonrec.kernels.backend import autotune, grid_programs
 from tritonrec.kernels.embedding.grad_plan import RowGradientPlan
 from tritonrec.kernels.embedding.layout import TableBatchedLayout
 from tritonrec.kernels.embedding.optim_state import FusedOptimizerState, OptimType, begin_step, optim_code
@@ -145,6 +145,7 @@ def _fused_update_kernel(
     table_dims_ptr,
     bias1_ptr,
     bias2_ptr,
+    num_unique,
     lr,
     eps,
     beta1,
@@ -163,88 +164,20 @@ def _fused_update_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Grid (U,): unique row ``u`` of the plan sums its contributions and updates its weights and state."""
-    u = tl.program_id(0).to(tl.int64)
-    table = tl.load(unique_tables_ptr + u)
-    local_row = tl.load(unique_local_rows_ptr + u)
-    dim = tl.load(table_dims_ptr + table).to(tl.int64)
-    row_start = tl.load(table_weight_offsets_ptr + table) + local_row * dim
-    state_row = tl.load(table_row_offsets_ptr + table) + local_row
-    start = tl.load(segment_offsets_ptr + u)
-    end = tl.load(segment_offsets_ptr + u + 1)
-    bias1 = tl.load(bias1_ptr + table)
-    bias2 = tl.load(bias2_ptr + table)
-    if ONE_D_BLOCK:
-        cols = tl.arange(0, BLOCK_D)
-        col_ok = cols < dim
-        w, g = _load_grad_block(
-            weights_ptr,
-            grad_ptr,
-            goff_ptr,
-            scale_ptr,
-            start,
-            end,
-            row_start,
-            cols,
-            col_ok,
-            weight_decay,
-            HAS_SCALE,
-            HAS_DECAY,
-            BLOCK_N,
-            BLOCK_D,
-        )
-        multiplier = 0.0
-        if OPTIM == 1:
-            multiplier = _rowwise_multiplier(mom1_ptr, state_row, tl.sum(g * g, axis=0), dim, lr, eps)
-        _update_and_store(
-            w,
-            g,
-            multiplier,
-            weights_ptr,
-            mom1_ptr,
-            mom2_ptr,
-            row_start + cols,
-            col_ok,
-            lr,
-            eps,
-            beta1,
-            one_minus_beta1,
-            beta2,
-            one_minus_beta2,
-            bias1,
-            bias2,
-            k1,
-            k2,
-            OPTIM,
-            WEIGHT_DTYPE,
-            STOCHASTIC,
-        )
-    else:
-        multiplier = 0.0
-        if OPTIM == 1:
-            sum_sq = 0.0
-            for d0 in range(0, dim, BLOCK_D):
-                cols = d0 + tl.arange(0, BLOCK_D)
-                w, g = _load_grad_block(
-                    weights_ptr,
-                    grad_ptr,
-                    goff_ptr,
-                    scale_ptr,
-                    start,
-                    end,
-                    row_start,
-                    cols,
-                    cols < dim,
-                    weight_decay,
-                    HAS_SCALE,
-                    HAS_DECAY,
-                    BLOCK_N,
-                    BLOCK_D,
-                )
-                sum_sq += tl.sum(g * g, axis=0)
-            multiplier = _rowwise_multiplier(mom1_ptr, state_row, sum_sq, dim, lr, eps)
-        for d0 in range(0, dim, BLOCK_D):
-            cols = d0 + tl.arange(0, BLOCK_D)
+    """Programs stride over the plan's unique rows (``grid_programs(U)``): unique row ``u`` sums its contributions and
+    updates its weights and state."""
+    for u in range(tl.program_id(0).to(tl.int64), num_unique, tl.num_programs(0)):
+        table = tl.load(unique_tables_ptr + u)
+        local_row = tl.load(unique_local_rows_ptr + u)
+        dim = tl.load(table_dims_ptr + table).to(tl.int64)
+        row_start = tl.load(table_weight_offsets_ptr + table) + local_row * dim
+        state_row = tl.load(table_row_offsets_ptr + table) + local_row
+        start = tl.load(segment_offsets_ptr + u)
+        end = tl.load(segment_offsets_ptr + u + 1)
+        bias1 = tl.load(bias1_ptr + table)
+        bias2 = tl.load(bias2_ptr + table)
+        if ONE_D_BLOCK:
+            cols = tl.arange(0, BLOCK_D)
             col_ok = cols < dim
             w, g = _load_grad_block(
                 weights_ptr,
@@ -262,6 +195,9 @@ def _fused_update_kernel(
                 BLOCK_N,
                 BLOCK_D,
             )
+            multiplier = 0.0
+            if OPTIM == 1:
+                multiplier = _rowwise_multiplier(mom1_ptr, state_row, tl.sum(g * g, axis=0), dim, lr, eps)
             _update_and_store(
                 w,
                 g,
@@ -285,6 +221,72 @@ def _fused_update_kernel(
                 WEIGHT_DTYPE,
                 STOCHASTIC,
             )
+        else:
+            multiplier = 0.0
+            if OPTIM == 1:
+                sum_sq = 0.0
+                for d0 in range(0, dim, BLOCK_D):
+                    cols = d0 + tl.arange(0, BLOCK_D)
+                    w, g = _load_grad_block(
+                        weights_ptr,
+                        grad_ptr,
+                        goff_ptr,
+                        scale_ptr,
+                        start,
+                        end,
+                        row_start,
+                        cols,
+                        cols < dim,
+                        weight_decay,
+                        HAS_SCALE,
+                        HAS_DECAY,
+                        BLOCK_N,
+                        BLOCK_D,
+                    )
+                    sum_sq += tl.sum(g * g, axis=0)
+                multiplier = _rowwise_multiplier(mom1_ptr, state_row, sum_sq, dim, lr, eps)
+            for d0 in range(0, dim, BLOCK_D):
+                cols = d0 + tl.arange(0, BLOCK_D)
+                col_ok = cols < dim
+                w, g = _load_grad_block(
+                    weights_ptr,
+                    grad_ptr,
+                    goff_ptr,
+                    scale_ptr,
+                    start,
+                    end,
+                    row_start,
+                    cols,
+                    col_ok,
+                    weight_decay,
+                    HAS_SCALE,
+                    HAS_DECAY,
+                    BLOCK_N,
+                    BLOCK_D,
+                )
+                _update_and_store(
+                    w,
+                    g,
+                    multiplier,
+                    weights_ptr,
+                    mom1_ptr,
+                    mom2_ptr,
+                    row_start + cols,
+                    col_ok,
+                    lr,
+                    eps,
+                    beta1,
+                    one_minus_beta1,
+                    beta2,
+                    one_minus_beta2,
+                    bias1,
+                    bias2,
+                    k1,
+                    k2,
+                    OPTIM,
+                    WEIGHT_DTYPE,
+                    STOCHASTIC,
+                )
 
 
 def fused_update_triton(
@@ -305,7 +307,7 @@ def fused_update_triton(
         block_d = triton.next_power_of_2(max_one_block_d)
     mom1 = weights if state.momentum1 is None else state.momentum1
     mom2 = weights if state.momentum2 is None else state.momentum2
-    _fused_update_kernel[(plan.num_unique,)](
+    _fused_update_kernel[(grid_programs(plan.num_unique),)](
         weights,
         mom1,
         mom2,
@@ -320,6 +322,7 @@ def fused_update_triton(
         meta.table_dims,
         scalars.bias1,
         scalars.bias2,
+        plan.num_unique,
         scalars.lr,
         scalars.eps,
         scalars.beta1,

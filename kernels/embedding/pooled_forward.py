@@ -27,9 +27,19 @@ from tritonrec.kernels.embedding.layout import PoolingMode, TableBatchedLayout, 
 
 
 def _pooled_forward_configs() -> list:
-    # (BAGS, BLOCK_L, warps): many short bags per program first; one long bag per program last.
-    shapes = ((4, 8, 4), (8, 4, 4), (16, 2, 4), (32, 1, 4), (2, 16, 4), (1, 32, 8), (8, 8, 8))
-    return [triton.Config({"BAGS": b, "BLOCK_L": ll}, num_warps=w) for b, ll, w in shapes]
+    # (BAGS, BLOCK_L): many short bags per program first, one long bag per program last; each with 4 and 8 warps,
+    # of which _pooled_forward_fits keeps the one its tile needs.
+    shapes = ((4, 8), (8, 4), (16, 2), (32, 1), (2, 16), (1, 32), (8, 8))
+    return [triton.Config({"BAGS": b, "BLOCK_L": ll}, num_warps=w) for w in (4, 8) for b, ll in shapes]
+
+
+def _pooled_forward_fits(config: dict, args: dict) -> bool:
+    """Keep the warps (4 or 8, the fewest that do) that hold the [BAGS, BLOCK_L, BLOCK_D] tile plus the [BAGS,
+    BLOCK_D] accumulator at 20 values per thread; beyond that, ptxas reached 255 registers and spilled at BLOCK_D
+    128 on sm_80 / sm_90 (python -m tritonrec.kernels.aot), so wider shapes do not fit."""
+    values = config["BAGS"] * (config["BLOCK_L"] + 1) * args["BLOCK_D"]
+    needed = next((w for w in (4, 8) if values <= 20 * 32 * w), None)
+    return config["num_warps"] == needed
 
 
 @triton.jit
@@ -51,7 +61,11 @@ def load_rows(storage_ptr, scale_ptr, bias_ptr, row_start, global_row, row_ok, c
         return tl.where(mask, code.to(tl.float32) * scale[:, :, None] + bias[:, :, None], 0.0)
 
 
-@autotune(configs=_pooled_forward_configs(), key=["B_BUCKET", "L_BUCKET", "BLOCK_D", "HAS_WEIGHTS", "QUANT_BITS"])
+@autotune(
+    configs=_pooled_forward_configs(),
+    key=["B_BUCKET", "L_BUCKET", "BLOCK_D", "HAS_WEIGHTS", "QUANT_BITS"],
+    fits=_pooled_forward_fits,
+)
 @triton.jit
 def _pooled_forward_kernel(
     storage_ptr,

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tritonrec.kernels._triton import tl, triton
-from tritonrec.kernels.backend import autotune
+from tritonrec.kernels.backend import autotune, grid_programs
 from tritonrec.kernels.embedding.grad_plan import RowGradientPlan, ValueGradientInfo
 from tritonrec.kernels.embedding.layout import TableBatchedLayout
 from tritonrec.kernels.embedding.pooled_forward import block_d_for
@@ -72,23 +72,24 @@ def _segment_sum_kernel(
     table_unique_offsets_ptr,
     table_compact_offsets_ptr,
     out_ptr,
+    num_unique,
     HAS_SCALE: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Grid (U, cdiv(max D, BLOCK_D)): one unique row, one column block."""
-    u = tl.program_id(0).to(tl.int64)
-    table = tl.load(unique_tables_ptr + u)
-    dim = tl.load(table_dims_ptr + table).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    if tl.program_id(1) * BLOCK_D < dim:
-        col_ok = cols < dim
-        start = tl.load(segment_offsets_ptr + u)
-        end = tl.load(segment_offsets_ptr + u + 1)
-        g = segment_grad(grad_ptr, goff_ptr, scale_ptr, start, end, cols, col_ok, HAS_SCALE, BLOCK_N, BLOCK_D)
-        row = u - tl.load(table_unique_offsets_ptr + table)
-        dst = tl.load(table_compact_offsets_ptr + table) + row * dim
-        tl.store(out_ptr + dst + cols, g, mask=col_ok)
+    """Grid (grid_programs(U), cdiv(max D, BLOCK_D)): programs stride over unique rows, one column block each."""
+    for u in range(tl.program_id(0).to(tl.int64), num_unique, tl.num_programs(0)):
+        table = tl.load(unique_tables_ptr + u)
+        dim = tl.load(table_dims_ptr + table).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        if tl.program_id(1) * BLOCK_D < dim:
+            col_ok = cols < dim
+            start = tl.load(segment_offsets_ptr + u)
+            end = tl.load(segment_offsets_ptr + u + 1)
+            g = segment_grad(grad_ptr, goff_ptr, scale_ptr, start, end, cols, col_ok, HAS_SCALE, BLOCK_N, BLOCK_D)
+            row = u - tl.load(table_unique_offsets_ptr + table)
+            dst = tl.load(table_compact_offsets_ptr + table) + row * dim
+            tl.store(out_ptr + dst + cols, g, mask=col_ok)
 
 
 def compact_offsets(layout: TableBatchedLayout, plan: RowGradientPlan) -> list[int]:
@@ -109,7 +110,7 @@ def row_gradient_sums_triton(
         return out
     meta = layout.tensors(device)
     block_d = block_d_for(layout.max_dim)
-    _segment_sum_kernel[(plan.num_unique, triton.cdiv(layout.max_dim, block_d))](
+    _segment_sum_kernel[(grid_programs(plan.num_unique), triton.cdiv(layout.max_dim, block_d))](
         grad_flat,
         plan.sorted_grad_offsets,
         grad_flat if plan.sorted_scales is None else plan.sorted_scales,
@@ -119,6 +120,7 @@ def row_gradient_sums_triton(
         torch.tensor(plan.table_unique_offsets[:-1], dtype=torch.int64, device=device),
         torch.tensor(blocks[:-1], dtype=torch.int64, device=device),
         out,
+        plan.num_unique,
         HAS_SCALE=plan.sorted_scales is not None,
         BLOCK_D=block_d,
     )
@@ -292,27 +294,29 @@ def _psw_grad_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Grid (cdiv(N, BLOCK_N),): dot products of BLOCK_N values' table rows with their bags' gradient rows."""
-    j = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_range = j < N
-    feature = tl.load(features_ptr + j, mask=in_range, other=0)
-    idx = tl.load(indices_ptr + j, mask=in_range, other=0).to(tl.int64)
-    dim = tl.load(feature_dims_ptr + feature).to(tl.int64)
-    row_ok = in_range & (idx >= 0) & (idx < tl.load(feature_rows_ptr + feature))
-    row_start = tl.load(feature_weight_offsets_ptr + feature) + idx * dim
-    goff = tl.load(goff_ptr + j, mask=in_range, other=0)
-    acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-    for d0 in range(0, max_dim, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
-        m = row_ok[:, None] & (cols[None, :] < dim[:, None])
-        w = tl.load(weights_ptr + row_start[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        g = tl.load(grad_ptr + goff[:, None] + cols[None, :], mask=m, other=0.0)
-        acc += w * g
-    dot = tl.sum(acc, axis=1)
-    if HAS_DIVISORS:
-        divisor = tl.load(divisors_ptr + j, mask=in_range, other=1.0)
-        dot = tl.where(divisor > 0, tl.div_rn(dot, tl.maximum(divisor, 1e-30)), 0.0)
-    tl.store(out_ptr + j, dot, mask=in_range)
+    """Programs stride over blocks of BLOCK_N values (``grid_programs``): dot products of the values' table rows
+    with their bags' gradient rows."""
+    for block in range(tl.program_id(0).to(tl.int64), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
+        j = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_range = j < N
+        feature = tl.load(features_ptr + j, mask=in_range, other=0)
+        idx = tl.load(indices_ptr + j, mask=in_range, other=0).to(tl.int64)
+        dim = tl.load(feature_dims_ptr + feature).to(tl.int64)
+        row_ok = in_range & (idx >= 0) & (idx < tl.load(feature_rows_ptr + feature))
+        row_start = tl.load(feature_weight_offsets_ptr + feature) + idx * dim
+        goff = tl.load(goff_ptr + j, mask=in_range, other=0)
+        acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+        for d0 in range(0, max_dim, BLOCK_D):
+            cols = d0 + tl.arange(0, BLOCK_D)
+            m = row_ok[:, None] & (cols[None, :] < dim[:, None])
+            w = tl.load(weights_ptr + row_start[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            g = tl.load(grad_ptr + goff[:, None] + cols[None, :], mask=m, other=0.0)
+            acc += w * g
+        dot = tl.sum(acc, axis=1)
+        if HAS_DIVISORS:
+            divisor = tl.load(divisors_ptr + j, mask=in_range, other=1.0)
+            dot = tl.where(divisor > 0, tl.div_rn(dot, tl.maximum(divisor, 1e-30)), 0.0)
+        tl.store(out_ptr + j, dot, mask=in_range)
 
 
 def per_sample_weight_grad_triton(
@@ -327,7 +331,7 @@ def per_sample_weight_grad_triton(
         return out
     meta = layout.tensors(indices.device)
     block_n = 16
-    _psw_grad_kernel[(triton.cdiv(indices.numel(), block_n),)](
+    _psw_grad_kernel[(grid_programs(triton.cdiv(indices.numel(), block_n)),)](
         weights,
         grad_flat,
         indices,

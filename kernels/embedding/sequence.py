@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tritonrec.kernels._triton import tl, triton
-from tritonrec.kernels.backend import Backend, autotune, pow2_bucket, resolve_backend
+from tritonrec.kernels.backend import Backend, autotune, grid_programs, pow2_bucket, resolve_backend
 from tritonrec.kernels.checks import check_same_device
 from tritonrec.kernels.embedding import op_checks
 from tritonrec.kernels.embedding.grad_plan import (
@@ -42,10 +42,18 @@ from tritonrec.kernels.library import custom_op, optional_outputs
 
 
 def _gather_configs() -> list:
-    return [triton.Config({"BLOCK_N": n}, num_warps=w) for n, w in ((16, 4), (4, 2), (32, 4), (64, 8))]
+    # Ordered so that the first config that fits (the default) is the largest tile for the table width.
+    shapes = ((32, 4), (16, 4), (8, 4), (4, 2), (16, 8), (64, 8))
+    return [triton.Config({"BLOCK_N": n}, num_warps=w) for n, w in shapes]
 
 
-@autotune(configs=_gather_configs(), key=["N_BUCKET", "BLOCK_D"])
+def _gather_fits(config: dict, args: dict) -> bool:
+    """A [BLOCK_N, BLOCK_D] tile keeps a 64-bit source and destination address per value: at 16 values per thread
+    ptxas spilled on sm_90 (python -m tritonrec.kernels.aot), at 8 it does not."""
+    return config["BLOCK_N"] * args["BLOCK_D"] <= 8 * 32 * config["num_warps"]
+
+
+@autotune(configs=_gather_configs(), key=["N_BUCKET", "BLOCK_D"], fits=_gather_fits)
 @triton.jit
 def _sequence_forward_kernel(
     weights_ptr,
@@ -61,19 +69,21 @@ def _sequence_forward_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Grid (cdiv(N, BLOCK_N), cdiv(max D, BLOCK_D)): copy BLOCK_N values' rows (zeros for out-of-range rows)."""
-    j = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """Grid (grid_programs(cdiv(N, BLOCK_N)), cdiv(max D, BLOCK_D)): programs stride over blocks of BLOCK_N values
+    and copy their rows (zeros for out-of-range rows)."""
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    in_range = j < N
-    feature = tl.load(features_ptr + j, mask=in_range, other=0)
-    idx = tl.load(indices_ptr + j, mask=in_range, other=0).to(tl.int64)
-    dim = tl.load(feature_dims_ptr + feature).to(tl.int64)
-    row_ok = in_range & (idx >= 0) & (idx < tl.load(feature_rows_ptr + feature))
-    col_ok = cols[None, :] < dim[:, None]
-    row_start = tl.load(feature_weight_offsets_ptr + feature) + idx * dim
-    rows = tl.load(weights_ptr + row_start[:, None] + cols[None, :], mask=row_ok[:, None] & col_ok, other=0.0)
-    out_start = tl.load(out_offsets_ptr + j, mask=in_range, other=0)
-    tl.store(out_ptr + out_start[:, None] + cols[None, :], rows.to(tl.float32), mask=in_range[:, None] & col_ok)
+    for block in range(tl.program_id(0).to(tl.int64), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
+        j = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_range = j < N
+        feature = tl.load(features_ptr + j, mask=in_range, other=0)
+        idx = tl.load(indices_ptr + j, mask=in_range, other=0).to(tl.int64)
+        dim = tl.load(feature_dims_ptr + feature).to(tl.int64)
+        row_ok = in_range & (idx >= 0) & (idx < tl.load(feature_rows_ptr + feature))
+        col_ok = cols[None, :] < dim[:, None]
+        row_start = tl.load(feature_weight_offsets_ptr + feature) + idx * dim
+        rows = tl.load(weights_ptr + row_start[:, None] + cols[None, :], mask=row_ok[:, None] & col_ok, other=0.0)
+        out_start = tl.load(out_offsets_ptr + j, mask=in_range, other=0)
+        tl.store(out_ptr + out_start[:, None] + cols[None, :], rows.to(tl.float32), mask=in_range[:, None] & col_ok)
 
 
 def _output_numel(layout: TableBatchedLayout, feature_value_offsets: Sequence[int]) -> int:
@@ -93,7 +103,10 @@ def sequence_forward_triton(
         return out
     meta = layout.tensors(weights.device)
     block_d = block_d_for(layout.max_dim)
-    grid = lambda cfg: (triton.cdiv(indices.numel(), cfg["BLOCK_N"]), triton.cdiv(layout.max_dim, block_d))
+    grid = lambda cfg: (
+        grid_programs(triton.cdiv(indices.numel(), cfg["BLOCK_N"])),
+        triton.cdiv(layout.max_dim, block_d),
+    )
     _sequence_forward_kernel[grid](
         weights,
         indices,

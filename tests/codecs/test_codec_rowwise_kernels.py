@@ -196,3 +196,21 @@ def test_nonfinite_raise_policy_names_the_input(name):
         fmt.encode(x, 32, "torch", nonfinite="raise")
     x[1, 3] = 1.0
     assert fmt.encode(x, 32, "torch", nonfinite="raise").shape == fmt.encode(x, 32, "torch").shape
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_groups_wider_than_a_tile_go_chunk_by_chunk(name, same_bits):
+    """Past ELEMS (2048) columns a program walks its group in chunks (scale from all of them, then the codes): bytes
+    equal the twin's when a group's largest value, a NaN or an Inf sits in its second chunk, and for the zero-padded
+    last group of a row."""
+    fmt = FORMATS[name]
+    row_dim = 2100  # two chunks of 2048 columns, the second mostly padding
+    x = torch.randn(3, row_dim + 4, generator=torch.Generator().manual_seed(1)) * 0.01
+    x[0, row_dim - 3] = 40.0
+    x[1, row_dim - 10] = float("nan")
+    x[2, 2050] = float("-inf")
+    for stochastic in (False, True):
+        kernel = fmt.encode(x, row_dim, "triton", stochastic_rounding=stochastic, seed=9)
+        twin = fmt.encode(x, row_dim, "torch", stochastic_rounding=stochastic, seed=9)
+        same_bits(kernel, twin)
+    same_bits(fmt.decode(kernel, row_dim, "triton"), fmt.decode(twin, row_dim, "torch"))

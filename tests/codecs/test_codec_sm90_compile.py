@@ -46,7 +46,7 @@ SCALAR_TYPES = {
     "group_size": "i32",
     "row_bytes": "i32",
 }
-TILE = {"ROW_P2": 32, "ELEMS": 4096, "BLOCK_G": 128}
+TILE = {"ROW_P2": 32, "ELEMS": 4096, "BLOCK_G": 128, "COLS": 32}
 
 
 def _jit(kernel: object) -> JITFunction:

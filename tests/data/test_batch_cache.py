@@ -109,6 +109,22 @@ def test_depth_limit_holds_with_a_slow_consumer(tmp_path: Path) -> None:
     held.clear()
 
 
+def test_a_slow_loader_is_not_mistaken_for_a_stalled_consumer(tmp_path: Path) -> None:
+    """With depth 1 the producer holds the only slot while it makes the next batch; a loader slower than the
+    consumer's polling must be waited for, not reported as "all batches are still alive" (a race seen under load)."""
+    counting = CountingLoader()
+
+    def slow(item: int, arrays: dict[str, torch.Tensor], seed: int | None) -> dict[str, object]:
+        time.sleep(0.05)  # 4 rows: 0.2 s per batch, several of the consumer's 0.05 s polls
+        return counting(item, arrays, seed)
+
+    indices = []
+    for batch in GroupLoader(slow, _group(tmp_path, cache_location=None), epochs=2, depth=1):
+        with batch:
+            indices.append((batch.epoch, batch.group_index))
+    assert indices == [(0, 0), (0, 1), (1, 0), (1, 1)] and counting.calls == 16
+
+
 def test_schedule_shuffles_batches_and_runs_validation_without_seeds(tmp_path: Path) -> None:
     train = DataGroup(2, list(range(12)), loader_layouts=LOADER)
     valid = DataGroup(3, list(range(100, 106)), loader_layouts=LOADER)

@@ -158,3 +158,45 @@ def test_block_size_and_line_endings_change_nothing(
     assert source.skipped_examples == [f"{path}:12: expected 40 tab-separated fields, got 1"]
     path.write_bytes(path.read_bytes().rstrip(b"\r\n"))  # no newline after the last line
     assert len(list(source)) == 39
+
+
+def _random_field(rng: np.random.Generator, hex_digits: bool) -> bytes:
+    """Mostly valid fields of 0 to 8 bytes (one 8-byte word), a few up to 20 bytes, sometimes one bad byte."""
+    length = int(rng.integers(0, 9)) if rng.random() > 0.005 else int(rng.integers(9, 21))
+    alphabet = b"0123456789abcdefABCDEF" if hex_digits else b"0123456789"
+    field = bytes(rng.choice(list(alphabet), length).tolist())
+    if not hex_digits and length > 1 and rng.random() < 0.2:
+        field = b"-" + field[1:]
+    if length and rng.random() < 0.003:
+        field = field[:-1] + bytes([int(rng.choice([0, 0x2D, 0x47, 0x67, 0x80, 0xFF, 0x20, 0x3A, 0x60]))])
+    return field
+
+
+def test_block_parser_agrees_on_a_large_mixed_block() -> None:
+    """Thousands of lines: several 512-line sub-blocks of the word parser, lines with a field over 8 bytes (parsed
+    byte by byte), malformed values and wrong field counts interleaved; every line as the line parser says."""
+    rng = np.random.default_rng(5)
+    lines = []
+    for i in range(1500):
+        fields = [b"01"[i % 2 : i % 2 + 1]]
+        fields += [_random_field(rng, hex_digits=False) for _ in range(13)]
+        fields += [_random_field(rng, hex_digits=True) for _ in range(26)]
+        if i % 97 == 0:
+            fields = fields[:-1]  # 39 fields
+        if i % 89 == 0:
+            fields[0] = b"2"
+        lines.append(b"\t".join(fields))
+    block = parse_criteo_block(lines)
+    good, bad, reasons = [], [], []
+    for i, line in enumerate(lines):
+        try:
+            good.append(parse_criteo_line(line))
+        except ValueError as error:
+            bad.append(i)
+            reasons.append(str(error))
+    narrow = [max(map(len, line.split(b"\t"))) <= 8 for line in lines]
+    assert sum(narrow) > 1000 and len(lines) - sum(narrow) > 100 and 100 < len(bad) < 700
+    assert block.bad_rows.tolist() == bad and block.reasons == reasons
+    assert np.array_equal(block.dense, np.stack([d for d, _, _ in good]))
+    assert np.array_equal(block.raw_ids, np.stack([r for _, r, _ in good]))
+    assert np.array_equal(block.labels, np.array([label for _, _, label in good], np.float32))

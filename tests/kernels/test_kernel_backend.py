@@ -40,12 +40,14 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch: pytest.
 def test_autotune_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setenv("TRITONREC_AUTOTUNE", "1")
+    monkeypatch.setenv("TRITONREC_TUNED", "off")
     assert backend_mod.autotune_enabled()
     configs = ["first", "second"]
-    assert backend_mod._first_config_unless_tuning(configs, {}) == configs
+    choose = backend_mod.ConfigChooser("module:kernel", key=[], fits=None)
+    assert choose(configs, {}) == configs
     backend_mod.set_autotune(False)
     try:
-        assert backend_mod._first_config_unless_tuning(configs, {}) == ["first"]
+        assert choose(configs, {}) == ["first"]
     finally:
         backend_mod.set_autotune(None)
     monkeypatch.setenv("TRITONREC_AUTOTUNE", "0")

@@ -146,7 +146,7 @@ def test_bucketize_matches_twin(case: dict) -> None:
 
 
 def test_bucketize_many_buckets_and_long_bags() -> None:
-    """More buckets than lanes and bags longer than one block exercise the register counters across chunks."""
+    """Bags of 100+ indices over 130 buckets: each lane walks its bag through many (bucket, bag) cursors."""
     lengths = torch.tensor([150, 0, 37, 129], dtype=torch.int64)
     indices = torch.randint(0, 5000, (int(lengths.sum()),))
     case = {"lengths": lengths, "indices": indices, "block_sizes": torch.tensor([7, 31]), "num_buckets": 130,
@@ -154,6 +154,17 @@ def test_bucketize_many_buckets_and_long_bags() -> None:
     _assert_all_equal(
         block_bucketize_sparse_features(**case, backend="triton"), block_bucketize_sparse_features_reference(**case)
     )
+
+
+def test_bucketize_any_bucket_count() -> None:
+    """Past the 8192 buckets the old register-tile kernel stopped at: registers no longer grow with the count."""
+    lengths = torch.tensor([3, 0, 5, 2], dtype=torch.int32)
+    indices = torch.tensor([0, 9999, 123456, 5, 20000, 20001, 7, 99999, 1, 40000], dtype=torch.int32)
+    case = {"lengths": lengths, "indices": indices, "block_sizes": torch.tensor([2, 3], dtype=torch.int32),
+            "num_buckets": 20000, "weights": torch.rand(10), "bucketize_pos": True, "sequence": True}  # fmt: skip
+    got = block_bucketize_sparse_features(**case, backend="triton")
+    _assert_all_equal(got, block_bucketize_sparse_features_reference(**case))
+    assert got[0].numel() == 20000 * 4 and int(got[0].sum()) == 10
 
 
 def test_bucketize_matches_fbgemm() -> None:

@@ -91,7 +91,8 @@ def test_every_experiment_runs_three_steps(experiment: str, criteo_files: dict[s
     assert metrics["name"] == experiment and metrics["steps"] == 3
     assert metrics["history"]["step"] == [1, 2, 3] and all(np.isfinite(metrics["history"]["loss"]))
     assert metrics["eval_history"]["step"] == [2, 3] and metrics["samples_per_s"] > 0
-    assert (tmp_path / "checkpoints" / "step_000003.pt").is_file()
+    checkpoint = Path(metrics["checkpoint"])  # step_000003.pt (one process) or step_00000003/ (ranks)
+    assert checkpoint.parent == tmp_path / "checkpoints" and checkpoint.name.startswith("step_") and checkpoint.exists()
     assert json.loads((tmp_path / "metrics.json").read_text())["history"] == metrics["history"]
     if cfg.data.kind == "criteo_tsv":
         assert metrics["data_skipped_lines"] == 1

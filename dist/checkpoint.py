@@ -1,0 +1,439 @@
+"""Distributed checkpoints of a sharded model: ``torch.distributed.checkpoint`` (DCP) files that load under another
+plan and world size, published atomically, with a manifest of checksums.
+
+What is saved (:mod:`tritonrec.dist.checkpoint_state`): the model's state dict (sharded tables as ShardedTensors),
+the fused optimizers' state per table, every dense optimizer's state and hyperparameters, and any extra state (a data
+position, a history). How files are published and verified: :mod:`tritonrec.dist.checkpoint_files`.
+
+Every rank calls each function at the same point (they are collectives over ``pg``, default the world; without an
+initialised process group they run in this process alone)::
+
+    manager = CheckpointManager("outputs/run/checkpoints", keep_last=3)
+    manager.save(step, dmp, {"dense": dense_optimizer}, {"data": batcher})   # -> .../step_00000100
+    loaded = manager.load(dmp, {"dense": dense_optimizer}, {"data": batcher})  # the latest; loaded.step
+
+A checkpoint saved by 2 ranks under a table-wise plan loads into 4 ranks under a row-wise plan (DCP reads each
+shard's region of the saved tables), into an unsharded model in a notebook (:func:`load_checkpoint` without a
+process group), or as plain tensors (:func:`load_unsharded_checkpoint`). :func:`gather_unsharded_state_dict`
+assembles a live sharded model's unsharded state dict on one rank (export for serving).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+import shutil
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
+
+from tritonrec.dist.checkpoint_files import (
+    CheckpointError,
+    Manifest,
+    check_files,
+    data_files,
+    describe_files,
+    partial_path,
+    publish,
+    read_manifest,
+    sweep_partials,
+    write_manifest,
+)
+from tritonrec.dist.checkpoint_state import apply_loaded_state, build_state
+from tritonrec.dist.model_parallel import DistributedModelParallel
+from tritonrec.dist.sharded_state import gather_unsharded_state_dict
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointManager",
+    "LoadedCheckpoint",
+    "PendingCheckpoint",
+    "gather_unsharded_state_dict",
+    "load_checkpoint",
+    "load_unsharded_checkpoint",
+    "save_checkpoint",
+    "verify_checkpoint",
+]
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class _Ranks:
+    """The collectives a checkpoint needs, over ``pg`` - or trivial ones in a single process."""
+
+    def __init__(self, pg: dist.ProcessGroup | None) -> None:
+        self.distributed = dist.is_available() and dist.is_initialized()
+        if pg is not None and not isinstance(pg, dist.ProcessGroup):
+            raise TypeError(f"pg must be a torch.distributed.ProcessGroup or None, got {type(pg).__name__}")
+        self.pg = (pg if pg is not None else dist.group.WORLD) if self.distributed else None
+        self.rank = dist.get_rank(self.pg) if self.distributed else 0
+        self.world = dist.get_world_size(self.pg) if self.distributed else 1
+
+    def broadcast(self, value: Any) -> Any:
+        if not self.distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.pg, 0), group=self.pg)
+        return box[0]
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` on rank 0 (``[]`` elsewhere)."""
+        if not self.distributed:
+            return [value]
+        out: list[Any] = [None] * self.world if self.rank == 0 else []
+        dist.gather_object(value, out if self.rank == 0 else None, dst=dist.get_global_rank(self.pg, 0), group=self.pg)
+        return out
+
+    def on_rank0(self, fn: Any) -> Any:
+        """Run ``fn`` on rank 0; every rank returns its result or raises its error."""
+        result, error = None, None
+        if self.rank == 0:
+            try:
+                result = fn()
+            except Exception as err:  # sent to the other ranks so that all raise the same error
+                error = err
+        result, error = self.broadcast((result, error))
+        if error is not None:
+            raise error
+        return result
+
+
+def _manifest_extra(model: nn.Module) -> dict[str, Any]:
+    extra: dict[str, Any] = {"torch": torch.__version__}
+    if isinstance(model, DistributedModelParallel):
+        extra["plan"] = str(model.plan)
+    return extra
+
+
+def _finalize(staging: Path, final: Path, step: int | None, ranks: _Ranks, extra: dict[str, Any]) -> Path:
+    """Hash the written files (each rank a share), write the manifest, publish (rank 0). Collective."""
+    names = ranks.broadcast(data_files(staging) if ranks.rank == 0 else None)
+    mine = describe_files(staging, [n for i, n in enumerate(names) if i % ranks.world == ranks.rank])
+    described = ranks.gather(mine)
+
+    def write_and_publish() -> None:
+        files = {k: v for part in described for k, v in part.items()}
+        write_manifest(staging, Manifest(step, ranks.world, files, extra=extra))
+        publish(staging, final)
+
+    ranks.on_rank0(write_and_publish)
+    return final
+
+
+def _prepare(final: Path, ranks: _Ranks) -> Path:
+    staging = partial_path(final)
+
+    def make() -> None:
+        shutil.rmtree(staging, ignore_errors=True)  # left by a killed save of this same checkpoint
+        staging.mkdir(parents=True)
+
+    ranks.on_rank0(make)
+    return staging
+
+
+def _discard(staging: Path, ranks: _Ranks) -> None:
+    if ranks.rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+@dataclass
+class PendingCheckpoint:
+    """An asynchronous save: the files are being written in the background; :meth:`wait` (every rank, at the same
+    point) finishes it - manifest and atomic publication - and returns the checkpoint's path."""
+
+    future: Any
+    staging: Path
+    final: Path
+    step: int | None
+    ranks: _Ranks
+    extra: dict[str, Any]
+    done: bool = False
+
+    def wait(self) -> Path:
+        if self.done:
+            return self.final
+        upload = getattr(self.future, "upload_completion", self.future)
+        try:
+            try:
+                upload.result()
+            except CheckpointException as err:
+                raise CheckpointError(f"saving checkpoint {str(self.final)!r} failed: {_reason(err)}") from err
+            _finalize(self.staging, self.final, self.step, self.ranks, self.extra)
+        except BaseException:
+            _discard(self.staging, self.ranks)
+            raise
+        finally:
+            self.done = True
+        return self.final
+
+
+_ASYNC_GROUPS: dict[Any, dist.ProcessGroup] = {}
+
+
+def _async_group(pg: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """A gloo group of the same ranks for the background writer thread, whose collectives must not interleave with
+    the training step's on ``pg`` (created once per group; a collective)."""
+    key = pg if pg is not None else dist.group.WORLD
+    if key not in _ASYNC_GROUPS:
+        ranks = dist.get_process_group_ranks(key) if pg is not None else None
+        _ASYNC_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo")
+    return _ASYNC_GROUPS[key]
+
+
+def save_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizers: Mapping[str, Any] | torch.optim.Optimizer | None = None,
+    extra_state: Mapping[str, Any] | None = None,
+    *,
+    step: int | None = None,
+    pg: dist.ProcessGroup | None = None,
+    async_save: bool = False,
+) -> Path | PendingCheckpoint:
+    """Save ``model`` (a DMP or any module), ``optimizers`` (name -> optimizer; fused ones are saved per table from
+    the model) and ``extra_state`` into the directory ``path`` (see module docstring). Collective. ``async_save``:
+    return a :class:`PendingCheckpoint` once the state is copied (``dcp.async_save``); its ``wait()`` publishes."""
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"step must be a non-negative int or None, got step={step!r}")
+    if not isinstance(async_save, bool):
+        raise TypeError(f"async_save must be a bool, got async_save={async_save!r}")
+    ranks = _Ranks(pg)
+    final = Path(path)
+    state = build_state(model, optimizers, extra_state)
+    staging = _prepare(final, ranks)
+    extra = _manifest_extra(model)
+    writer = dcp.FileSystemWriter(str(staging))
+    try:
+        if async_save:
+            group = _async_group(pg) if ranks.distributed else None
+            with _dcp_quietly():
+                future = dcp.async_save(state, storage_writer=writer, process_group=group,
+                                        no_dist=not ranks.distributed)  # fmt: skip
+            return PendingCheckpoint(future, staging, final, step, ranks, extra)
+        with _dcp_quietly():
+            dcp.save(state, storage_writer=writer, process_group=ranks.pg, no_dist=not ranks.distributed)
+        return _finalize(staging, final, step, ranks, extra)
+    except CheckpointException as err:  # a BaseException: make it one that `except Exception` sees
+        _discard(staging, ranks)
+        raise CheckpointError(f"saving checkpoint {str(final)!r} failed: {_reason(err)}") from err
+    except BaseException:
+        _discard(staging, ranks)
+        raise
+
+
+def verify_checkpoint(path: str | Path, pg: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    """Check every file of a checkpoint against its manifest (each rank hashes a share); returns the manifest.
+    Raises :class:`CheckpointError` naming the file and what is wrong. Collective."""
+    ranks = _Ranks(pg)
+    directory = Path(path)
+    manifest = ranks.on_rank0(lambda: read_manifest(directory))
+    problems = check_files(directory, manifest["files"], lambda i: i % ranks.world == ranks.rank)
+    found = [p for part in ranks.gather(problems) for p in part]
+    found = ranks.broadcast(sorted(found))
+    if found:
+        more = f" (and {len(found) - 1} more problem(s))" if len(found) > 1 else ""
+        raise CheckpointError(found[0] + more)
+    return manifest  # type: ignore[no-any-return]
+
+
+def _reason(err: BaseException) -> str:
+    """The first rank's error of a DCP ``CheckpointException`` (it holds every rank's, with tracebacks)."""
+    if isinstance(err, CheckpointException) and err.failures:
+        rank, (first, _) = min(err.failures.items(), key=lambda item: item[0])
+        return f"{type(first).__name__}: {first} (rank {rank})"
+    return f"{type(err).__name__}: {err}"
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner without its guess that a checkpoint holding keys this rank does not load was
+    written by torch 2.3 (which then reads the keys in the old layout): a rank legitimately loads a subset, e.g. no
+    optimizer step counter for a table of which it holds no row."""
+
+    def create_local_plan(self) -> Any:
+        assert self.metadata is not None
+        return create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What :func:`load_checkpoint` restored: the step it was saved at, the extra state (objects restored in place,
+    other values as loaded) and the manifest."""
+
+    step: int | None
+    extra_state: dict[str, Any]
+    manifest: dict[str, Any]
+
+
+def load_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizers: Mapping[str, Any] | torch.optim.Optimizer | None = None,
+    extra_state: Mapping[str, Any] | None = None,
+    *,
+    pg: dist.ProcessGroup | None = None,
+    verify: bool = True,
+) -> LoadedCheckpoint:
+    """Verify, then load a :func:`save_checkpoint` directory into ``model`` / ``optimizers`` / ``extra_state``, in
+    place, whatever plan and world size saved it. Collective. ``verify=False`` skips hashing the files (the manifest
+    is still read): for a checkpoint just verified, or storage with its own checksums."""
+    if not isinstance(verify, bool):
+        raise TypeError(f"verify must be a bool, got verify={verify!r}")
+    ranks = _Ranks(pg)
+    manifest = verify_checkpoint(path, pg) if verify else ranks.on_rank0(lambda: read_manifest(Path(path)))
+    reader = dcp.FileSystemReader(str(path))
+    state = build_state(model, optimizers, extra_state, set(reader.read_metadata().state_dict_metadata))
+    try:
+        with _dcp_quietly():
+            dcp.load(state, storage_reader=reader, planner=_LoadPlanner(),
+                     process_group=ranks.pg, no_dist=not ranks.distributed)  # fmt: skip
+    except (Exception, CheckpointException) as err:  # DCP reports a missing key or another size like this
+        raise CheckpointError(f"checkpoint {str(path)!r} does not fit this model / optimizers: {_reason(err)}") from err
+    extra = apply_loaded_state(state, model, optimizers, extra_state)
+    return LoadedCheckpoint(manifest.get("step"), extra, manifest)
+
+
+def load_unsharded_checkpoint(path: str | Path) -> dict[str, Any]:
+    """A checkpoint as plain full tensors, in this process (no process group; for a notebook or serving):
+    ``{"model": {key: tensor}, "fused_optimizer": {path: {table: {state: tensor}}}, "optimizers": {...},
+    "extra": {name: bytes}, ...}``, verified first."""
+    import torch.distributed.checkpoint.metadata as dcp_metadata
+    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+
+    directory = Path(path)
+    manifest = read_manifest(directory)
+    problems = check_files(directory, manifest["files"], lambda i: True)
+    if problems:
+        raise CheckpointError(problems[0])
+    metadata = dcp.FileSystemReader(str(directory)).read_metadata()
+    flat: dict[str, Any] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, dcp_metadata.TensorStorageMetadata):
+            flat[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
+        else:
+            flat[fqn] = None
+    with _dcp_quietly():
+        dcp.load(flat, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
+    state = unflatten_state_dict(flat, metadata.planner_data)
+    state["fused_hyperparameters"] = {k: json.loads(v) for k, v in state.get("fused_hyperparameters", {}).items()}
+    for entry in state.get("optimizers", {}).values():
+        entry["param_groups"] = json.loads(entry["param_groups"])
+    state["extra"] = {k: torch.load(io.BytesIO(v), weights_only=False) for k, v in state.get("extra", {}).items()}
+    return state  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def _dcp_quietly() -> Iterator[None]:
+    """DCP warns that it assumes a single process whenever no process group is initialised (that is the intent),
+    and that ShardedTensor is deprecated each time it meets one (the sharded tables' form: see sharded_state)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
+        yield
+
+
+class CheckpointManager:
+    """Checkpoints of one job under ``root``: ``step_<8 digits>/`` each (the train loop's API).
+
+    Args:
+        root: the directory holding the checkpoints (created on the first save).
+        pg: the process group (default: the world; none in a single process).
+        keep_last: keep only the newest ``keep_last`` checkpoints (``None``: keep all).
+        async_save: save in the background (``dcp.async_save``); a save is published at the next :meth:`save`,
+            :meth:`wait` or :meth:`load` (every rank calls them at the same points).
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        pg: dist.ProcessGroup | None = None,
+        keep_last: int | None = None,
+        async_save: bool = False,
+    ) -> None:
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(f"keep_last must be a positive int or None, got keep_last={keep_last!r}")
+        if not isinstance(async_save, bool):
+            raise TypeError(f"async_save must be a bool, got async_save={async_save!r}")
+        self.root = Path(root)
+        self._pg = pg
+        self._ranks = _Ranks(pg)
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self._pending: PendingCheckpoint | None = None
+        self._ranks.on_rank0(lambda: sweep_partials(self.root))  # what a killed save left behind
+
+    def path(self, step: int) -> Path:
+        return self.root / f"step_{step:08d}"
+
+    def steps(self) -> list[int]:
+        """Steps of the published checkpoints (directories with a manifest), oldest first."""
+        if not self.root.is_dir():
+            return []
+        matches = [(_STEP_DIR.match(e.name), e) for e in self.root.iterdir()]
+        return sorted(int(m.group(1)) for m, e in matches if m and (e / "manifest.json").is_file())
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizers: Mapping[str, Any] | torch.optim.Optimizer | None = None,
+        extra_state: Mapping[str, Any] | None = None,
+    ) -> Path:
+        """Save after ``step`` steps; returns the checkpoint's path (async: where it will be published)."""
+        self.wait()
+        result = save_checkpoint(self.path(step), model, optimizers, extra_state, step=step, pg=self._pg,
+                                 async_save=self.async_save)  # fmt: skip
+        if isinstance(result, PendingCheckpoint):
+            self._pending = result
+            return result.final
+        self._prune()
+        return result
+
+    def wait(self) -> Path | None:
+        """Finish a pending asynchronous save (collective); returns its path."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        final = pending.wait()
+        self._prune()
+        return final
+
+    def load(
+        self,
+        model: nn.Module,
+        optimizers: Mapping[str, Any] | torch.optim.Optimizer | None = None,
+        extra_state: Mapping[str, Any] | None = None,
+        step: int | None = None,
+        verify: bool = True,
+    ) -> LoadedCheckpoint:
+        """Load the checkpoint of ``step`` (default: the latest); ``verify``: as :func:`load_checkpoint`."""
+        self.wait()
+        if step is None:
+            step = self._ranks.broadcast(self.latest_step())
+            if step is None:
+                raise CheckpointError(f"no checkpoint under {str(self.root)!r}")
+        return load_checkpoint(self.path(step), model, optimizers, extra_state, pg=self._pg, verify=verify)
+
+    def _prune(self) -> None:
+        if self.keep_last is None:
+            return
+
+        def prune() -> None:
+            for step in self.steps()[: -self.keep_last]:
+                shutil.rmtree(self.path(step), ignore_errors=True)
+
+        self._ranks.on_rank0(prune)

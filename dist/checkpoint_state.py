@@ -1,0 +1,240 @@
+"""What a checkpoint holds: one nested state dict that ``torch.distributed.checkpoint`` (DCP) saves, and loads back in
+place into the same structure built from the objects being restored.
+
+    {"model": model.state_dict(),                       # sharded tables as ShardedTensors (any plan, or unsharded)
+     "fused_optimizer": {module path: {table: {"momentum1": ..., "momentum2": ..., "step": ...}}},
+     "fused_hyperparameters": {module path: JSON of the fused optimizer's param_groups[0]},
+     "optimizers": {name: {"state": {parameter name: {state name: tensor}}, "param_groups": JSON}},
+     "extra": {name: torch.save bytes of the object's state}}
+
+Everything is keyed by name (table, parameter, module path), never by position or rank, so a checkpoint saved under
+one plan and world size loads under another, and sharded and unsharded models read each other's checkpoints. Fused
+optimizer state is keyed by table in both forms (sharded modules: :mod:`tritonrec.dist.sharded_state`). Dense
+optimizer state is replicated across ranks (DDP), so DCP writes it once. Extra state (a data position, a history)
+is an opaque blob written by rank 0: an object with ``state_dict`` / ``load_state_dict`` (or datarax's
+``get_state`` / ``set_state``) is restored through them, any other value is returned as loaded.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from tritonrec.dist.model_parallel import _KeyedFusedOptimizer, get_unwrapped_module
+from tritonrec.dist.sharded_state import fused_optimizer_state_dict, load_fused_optimizer_state_dict
+from tritonrec.dist.sharded_tables import NoLocalShardsOptimizer, ShardedTablesMixin
+from tritonrec.kernels.embedding.optim_state import check_hyperparameters
+from tritonrec.modules.fused_embedding_modules import EmbeddingFusedOptimizer, _FusedMixin
+from tritonrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, check_param_groups
+
+_FUSED_OPTIMIZERS = (EmbeddingFusedOptimizer, _KeyedFusedOptimizer, NoLocalShardsOptimizer)
+
+
+# ------------------------------------------------------------------------------------------------ fused optimizer
+def fused_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Module path -> every sharded table collection and unsharded fused collection of ``model``."""
+    return {
+        path: m
+        for path, m in get_unwrapped_module(model).named_modules()
+        if isinstance(m, (ShardedTablesMixin, _FusedMixin)) and getattr(m, "fused_optimizer", None) is not None
+    }
+
+
+def _unsharded_fused_state(module: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+    """``{table: {state name: live view}}`` of an unsharded fused collection (parameters ``<c>.<table>.weight``)."""
+    optimizer = module.fused_optimizer  # type: ignore[attr-defined]
+    return {name.split(".")[-2]: dict(optimizer.state[param]) for name, param in optimizer.params.items()}
+
+
+def _hyperparameters(module: nn.Module) -> dict[str, Any]:
+    return module.fused_optimizer.param_groups[0]  # type: ignore[attr-defined,no-any-return]
+
+
+def _fused_entries(model: nn.Module) -> tuple[dict[str, Any], dict[str, str]]:
+    states, hyper = {}, {}
+    for path, module in fused_modules(model).items():
+        if isinstance(module, ShardedTablesMixin):
+            if module.lookup_options.fused is None:
+                continue  # dense kernel: no fused optimizer state
+            states[path] = fused_optimizer_state_dict(module)
+        else:
+            states[path] = _unsharded_fused_state(module)
+        hyper[path] = _to_json(_without_params(_hyperparameters(module)), f"fused optimizer of {path!r}")
+    return states, hyper
+
+
+# ----------------------------------------------------------------------------------------------- dense optimizers
+def _without_params(group: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _to_json(value: Any, what: str) -> str:
+    try:
+        return json.dumps(value, sort_keys=True)
+    except TypeError as err:
+        raise TypeError(f"{what}: hyperparameters must be plain numbers, strings or lists to be saved: {err}") from None
+
+
+def dense_optimizers(optimizers: Mapping[str, Any] | torch.optim.Optimizer | None) -> dict[str, torch.optim.Optimizer]:
+    """Name -> every optimizer that is not a fused one (a CombinedOptimizer contributes its dense children)."""
+    if optimizers is None:
+        return {}
+    if isinstance(optimizers, torch.optim.Optimizer):
+        optimizers = {"optimizer": optimizers}
+    if not isinstance(optimizers, Mapping):
+        raise TypeError(f"optimizers must be a dict of name -> optimizer, got {type(optimizers).__name__}")
+    out: dict[str, torch.optim.Optimizer] = {}
+
+    def collect(name: str, optimizer: Any) -> None:
+        if isinstance(optimizer, CombinedOptimizer):
+            for i, (key, child) in enumerate(optimizer.optimizers):
+                collect(f"{name}.{key or i}", child)
+        elif not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizers[{name!r}] must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        elif not isinstance(optimizer, _FUSED_OPTIMIZERS):  # fused state is saved per table, from the model
+            out[name] = optimizer
+
+    for name, optimizer in optimizers.items():
+        collect(str(name), optimizer)
+    return out
+
+
+def _parameter_names(optimizer: torch.optim.Optimizer, model: nn.Module, name: str) -> dict[int, str]:
+    """id(parameter) -> its name: the keyed optimizer's own names, else the model's."""
+    if isinstance(optimizer, KeyedOptimizer):
+        return {id(p): key for key, p in optimizer.params.items()}
+    names = {id(p): key for key, p in get_unwrapped_module(model).named_parameters()}
+    for i, group in enumerate(optimizer.param_groups):
+        for param in group["params"]:
+            if id(param) not in names:
+                raise ValueError(f"optimizers[{name!r}] param_groups[{i}] holds a parameter the model does not have")
+    return names
+
+
+def _dense_entry(optimizer: torch.optim.Optimizer, model: nn.Module, name: str) -> dict[str, Any]:
+    names = _parameter_names(optimizer, model, name)
+    groups = []
+    for group in optimizer.param_groups:
+        saved = _without_params(group)
+        saved["params"] = [names[id(p)] for p in group["params"]]
+        groups.append(saved)
+    state = {names[id(p)]: s for p, s in optimizer.state.items() if s}
+    return {"state": state, "param_groups": _to_json(groups, f"optimizers[{name!r}]")}
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create a lazily initialised optimizer's state with one step on zero gradients, so a load has tensors to
+    fill (the parameters it may move are restored by the same load)."""
+    if optimizer.state:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    for param in params:
+        param.grad = None
+
+
+def _apply_param_groups(optimizer: torch.optim.Optimizer, saved_json: str, model: nn.Module, name: str) -> None:
+    saved = json.loads(saved_json)
+    names = _parameter_names(optimizer, model, name)
+    by_params = {tuple(sorted(g["params"])): g for g in saved}
+    pairs = []
+    for i, group in enumerate(optimizer.param_groups):
+        key = tuple(sorted(names[id(p)] for p in group["params"]))
+        if key not in by_params:
+            raise ValueError(f"optimizers[{name!r}] param_groups[{i}]: the checkpoint has no group over {list(key)}")
+        pairs.append((group, by_params[key]))
+    check_param_groups([g for _, g in pairs], f"optimizers[{name!r}] in the checkpoint:")
+    for group, loaded in pairs:
+        for key, value in loaded.items():
+            if key != "params":
+                group[key] = tuple(value) if key == "betas" else value
+
+
+# ---------------------------------------------------------------------------------------------------- extra state
+def _extra_state(value: Any) -> Any:
+    if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
+        return value.state_dict()
+    if callable(getattr(value, "get_state", None)) and callable(getattr(value, "set_state", None)):
+        return value.get_state()
+    return value
+
+
+def _to_bytes(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _restore_extra(target: Any, blob: bytes, name: str) -> Any:
+    value = torch.load(io.BytesIO(blob), weights_only=False)
+    if callable(getattr(target, "state_dict", None)) and callable(getattr(target, "load_state_dict", None)):
+        target.load_state_dict(value)
+        return target
+    if callable(getattr(target, "get_state", None)) and callable(getattr(target, "set_state", None)):
+        target.set_state(value)
+        return target
+    return value
+
+
+# -------------------------------------------------------------------------------------------------------- the whole
+def build_state(
+    model: nn.Module,
+    optimizers: Mapping[str, Any] | torch.optim.Optimizer | None,
+    extra_state: Mapping[str, Any] | None,
+    saved_keys: set[str] | None = None,
+) -> dict[str, Any]:
+    """The nested state dict of ``model``, its optimizers and ``extra_state`` (see module docstring); live tensors,
+    so a DCP load fills them in place. For a load, ``saved_keys`` are the checkpoint's (flattened) keys: a dense
+    optimizer whose state the checkpoint holds gets its lazily created state first."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if extra_state is not None and not isinstance(extra_state, Mapping):
+        raise TypeError(f"extra_state must be a dict of name -> value, got {type(extra_state).__name__}")
+    dense = dense_optimizers(optimizers)
+    for_load = saved_keys is not None
+    for name, optimizer in dense.items():
+        if for_load and any(k.startswith(f"optimizers.{name}.state.") for k in saved_keys):  # type: ignore[union-attr]
+            init_optimizer_state(optimizer)
+    fused, hyper = _fused_entries(model)
+    return {
+        "model": model.state_dict(),
+        "fused_optimizer": fused,
+        "fused_hyperparameters": hyper,
+        "optimizers": {name: _dense_entry(opt, model, name) for name, opt in dense.items()},
+        "extra": {str(k): b"" if for_load else _to_bytes(_extra_state(v)) for k, v in (extra_state or {}).items()},
+    }
+
+
+def apply_loaded_state(
+    state: dict[str, Any],
+    model: nn.Module,
+    optimizers: Mapping[str, Any] | torch.optim.Optimizer | None,
+    extra_state: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """After a DCP load into :func:`build_state`'s dict: load what was not filled in place (sharded modules' state
+    dicts, column blocks' per-row state, hyperparameters, extra state); returns the extra state as restored."""
+    model.load_state_dict(state["model"])
+    modules = fused_modules(model)
+    for path, entry in state["fused_optimizer"].items():
+        if isinstance(modules[path], ShardedTablesMixin):
+            load_fused_optimizer_state_dict(modules[path], entry)
+    for path, saved in state["fused_hyperparameters"].items():
+        hyper = json.loads(saved)
+        check_hyperparameters(hyper, f"fused optimizer of {path!r} in the checkpoint: ")
+        live = _hyperparameters(modules[path])
+        for key, value in hyper.items():
+            live[key] = tuple(value) if key == "betas" else value
+    dense = dense_optimizers(optimizers)
+    for name, entry in state["optimizers"].items():
+        _apply_param_groups(dense[name], entry["param_groups"], model, name)
+    return {k: _restore_extra(v, state["extra"][str(k)], str(k)) for k, v in (extra_state or {}).items()}
+
+
+__all__ = ["apply_loaded_state", "build_state", "dense_optimizers", "fused_modules", "init_optimizer_state"]

@@ -1,0 +1,157 @@
+"""Config -> objects for the distributed job: the model sharded by DistributedModelParallel under the configured
+plan and comm codecs, its dense optimizer, and a step runner over the configured train pipeline."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tritonrec.dist.comm import get_local_size
+from tritonrec.dist.embeddingbag import EmbeddingBagCollectionSharder
+from tritonrec.dist.model_parallel import DistributedModelParallel
+from tritonrec.dist.qcomm_codec import CommType
+from tritonrec.dist.qcomm_config import QCommsConfig, get_qcomm_codecs_registry
+from tritonrec.dist.sharding_plan import (
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    row_wise,
+    table_row_wise,
+    table_wise,
+)
+from tritonrec.dist.train.builders import DENSE_OPTIMIZERS
+from tritonrec.dist.train.config import OptimConfig, TrainConfig
+from tritonrec.dist.train_pipeline import (
+    PipelineStage,
+    SparseDataDistUtil,
+    StagedTrainPipeline,
+    TrainPipelineBase,
+    TrainPipelineSparseDist,
+)
+from tritonrec.dist.train_pipeline.pipelines import backward
+from tritonrec.dist.train_pipeline.utils import new_stream, to_device
+from tritonrec.dist.types import ShardingEnv, ShardingPlan
+from tritonrec.optim.keyed import in_backward_optimizer_filter
+
+EBC_PATH = "model.sparse_arch.embedding_bag_collection"  # where build_model puts the tables in DLRMTrain
+
+
+def _table_generators(kind: str, tables: list[str], world: int, local: int) -> dict[str, Any]:
+    if kind == "tw":
+        return {t: table_wise(rank=i % world) for i, t in enumerate(tables)}
+    if kind == "rw":
+        return {t: row_wise() for t in tables}
+    if kind == "cw":
+        return {t: column_wise(ranks=list(range(world))) for t in tables}
+    if kind == "twrw":
+        hosts = world // local
+        return {t: table_row_wise(host_index=i % hosts) for i, t in enumerate(tables)}
+    if kind == "dp":
+        return {t: data_parallel(compute_kernel="fused") for t in tables}
+    raise ValueError(f"sharding.kind={kind!r} has no hand-written plan")
+
+
+def build_plan(model: nn.Module, cfg: TrainConfig, sharder: EmbeddingBagCollectionSharder, device: torch.device,
+               env: ShardingEnv) -> ShardingPlan:  # fmt: skip
+    """The plan ``cfg.sharding.kind`` names: the planner's (``auto``, identical on every rank) or one sharding type
+    for every table."""
+    ebc = model.get_submodule(EBC_PATH)
+    world, local = env.world_size, get_local_size(env.world_size)
+    if cfg.sharding.kind == "auto":
+        from tritonrec.dist.planner import EmbeddingShardingPlanner, Topology
+
+        topology = Topology(world, compute_device=device.type, local_world_size=local)
+        planner = EmbeddingShardingPlanner(topology, batch_size=cfg.batch_size)
+        if env.process_group is None:
+            return planner.plan(model, [sharder])
+        return planner.collective_plan(model, [sharder], env.process_group)
+    tables = [c.name for c in ebc.embedding_bag_configs()]
+    generators = _table_generators(cfg.sharding.kind, tables, world, local)
+    module_plan = construct_module_sharding_plan(ebc, generators, sharder, local, world, device.type)
+    return ShardingPlan({EBC_PATH: module_plan})
+
+
+def build_sharded_model(model: nn.Module, cfg: TrainConfig, device: torch.device) -> DistributedModelParallel:
+    """``model`` (a DLRMTrain from build_model, on the CPU) sharded over the world by ``cfg.sharding``, with
+    ``cfg.qcomm`` codecs on the embedding collectives and DDP over the dense layers."""
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    forward, backward_ = CommType(cfg.qcomm.forward), CommType(cfg.qcomm.backward)
+    qcomms = QCommsConfig(forward_precision=forward, backward_precision=backward_)
+    registry = get_qcomm_codecs_registry(qcomms, rank=env.rank)
+    sharder = EmbeddingBagCollectionSharder(qcomm_codecs_registry=registry)
+    plan = build_plan(model, cfg, sharder, device, env)
+    return DistributedModelParallel(model, env=env, device=device, plan=plan, sharders=[sharder])
+
+
+def build_sharded_dense_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """The torch optimizer of every parameter not updated inside the backward (the fused tables are)."""
+    params = [p for _, p in in_backward_optimizer_filter(model.named_parameters())]
+    return DENSE_OPTIMIZERS[cfg.dense](params, lr=cfg.dense_lr, **dict(cfg.dense_kwargs))
+
+
+class StepRunner:
+    """One training step per :meth:`step` through the configured pipeline: ``base``, ``sparse_dist`` or ``staged``
+    (a data-copy stage and the sparse input-dist stage; the forward, backward and optimizer step run here).
+    :meth:`pause` gives the model its own forward back (evaluation between steps); the next step resumes."""
+
+    def __init__(self, kind: str, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+                 host_prefetch: int) -> None:  # fmt: skip
+        self.kind = kind
+        self._model, self._optimizer = model, optimizer
+        self._sdd: SparseDataDistUtil | None = None
+        self._seen_pipelined: list[str] = []
+        self._pipeline: Any
+        if kind == "base":
+            self._pipeline = TrainPipelineBase(model, optimizer, device, host_prefetch)
+        elif kind == "sparse_dist":
+            self._pipeline = TrainPipelineSparseDist(model, optimizer, device, host_prefetch=host_prefetch)
+        elif kind == "staged":
+            self._sdd = SparseDataDistUtil(model, new_stream(device))
+            copy_stream = new_stream(device)
+            self._pipeline = StagedTrainPipeline([
+                PipelineStage("data_copy", lambda batch: to_device(batch, device), copy_stream),
+                PipelineStage("start_sparse_data_dist", self._sdd.start_sparse_data_dist, self._sdd.data_dist_stream,
+                              fill_callback=self._sdd.wait_sdd_fill_callback),
+            ], host_prefetch=host_prefetch)  # fmt: skip
+        else:
+            raise ValueError(f"pipeline.kind must be one of ['base', 'sparse_dist', 'staged'], got {kind!r}")
+
+    def step(self, batches: Iterator[Any]) -> Any:
+        """Train one batch; returns the model's output ``(loss, logits, labels)``; StopIteration at the data's end."""
+        if self._sdd is None:
+            output = self._pipeline.progress(batches)
+            self._seen_pipelined = self._seen_pipelined or list(getattr(self._pipeline, "pipelined_modules", []))
+            return output
+        self._sdd.attach()
+        batch = self._pipeline.progress(batches)
+        if batch is None:
+            raise StopIteration
+        self._model.train()
+        self._optimizer.zero_grad()
+        losses, output = self._model(batch)
+        backward(losses)
+        self._optimizer.step()
+        self._seen_pipelined = self._seen_pipelined or self._sdd.pipelined_modules
+        return output
+
+    @property
+    def pipelined_modules(self) -> list[str]:
+        """The sharded modules whose input dist the pipeline prefetched (empty for ``base`` or a fallback)."""
+        return list(self._seen_pipelined)
+
+    def pause(self) -> None:
+        if self._sdd is not None:
+            self._sdd.detach()
+        elif isinstance(self._pipeline, TrainPipelineSparseDist):
+            self._pipeline.detach()
+
+    def close(self) -> None:
+        self.pause()
+        self._pipeline.close()
+
+
+__all__ = ["EBC_PATH", "StepRunner", "build_plan", "build_sharded_dense_optimizer", "build_sharded_model"]

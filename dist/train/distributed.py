@@ -1,0 +1,163 @@
+"""The distributed job, run by every rank: the DLRM sharded by DistributedModelParallel (``sharding/`` plan,
+``qcomm/`` codecs), trained through the configured train pipeline on this rank's part of the data, with metrics over
+all ranks, held-out evaluation, and DCP checkpoints (``checkpoints/step_00000400/``) that resume exactly.
+
+Data: each rank reads its shard of the stream (the synthetic stream by chunks of ``data.chunk_size`` samples, rank
+``r`` of ``W`` drawing chunks ``r, r + W, ...``; Criteo by row or byte ranges), so a batch is fixed by (seed, rank,
+step). The synthetic chunk defaults to the per-rank batch, which makes step ``s``'s global batch the same samples
+at every world size with the same global batch: the condition for resuming at another world size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from tritonrec.data.batcher import Batcher
+from tritonrec.dist.checkpoint import CheckpointManager, load_checkpoint
+from tritonrec.dist.train.builders import build_data, build_model
+from tritonrec.dist.train.config import SyntheticDataConfig, TrainConfig, check_device
+from tritonrec.dist.train.dist_builders import StepRunner, build_sharded_dense_optimizer, build_sharded_model
+from tritonrec.dist.train.dist_metrics import BatchFeed, RankMetrics, evaluate_over_ranks
+from tritonrec.dist.train.job_report import JobReporter
+from tritonrec.dist.train.job_state import JobState, check_resume, data_fingerprint
+from tritonrec.dist.train.launch import StopRequest, rank_device
+from tritonrec.dist.train.loop import TrainHistory, iterate_batches
+from tritonrec.dist.train.report import final_metrics, plot_curves, write_metrics
+
+
+def _chunk_size(cfg: TrainConfig, saved: int | None) -> int | None:
+    """Synthetic chunk size: the checkpoint's when resuming, else ``data.chunk_size``, else the per-rank batch."""
+    if not isinstance(cfg.data, SyntheticDataConfig):
+        return None
+    if saved is not None:
+        return saved
+    return cfg.data.chunk_size or cfg.batch_size
+
+
+def _stop_agreed(stop: StopRequest, group: dist.ProcessGroup) -> bool:
+    """True on every rank when any rank received SIGTERM (they may get it at different steps); every rank then
+    knows the signal."""
+    flag = torch.tensor([stop.signal or 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if flag.item() and not stop.requested:
+        stop.signal = int(flag.item())
+    return bool(flag.item())
+
+
+def train_distributed(
+    cfg: TrainConfig, out_dir: Path, stop: StopRequest, side: dist.ProcessGroup
+) -> dict[str, Any] | None:
+    """Train on this rank (every rank calls it); rank 0 returns the metrics, the others None. ``side``: a gloo group
+    of the same ranks for the metrics and the stop flag (CPU collectives apart from the model's)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = rank_device(check_device(cfg.device))
+    job = JobState()
+    resume_path = Path(cfg.resume) if cfg.resume else None
+    fingerprint = data_fingerprint(cfg.data)
+    if resume_path is not None:
+        job.load_state_dict(_read_job_state(resume_path))
+        check_resume(str(resume_path), job.state["step"], cfg.steps, job.state["data_fingerprint"], fingerprint)
+    chunk = _chunk_size(cfg, job.state.get("chunk_size") if job.state else None)
+    torch.manual_seed(cfg.seed)
+    data_cfg = dataclasses.replace(cfg.data, chunk_size=chunk) if chunk is not None else cfg.data
+    sources = build_data(data_cfg, rank=rank, world_size=world)
+    model = build_model(cfg.model, sources, cfg.optim, "cpu")  # every rank starts from the same unsharded weights
+    dmp = build_sharded_model(model, cfg, device)
+    dense_optimizer = build_sharded_dense_optimizer(dmp, cfg.optim)
+    batcher = Batcher(sources.element_spec)
+    history = TrainHistory(cfg.train_auroc_window)
+    start = 0
+    if resume_path is not None:
+        load_checkpoint(resume_path, dmp, {"dense": dense_optimizer}, {"job": job})
+        start = job.state["step"]
+        endless = isinstance(cfg.data, SyntheticDataConfig) and cfg.data.num_samples is None
+        batcher.set_state(job.data_state_for(rank, world, cfg.batch_size, endless))
+        history.load_state_dict(job.state["history"])
+
+    feed = BatchFeed(iterate_batches(batcher, sources.train, cfg.batch_size, cfg.drop_remainder), batcher)
+    runner = StepRunner(cfg.pipeline.kind, dmp, dense_optimizer, device, cfg.pipeline.host_prefetch)
+    metrics_sync = RankMetrics(history, side)
+    manager = CheckpointManager(out_dir / "checkpoints")
+    report = JobReporter(cfg.name, out_dir, start, cfg.steps, cfg.progress, cfg.logger.kind, enabled=rank == 0)
+    report.message(
+        f"{cfg.name}: {world} ranks ({dist.get_backend()}), sharding={cfg.sharding.kind}, pipeline="
+        f"{cfg.pipeline.kind}, qcomm={cfg.qcomm.forward}/{cfg.qcomm.backward}, batch {cfg.batch_size} per rank"
+    )
+    checkpoint, step, stopped = None, start, False
+    try:
+        for step in range(start + 1, cfg.steps + 1):
+            began = time.perf_counter()
+            output = runner.step(feed)
+            position, mask, num_valid = feed.pop()
+            metrics_sync.record(step, output, mask, num_valid, time.perf_counter() - began)
+            report.step_done()
+            stopped = _stop_agreed(stop, side)
+            last = step == cfg.steps or stopped
+            if step % cfg.log_every == 0 or last:
+                metrics_sync.sync()
+                report.train_point(step, history.log_point(step))
+            if sources.eval is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or last):
+                runner.pause()
+                result = evaluate_over_ranks(dmp, sources.eval, cfg.eval_batch_size, device, side)
+                history.record_eval(step, result)
+                report.eval_point(step, history.recent_loss(), result)
+            if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or last:
+                metrics_sync.sync()
+                positions: list[Any] = [None] * world
+                dist.all_gather_object(positions, position, group=side)
+                job.update(step, world, cfg.batch_size, positions, history.state_dict(), fingerprint, chunk)
+                checkpoint = manager.save(step, dmp, {"dense": dense_optimizer}, {"job": job})
+            if stopped:
+                report.message(f"{stop.name} at step {step}: final checkpoint {checkpoint}")
+                break
+    finally:
+        runner.close()
+        report.close()
+    if rank != 0:
+        return None
+    extra = {
+        "resumed_from": cfg.resume,
+        "checkpoint": str(checkpoint) if checkpoint else None,
+        "device": str(device),
+        "data_skipped_lines": getattr(sources.train, "num_skipped", 0),
+        "world_size": world,
+        "sharding": cfg.sharding.kind,
+        "pipeline": cfg.pipeline.kind,
+        "pipelined_modules": runner.pipelined_modules,
+        "qcomm": f"{cfg.qcomm.forward}/{cfg.qcomm.backward}",
+        "stopped_by": stop.name if stopped else None,
+    }
+    metrics = final_metrics(history, cfg.name, step, extra)
+    write_metrics(out_dir / "metrics.json", metrics)
+    if cfg.plot:
+        plot_curves(out_dir / "curves.png", history, f"{cfg.name}: {cfg.model.arch} on {cfg.data.kind}, {world} ranks")
+    return metrics
+
+
+def precheck_resume(cfg: TrainConfig) -> None:
+    """The resume checks of :func:`train_distributed`, in the launching process (before ranks are spawned)."""
+    path = Path(cfg.resume)  # type: ignore[arg-type]
+    state = _read_job_state(path)
+    check_resume(str(path), state["step"], cfg.steps, state["data_fingerprint"], data_fingerprint(cfg.data))
+
+
+def _read_job_state(path: Path) -> dict[str, Any]:
+    """The job state of the checkpoint at ``path``, read alone (before the model is built: the data depends on it)."""
+    if not (path / "manifest.json").is_file():
+        raise ValueError(
+            f"resume: no distributed checkpoint (a checkpoints/step_<n>/ folder with a manifest.json) at {str(path)!r}"
+        )
+    state: dict[str, Any] = {"extra": {"job": b""}}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    return torch.load(io.BytesIO(state["extra"]["job"]), weights_only=False)  # type: ignore[no-any-return]
+
+
+__all__ = ["train_distributed"]

@@ -1,0 +1,100 @@
+"""Typed configs of the distributed side of the training job: how many processes (``dist``), how the tables are
+sharded (``sharding/``), which train pipeline runs the steps (``pipeline/``), the wire precision of the embedding
+collectives (``qcomm/``) and where the step series go (``logger/``). Each is a field of
+:class:`~tritonrec.dist.train.config.TrainConfig`; the groups' YAML files extend the schemas registered here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hydra.core.config_store import ConfigStore
+
+SHARDING_KINDS = ("auto", "tw", "rw", "cw", "twrw", "dp")
+PIPELINE_KINDS = ("base", "sparse_dist", "staged")
+QCOMM_PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "int8", "mx4")
+LOGGER_KINDS = ("none", "csv", "tensorboard")
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclass
+class DistConfig:
+    """Processes of the job. ``nproc=1`` is the single-process job; ``nproc=N`` spawns N local ranks itself, or,
+    under ``torchrun --nproc_per_node N``, checks that torchrun started N (torchrun alone decides otherwise)."""
+
+    nproc: int = 1
+    backend: str = "auto"  # "auto": nccl on CUDA, gloo on CPU
+    timeout_s: int = 600  # process-group timeout: a rank stuck this long in a collective fails the job
+
+
+@dataclass
+class ShardingConfig:
+    """How the embedding tables are placed over the ranks."""
+
+    kind: str = "auto"  # auto (the planner), tw (table-wise, round robin), rw, cw (every rank a column block), twrw, dp
+
+
+@dataclass
+class PipelineConfig:
+    """The train pipeline of the distributed job (tritonrec.dist.train_pipeline)."""
+
+    kind: str = "sparse_dist"  # base, sparse_dist (input dist of batch i+1 during batch i), staged
+    host_prefetch: int = 2  # host batches a background thread produces ahead (0: none)
+
+
+@dataclass
+class QCommConfig:
+    """Wire precision of the embedding collectives (QCommsConfig): fp32 (none), fp16, bf16, fp8, int8, mx4."""
+
+    forward: str = "fp32"
+    backward: str = "fp32"
+
+
+@dataclass
+class LoggerConfig:
+    """Where the step, eval and throughput series go besides metrics.json: none, csv (``series.csv`` in the output
+    folder) or tensorboard (``tensorboard/`` event files; needs the ``tensorboard`` extra)."""
+
+    kind: str = "none"
+
+
+def register_job_configs(store: ConfigStore) -> None:
+    store.store(group="sharding", name="sharding_schema", node=ShardingConfig)
+    store.store(group="pipeline", name="pipeline_schema", node=PipelineConfig)
+    store.store(group="qcomm", name="qcomm_schema", node=QCommConfig)
+    store.store(group="logger", name="logger_schema", node=LoggerConfig)
+
+
+def _one_of(value: object, allowed: tuple[str, ...], name: str) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {name}={value!r}")
+
+
+def _int_at_least(value: object, minimum: int, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {name}={value!r}")
+
+
+def check_job_configs(dist: DistConfig, sharding: ShardingConfig, pipeline: PipelineConfig, qcomm: QCommConfig,
+                      logger: LoggerConfig) -> None:  # fmt: skip
+    """Every field of the distributed configs, named in the error (before any output folder is made)."""
+    _int_at_least(dist.nproc, 1, "dist.nproc")
+    _int_at_least(dist.timeout_s, 1, "dist.timeout_s")
+    _one_of(dist.backend, BACKENDS, "dist.backend")
+    _one_of(sharding.kind, SHARDING_KINDS, "sharding.kind")
+    _one_of(pipeline.kind, PIPELINE_KINDS, "pipeline.kind")
+    _int_at_least(pipeline.host_prefetch, 0, "pipeline.host_prefetch")
+    _one_of(qcomm.forward, QCOMM_PRECISIONS, "qcomm.forward")
+    _one_of(qcomm.backward, QCOMM_PRECISIONS, "qcomm.backward")
+    _one_of(logger.kind, LOGGER_KINDS, "logger.kind")
+
+
+__all__ = [
+    "DistConfig",
+    "LoggerConfig",
+    "PipelineConfig",
+    "QCommConfig",
+    "ShardingConfig",
+    "check_job_configs",
+    "register_job_configs",
+]

@@ -1,0 +1,97 @@
+"""What a resumed job must find unchanged, and the job's own part of a distributed checkpoint.
+
+:func:`data_fingerprint` lists the data config fields that decide which samples a step sees (everything but the
+held-out set): resuming under another value would silently train on other samples, so :func:`check_resume` refuses
+it, naming the field, as it refuses ``steps`` at or below the checkpoint's step (nothing would be trained).
+
+:class:`JobState` is the ``extra_state`` of a DCP checkpoint (``tritonrec.dist.checkpoint``): the step, the world
+size and per-rank batch size, every rank's data position, the history and the data fingerprint. Rank 0 writes it; on
+load every rank reads it and takes its own data position (:meth:`JobState.data_state_for`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+JOB_STATE_FORMAT = 1
+_EVAL_ONLY_FIELDS = {"num_eval_samples", "eval_paths", "eval_prefixes"}
+
+
+def data_fingerprint(data_cfg: Any) -> dict[str, Any]:
+    """The data config's fields that fix the training samples (held-out fields left out)."""
+    fields = dataclasses.asdict(data_cfg)
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in fields.items() if k not in _EVAL_ONLY_FIELDS}
+
+
+def check_resume(path: str, saved_step: int, steps: int, saved: dict[str, Any] | None, current: dict[str, Any]) -> None:
+    """Clear errors for a resume that would train nothing or train on other data."""
+    if steps <= saved_step:
+        raise ValueError(
+            f"resume: {path!r} was taken after step {saved_step}, and steps={steps} leaves nothing to train: set steps "
+            f"above {saved_step} to continue"
+        )
+    if saved is None:  # a checkpoint written before fingerprints were saved
+        return
+    changed = [k for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
+    if changed:
+        what = ", ".join(f"data.{k}={saved.get(k)!r} in the checkpoint but {current.get(k)!r} now" for k in changed)
+        raise ValueError(
+            f"resume: the data changed since {path!r} was saved ({what}): the resumed steps would see other samples "
+            "than the run they continue; restore the old value(s) or start a new run without resume"
+        )
+
+
+class JobState:
+    """The job's part of a checkpoint (see module docstring); restored in place by ``load_state_dict``."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, Any] = {}
+
+    def update(self, step: int, world_size: int, batch_size: int, data_states: list[dict[str, int]],
+               history: dict[str, Any], fingerprint: dict[str, Any], chunk_size: int | None) -> None:  # fmt: skip
+        self.state = {
+            "format": JOB_STATE_FORMAT, "step": step, "world_size": world_size, "batch_size": batch_size,
+            "data_states": data_states, "history": history, "data_fingerprint": fingerprint, "chunk_size": chunk_size,
+        }  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or state.get("format") != JOB_STATE_FORMAT:
+            raise ValueError(f"resume: the checkpoint's job state is not format {JOB_STATE_FORMAT} (another version?)")
+        self.state = state
+
+    def data_state_for(self, rank: int, world_size: int, batch_size: int, endless_synthetic: bool) -> dict[str, int]:
+        """This rank's data position: its saved one at the same world size; at another world size, derived from the
+        step where the samples of each step stay the same (see README: endless synthetic data, same global batch),
+        else a ValueError saying what to change."""
+        saved_world, saved_batch, step = self.state["world_size"], self.state["batch_size"], self.state["step"]
+        if world_size == saved_world:
+            if batch_size != saved_batch:
+                raise ValueError(f"resume: the checkpoint trained batch_size={saved_batch} per rank, this job has "
+                                 f"batch_size={batch_size}: set batch_size={saved_batch}")  # fmt: skip
+            return dict(self.state["data_states"][rank])
+        if not endless_synthetic:
+            raise ValueError(
+                f"resume: the checkpoint was saved by {saved_world} ranks and this job has {world_size}; only the "
+                f"endless synthetic stream keeps every step's samples across world sizes: resume with {saved_world} "
+                "ranks"
+            )
+        if batch_size * world_size != saved_batch * saved_world:
+            raise ValueError(
+                f"resume: the checkpoint's global batch is {saved_batch} x {saved_world} ranks = "
+                f"{saved_batch * saved_world} samples; with {world_size} ranks set batch_size="
+                f"{saved_batch * saved_world / world_size:g} per rank to keep it"
+            )
+        chunk = self.state["chunk_size"]
+        if chunk is None or batch_size % chunk:
+            raise ValueError(
+                f"resume: the checkpoint's data was drawn in chunks of {chunk} samples, which do not divide "
+                f"batch_size={batch_size} per rank at {world_size} ranks; resume with {saved_world} ranks"
+            )
+        return {"epoch": 0, "position": step * batch_size, "batches": step}
+
+
+__all__ = ["JobState", "check_resume", "data_fingerprint"]

@@ -1,0 +1,152 @@
+"""How the training job's processes start: under torchrun (its environment variables), spawned by the job itself
+(``dist.nproc=N``), or as one process. Also the stop request that SIGTERM raises.
+
+torchrun sets ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` in every rank; the job
+then joins that group (gloo on CPU, NCCL on CUDA). ``dist.nproc=N`` without torchrun spawns N processes on this host
+with a free local port. A job started by torchrun with another number of ranks than ``dist.nproc`` (when set above
+1) stops with an error instead of running as independent copies.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import signal
+import socket
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+_TORCHRUN_VARS = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_world_size() -> int | None:
+    """The world size torchrun (or another launcher setting its variables) started, None without one."""
+    if not all(v in os.environ for v in _TORCHRUN_VARS):
+        return None
+    return int(os.environ["WORLD_SIZE"])
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError(f"dist.backend=nccl needs device=cuda, got device={str(device)!r} (use gloo on the CPU)")
+    return backend
+
+
+def rank_device(device: torch.device) -> torch.device:
+    """This rank's device: ``cuda:<LOCAL_RANK>`` for a CUDA job without an index, else ``device``."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device
+
+
+def init_process_group(backend: str, timeout_s: int) -> None:
+    """Join the group described by the environment (torchrun's variables, or those :func:`spawn` sets)."""
+    if dist.is_initialized():
+        return
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _spawned_main(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, result_path: str) -> None:
+    os.environ.update(
+        {"WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    )  # fmt: skip
+    result = fn(*args)
+    if rank == 0:  # a file, not a pipe: a large result would block rank 0 while the parent waits for it to exit
+        with open(result_path, "wb") as file:
+            pickle.dump(result, file)
+
+
+def spawn(fn: Callable[..., Any], nproc: int, *args: Any) -> Any:
+    """Run ``fn(*args)`` in ``nproc`` spawned local ranks (each sees torchrun-like variables); returns rank 0's result.
+
+    A rank that raises stops the others (torch.multiprocessing terminates them) and the error, with the rank's
+    traceback, is raised here.
+    """
+    with tempfile.TemporaryDirectory(prefix="tritonrec-spawn-") as scratch:
+        result_path = os.path.join(scratch, "rank0.pkl")
+        context = mp.start_processes(_spawned_main, args=(nproc, free_port(), fn, args, result_path), nprocs=nproc,
+                                     join=False, start_method="spawn")  # fmt: skip
+        with _forwarding_sigterm(context.processes):
+            while not context.join():
+                pass
+        if not os.path.exists(result_path):
+            return None
+        with open(result_path, "rb") as file:
+            return pickle.load(file)
+
+
+@contextmanager
+def _forwarding_sigterm(processes: list[Any]) -> Iterator[None]:
+    """SIGTERM to this (parent) process is passed on to the ranks, which checkpoint and stop together."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum: int, frame: Any) -> None:
+        for process in processes:
+            if process.is_alive():
+                os.kill(process.pid, signum)
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class StopRequest:
+    """Set by SIGTERM (and SIGINT when asked): the training loop checks it at each step, writes a final checkpoint
+    and returns instead of dying mid-step. Installs its handlers only in the main thread, restores them on exit."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+
+    @contextmanager
+    def installed(self, signals: tuple[int, ...] = (signal.SIGTERM,)) -> Iterator[StopRequest]:
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {s: signal.getsignal(s) for s in signals}
+
+        def handler(signum: int, frame: Any) -> None:
+            self.signal = signum
+
+        for s in signals:
+            signal.signal(s, handler)
+        try:
+            yield self
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
+
+    @property
+    def name(self) -> str | None:
+        return signal.Signals(self.signal).name if self.signal is not None else None
+
+
+__all__ = ["StopRequest", "free_port", "init_process_group", "rank_device", "resolve_backend", "spawn",
+           "torchrun_world_size"]  # fmt: skip

@@ -1,0 +1,89 @@
+"""Reading the next batch: from the data iterator (directly, or through a background thread that produces host
+batches ahead), then agreed across ranks so every rank stops at the same step (:mod:`.agreement`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from tritonrec.dist.train_pipeline.agreement import Status, StepAgreement
+from tritonrec.dist.train_pipeline.utils import DataLoadingThread
+
+NEXT_BATCH = "next_batch"  # the stage name of reading the data iterator, in every pipeline's agreement
+
+
+def check_host_prefetch(host_prefetch: object) -> int:
+    if isinstance(host_prefetch, bool) or not isinstance(host_prefetch, int) or host_prefetch < 0:
+        raise ValueError(f"host_prefetch must be a non-negative int (0: no thread), got {host_prefetch!r}")
+    return host_prefetch
+
+
+class BatchFetcher:
+    """Next batch of a data iterator, agreed by every rank.
+
+    Args:
+        agreement: the ranks' per-step agreement.
+        host_prefetch: batches a background thread reads ahead of the pipeline (0: read in the caller's thread).
+
+    A new iterator (another object than the last one) starts afresh; once the ranks agreed the data is over, the
+    iterator is not read again.
+    """
+
+    def __init__(self, agreement: StepAgreement, host_prefetch: int = 0) -> None:
+        self.agreement = agreement
+        self.host_prefetch = check_host_prefetch(host_prefetch)
+        self._iterator: Iterator[Any] | None = None
+        self._thread: DataLoadingThread[Any] | None = None
+        self.exhausted = False
+
+    def _connect(self, iterator: Iterator[Any]) -> None:
+        if iterator is self._iterator:
+            return
+        if not hasattr(iterator, "__next__"):
+            raise TypeError(f"dataloader_iter must be an iterator (iter(loader)), got {type(iterator).__name__}")
+        self.close()
+        self._iterator = iterator
+        self.exhausted = False
+        if self.host_prefetch:
+            self._thread = DataLoadingThread(iterator, self.host_prefetch)
+
+    def _read(self) -> tuple[Any, BaseException | None]:
+        """This rank's next batch (None at its end) and the error reading it raised, if any."""
+        try:
+            if self._thread is not None:
+                return self._thread.get(), None
+            assert self._iterator is not None
+            return next(self._iterator, None), None
+        except Exception as error:
+            return None, error
+
+    def next(self, iterator: Iterator[Any], error: BaseException | None = None, failed_stage: str | None = None) -> Any:
+        """The next batch, or None when some rank has none (then every rank gets None from now on).
+
+        ``error``: a failure of this rank earlier in the step (in ``failed_stage``), reported in the same agreement.
+        Raises on every rank when a rank failed (see :class:`StepAgreement`). Every rank must call this the same
+        number of times.
+        """
+        self._connect(iterator)
+        batch, read_error = (None, None) if self.exhausted else self._read()
+        status = Status.OK if batch is not None else Status.EXHAUSTED
+        if read_error is not None and error is None:
+            error, failed_stage = read_error, NEXT_BATCH
+        if not self.agreement.agree(status, error, failed_stage):
+            self.exhausted = True
+            self.close_thread()
+            return None
+        return batch
+
+    def close_thread(self) -> None:
+        if self._thread is not None:
+            self._thread.stop()
+            self._thread = None
+
+    def close(self) -> None:
+        """Stop the background thread and forget the iterator."""
+        self.close_thread()
+        self._iterator = None
+
+
+__all__ = ["NEXT_BATCH", "BatchFetcher", "check_host_prefetch"]

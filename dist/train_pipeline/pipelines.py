@@ -1,0 +1,339 @@
+"""Train pipelines (torchrec's names and semantics): ``TrainPipeline.progress(dataloader_iter) -> output`` runs one
+training step on the next batch and raises ``StopIteration`` when the data is over.
+
+* :class:`TrainPipelineBase`: copy batch ``i+1`` to the device (memcpy stream on CUDA) while batch ``i`` trains.
+* :class:`TrainPipelineSparseDist`: while batch ``i`` runs forward and backward, batch ``i+1``'s sparse input dist is
+  in flight and batch ``i+2`` is copied. Sharded modules' inputs are found by tracing the model
+  (:mod:`.tracing`); their ``forward`` is swapped for one that consumes the prefetched input dist. On CPU the overlap
+  comes from gloo's collectives running on gloo's threads while the main thread computes, and from the host batches
+  produced ahead by a background thread (``host_prefetch``).
+* :class:`EvalPipelineSparseDist`: the same overlap for forward-only passes (no backward, no optimizer).
+
+The model is called as ``losses, output = model(batch)`` (``DLRMTrain``'s contract); ``progress`` returns ``output``.
+The order of every operation that changes weights is the base pipeline's, so pipelined training equals base
+training bit for bit. Every step the ranks agree on whether each has a batch and whether any failed
+(:mod:`.agreement`): they stop at the same step and fail together instead of hanging.
+
+Example (every rank)::
+
+    pipeline = TrainPipelineSparseDist(model, optimizer, torch.device("cpu"))
+    batches = iter(loader)
+    while True:
+        try:
+            loss, logits, labels = pipeline.progress(batches)
+        except StopIteration:
+            break
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections import deque
+from collections.abc import Iterator
+from typing import Any, Generic, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.profiler import record_function
+
+from tritonrec.dist.train_pipeline.agreement import StepAgreement
+from tritonrec.dist.train_pipeline.fetch import NEXT_BATCH, BatchFetcher
+from tritonrec.dist.train_pipeline.tracing import PipelinedModules, TrainPipelineContext, rewrite_model
+from tritonrec.dist.train_pipeline.utils import new_stream, stream_context, to_device, wait_for_batch
+
+logger = logging.getLogger(__name__)
+
+START_SPARSE_DATA_DIST = "start_sparse_data_dist"
+
+In = TypeVar("In")
+Out = TypeVar("Out")
+
+
+def _check_parts(model: object, optimizer: object, device: object, optimizer_required: bool = True) -> torch.device:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer_required and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not isinstance(device, (torch.device, str)):
+        raise TypeError(f"device must be a torch.device, got {type(device).__name__}")
+    return torch.device(device)
+
+
+def _check_bool(value: object, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {name}={value!r}")
+    return value
+
+
+def backward(losses: torch.Tensor) -> None:
+    """Backward of the step's loss (summed first when the model returns one per task, as torchrec)."""
+    with record_function("## backward ##"):
+        (losses if losses.dim() == 0 else torch.sum(losses, dim=0)).backward()
+
+
+class TrainPipeline(abc.ABC, Generic[In, Out]):
+    """One step per :meth:`progress` call; ``StopIteration`` when the data is over."""
+
+    @abc.abstractmethod
+    def progress(self, dataloader_iter: Iterator[In]) -> Out: ...
+
+    def close(self) -> None:
+        """Release what the pipeline holds between steps (background threads); the pipeline can run again."""
+
+
+class TrainPipelineBase(TrainPipeline[In, Out]):
+    """Two stages: the copy of batch ``i+1`` (memcpy stream on CUDA) overlaps forward/backward of batch ``i``.
+
+    Args:
+        model: called as ``losses, output = model(batch)``.
+        optimizer: stepped after each backward (``zero_grad`` before each forward).
+        device: where batches are copied and the model runs.
+        host_prefetch: host batches a background thread reads ahead (0: none).
+        group: the ranks that agree on each step (default: the world).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        host_prefetch: int = 0,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self._device = _check_parts(model, optimizer, device)
+        self._model = model
+        self._optimizer = optimizer
+        self._memcpy_stream = new_stream(self._device)
+        self._fetcher = BatchFetcher(StepAgreement(group, [NEXT_BATCH]), host_prefetch)
+        self._cur_batch: Any = None
+        self._connected = False
+
+    def _copy(self, batch: Any) -> Any:
+        with record_function("## copy_batch_to_device ##"), stream_context(self._memcpy_stream):
+            return to_device(batch, self._device, non_blocking=True)
+
+    def progress(self, dataloader_iter: Iterator[In]) -> Out:
+        if not self._connected:
+            first = self._fetcher.next(dataloader_iter)
+            self._cur_batch = None if first is None else self._copy(first)
+            self._connected = True
+        if self._cur_batch is None:
+            raise StopIteration
+        cur_batch = self._cur_batch
+        next_batch = self._fetcher.next(dataloader_iter)
+        if self._model.training:
+            self._optimizer.zero_grad()
+        wait_for_batch(cur_batch, self._memcpy_stream)
+        with record_function("## forward ##"):
+            losses, output = self._model(cur_batch)
+        if self._model.training:
+            backward(losses)
+        self._cur_batch = None if next_batch is None else self._copy(next_batch)
+        if self._model.training:
+            with record_function("## optimizer ##"):
+                self._optimizer.step()
+        return output
+
+    def reset(self) -> None:
+        """Forget the iterator (the next ``progress`` starts from a fresh one)."""
+        self._fetcher.close()
+        self._cur_batch, self._connected = None, False
+
+    def close(self) -> None:
+        self._fetcher.close_thread()
+
+
+class TrainPipelineSparseDist(TrainPipeline[In, Out]):
+    """Three overlapping stages: copy of batch ``i+2``, sparse input dist of batch ``i+1``, forward/backward and
+    optimizer step of batch ``i`` (see the module docstring).
+
+    Args:
+        model: called as ``losses, output = model(batch)``; traced with torch.fx (sharded modules as leaves).
+        optimizer: stepped after each backward.
+        device: where batches are copied and the model runs.
+        execute_all_batches: at the end of the data, train the batches still in the pipeline (True) or stop at once.
+        host_prefetch: host batches a background thread reads ahead (default 2; 0: none).
+        group: the ranks that agree on each step (default: the world).
+
+    ``pipelined_modules`` names the sharded modules whose input dist is prefetched; ``fallback_reason`` says why
+    none is (the model then runs its own forward, still with the device copy ahead).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        device: torch.device,
+        execute_all_batches: bool = True,
+        host_prefetch: int = 2,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self._device = _check_parts(model, optimizer, device, optimizer_required=self._trains)
+        self._model = model
+        self._optimizer = optimizer
+        self._execute_all_batches = _check_bool(execute_all_batches, "execute_all_batches")
+        self._memcpy_stream = new_stream(self._device)
+        self._data_dist_stream = new_stream(self._device)
+        self._fetcher = BatchFetcher(StepAgreement(group, [NEXT_BATCH, START_SPARSE_DATA_DIST]), host_prefetch)
+        self.batches: deque[Any] = deque()
+        self.contexts: deque[TrainPipelineContext] = deque()
+        self._next_index = 0
+        self._pipelined: PipelinedModules | None = None
+        self.fallback_reason: str | None = None
+        self._model_attached = True
+
+    _trains = True  # EvalPipelineSparseDist: forward only
+
+    # ----------------------------------------------------------------------------------------------- the model
+    @property
+    def pipelined_modules(self) -> list[str]:
+        return list(self._pipelined.forwards) if self._pipelined is not None else []
+
+    def _init_pipelined_modules(self, context: TrainPipelineContext) -> None:
+        if self._pipelined is None:
+            self._pipelined, self.fallback_reason = rewrite_model(self._model, context, self._data_dist_stream)
+        self._pipelined.set_context(context)
+
+    def detach(self) -> nn.Module:
+        """Give the model its own forwards back (in-flight batches stay; :meth:`attach` resumes the pipeline)."""
+        if self._pipelined is not None:
+            self._pipelined.detach()
+            self._pipelined = None
+        self._model_attached = False
+        return self._model
+
+    def attach(self, model: nn.Module | None = None) -> None:
+        """Pipeline ``model`` (or the detached one) again; the batch next in line gets its input dist now if it has
+        none in flight (every rank must attach at the same step)."""
+        if model is not None:
+            self._model = model
+        self._model_attached = True
+        if not self.contexts:
+            return  # the next fill traces the model
+        self._pipelined, self.fallback_reason = rewrite_model(self._model, self.contexts[0], self._data_dist_stream)
+        first = self.contexts[0]
+        if not first.input_dist_tensors_requests and not first.input_dist_splits_requests:
+            self._start_sparse_data_dist(self.batches[0], first)
+            self._wait_sparse_data_dist(first)
+
+    # ------------------------------------------------------------------------------------------------ the stages
+    def _enqueue_batch(self, dataloader_iter: Iterator[In], error: BaseException | None = None) -> bool:
+        """Stage 1: read the next batch (agreed across ranks, with this rank's ``error`` so far) and start its copy."""
+        batch = self._fetcher.next(dataloader_iter, error, START_SPARSE_DATA_DIST)
+        if batch is None:
+            if not self._execute_all_batches:
+                raise StopIteration
+            return False
+        with record_function("## copy_batch_to_device ##"), stream_context(self._memcpy_stream):
+            batch = to_device(batch, self._device, non_blocking=True)
+        self.batches.append(batch)
+        self.contexts.append(TrainPipelineContext(index=self._next_index))
+        self._next_index += 1
+        return True
+
+    def _start_sparse_data_dist(self, batch: Any, context: TrainPipelineContext) -> None:
+        """Stage 2a: once ``batch`` is on the device, launch its input dists (split sizes first)."""
+        if self._pipelined is None or not self._pipelined.forwards:
+            return
+        with record_function(f"## start_sparse_data_dist {context.index} ##"):
+            with stream_context(self._data_dist_stream):
+                wait_for_batch(batch, self._memcpy_stream)
+            self._pipelined.start_input_dist(batch, context, self._data_dist_stream)
+
+    def _wait_sparse_data_dist(self, context: TrainPipelineContext) -> None:
+        """Stage 2b: split sizes arrived -> launch the tensors' all-to-alls."""
+        if self._pipelined is None or not self._pipelined.forwards:
+            return
+        with record_function(f"## wait_sparse_data_dist {context.index} ##"):
+            self._pipelined.wait_splits(context, self._data_dist_stream)
+
+    def _fill_pipeline(self, dataloader_iter: Iterator[In]) -> None:
+        if len(self.batches) >= 2 or (self.batches and self._execute_all_batches):
+            return
+        if self.batches or not self._enqueue_batch(dataloader_iter):
+            return
+        self._init_pipelined_modules(self.contexts[0])
+        error = None
+        try:
+            self._start_sparse_data_dist(self.batches[0], self.contexts[0])
+        except Exception as failure:  # reported to every rank by the next agreement
+            error = failure
+        self._enqueue_batch(dataloader_iter, error)
+        self._wait_sparse_data_dist(self.contexts[0])
+
+    def _dequeue_batch(self) -> None:
+        self.batches.popleft()
+        self.contexts.popleft()
+        if self.contexts and self._pipelined is not None:
+            self._pipelined.set_context(self.contexts[0])
+
+    def progress(self, dataloader_iter: Iterator[In]) -> Out:
+        if not self._model_attached:
+            self.attach()
+        self._fill_pipeline(dataloader_iter)
+        if not self.batches:
+            raise StopIteration
+        if self._pipelined is not None:
+            self._pipelined.set_context(self.contexts[0])
+        training = self._trains and self._model.training
+        if training:
+            assert self._optimizer is not None
+            self._optimizer.zero_grad()
+        wait_for_batch(self.batches[0], self._memcpy_stream)
+        wait_for_batch(self.batches[0], self._data_dist_stream)
+        error = None
+        if len(self.batches) >= 2:
+            try:
+                self._start_sparse_data_dist(self.batches[1], self.contexts[1])
+            except Exception as failure:  # reported to every rank by the agreement inside _enqueue_batch
+                error = failure
+        self._enqueue_batch(dataloader_iter, error)
+        with record_function(f"## forward {self.contexts[0].index} ##"):
+            if training:
+                losses, output = self._model(self.batches[0])
+            else:
+                with torch.no_grad():
+                    losses, output = self._model(self.batches[0])
+        if len(self.batches) >= 2:
+            self._wait_sparse_data_dist(self.contexts[1])
+        if training:
+            backward(losses)
+            with record_function(f"## optimizer {self.contexts[0].index} ##"):
+                self._optimizer.step()  # type: ignore[union-attr]
+        self._dequeue_batch()
+        return output
+
+    def reset(self) -> None:
+        """Drop the in-flight batches and the iterator (the model stays pipelined)."""
+        self.batches.clear()
+        self.contexts.clear()
+        self._fetcher.close()
+
+    def close(self) -> None:
+        self._fetcher.close_thread()
+
+
+class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
+    """:class:`TrainPipelineSparseDist` for evaluation: forward only (under ``torch.no_grad``), every batch run.
+
+    Args:
+        model, device, host_prefetch, group: as :class:`TrainPipelineSparseDist`.
+        optimizer: accepted for torchrec's signature and ignored (may be None).
+    """
+
+    _trains = False
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        device: torch.device,
+        host_prefetch: int = 2,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(model, optimizer, device, True, host_prefetch, group)
+
+
+__all__ = ["EvalPipelineSparseDist", "TrainPipeline", "TrainPipelineBase", "TrainPipelineSparseDist", "backward"]

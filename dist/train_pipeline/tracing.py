@@ -1,0 +1,289 @@
+"""Find the sharded modules a pipeline can feed ahead of time, and swap their ``forward`` for one that consumes the
+prefetched input dist (torchrec's ``_rewrite_model`` / ``PipelinedForward`` semantics, our code).
+
+The model is traced with torch.fx, sharded modules as leaves. A sharded module can be pipelined when each of its
+call's arguments comes from the model's input through attribute reads and indexing only (``batch.sparse_features``,
+``batch["x"][0]``), so the pipeline can compute the arguments from batch ``i+1`` and launch its ``input_dist`` while
+batch ``i`` is in forward. Tracing stops at the first data-dependent Python branch; the sharded modules called
+before it are still found (the partial graph has their calls), any module not reached runs its own forward, with
+the reason logged. Wrappers (``DistributedModelParallel``, ``DistributedDataParallel``) are looked through.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from tritonrec.dist.awaitable import Awaitable
+from tritonrec.dist.train_pipeline.utils import current_stream, record_stream, stream_context
+from tritonrec.dist.types import Multistreamable, ShardedModule
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainPipelineContext:
+    """One batch's in-flight input dists, per pipelined module name.
+
+    ``input_dist_splits_requests``: launched, split sizes in flight (``Awaitable[Awaitable[dist input]]``);
+    ``input_dist_tensors_requests``: splits done, tensors in flight (``Awaitable[dist input]``);
+    ``module_contexts``: each module's per-batch context (made by ``create_context``).
+    """
+
+    index: int
+    input_dist_splits_requests: dict[str, Awaitable[Any]] = field(default_factory=dict)
+    input_dist_tensors_requests: dict[str, Awaitable[Any]] = field(default_factory=dict)
+    module_contexts: dict[str, Multistreamable] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------------------ argument paths
+@dataclass(frozen=True)
+class ArgInfo:
+    """How to get one argument from the batch: ``steps`` applied in order (``("attr", name)`` or ``("item", key)``)
+    to the model's input, or a constant."""
+
+    steps: tuple[tuple[str, Any], ...] = ()
+    constant: Any = None
+    is_constant: bool = False
+
+    def __call__(self, batch: Any) -> Any:
+        if self.is_constant:
+            return self.constant
+        value = batch
+        for kind, key in self.steps:
+            value = getattr(value, key) if kind == "attr" else value[key]
+        return value
+
+
+@dataclass(frozen=True)
+class CallArgs:
+    """The positional and keyword arguments of one sharded module call, as paths from the batch."""
+
+    args: tuple[ArgInfo, ...]
+    kwargs: tuple[tuple[str, ArgInfo], ...]
+
+    def build(self, batch: Any) -> tuple[list[Any], dict[str, Any]]:
+        return [a(batch) for a in self.args], {k: a(batch) for k, a in self.kwargs}
+
+
+def _arg_info(arg: Any, placeholder: torch.fx.Node) -> ArgInfo | str:
+    """The path of ``arg`` from ``placeholder``, or a reason why there is none."""
+    if not isinstance(arg, torch.fx.Node):
+        if isinstance(arg, (list, tuple, dict)):
+            return f"a container argument {type(arg).__name__} (pass the batch's field itself)"
+        return ArgInfo(constant=arg, is_constant=True)
+    steps: list[tuple[str, Any]] = []
+    node = arg
+    while node is not placeholder:
+        if node.op == "call_function" and node.target is getattr and isinstance(node.args[1], str):
+            steps.append(("attr", node.args[1]))
+        elif (
+            node.op == "call_function"
+            and node.target is operator.getitem
+            and not isinstance(node.args[1], torch.fx.Node)
+        ):
+            steps.append(("item", node.args[1]))
+        elif node.op == "placeholder":
+            return f"it reads the model input {node.target!r}, not the first one (the batch)"
+        else:
+            return f"its input is computed inside the model ({node.op} {node.target}), not read from the batch"
+        node = node.args[0]  # type: ignore[assignment]
+    return ArgInfo(steps=tuple(reversed(steps)))
+
+
+class _ShardedLeafTracer(torch.fx.Tracer):
+    """fx tracer that records sharded modules as leaf calls instead of tracing into them."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return isinstance(m, ShardedModule) or super().is_leaf_module(m, module_qualified_name)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module inside DistributedModelParallel / DistributedDataParallel wrappers."""
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif isinstance(getattr(model, "_dmp_wrapped_module", None), nn.Module):
+            model = model._dmp_wrapped_module  # type: ignore[assignment]
+        else:
+            return model
+
+
+@dataclass
+class TracedInputs:
+    """Result of :func:`trace_sharded_inputs`: pipelineable modules (name -> module, call args) and, for every other
+    sharded module, why not."""
+
+    pipelineable: dict[str, tuple[ShardedModule, CallArgs]]
+    reasons: dict[str, str]
+    trace_error: str | None = None
+
+
+def trace_sharded_inputs(model: nn.Module) -> TracedInputs:
+    """Trace ``model`` (wrappers looked through) and find how each sharded module's inputs derive from the batch."""
+    root = unwrap_model(model)
+    sharded = {name: m for name, m in root.named_modules() if isinstance(m, ShardedModule)}
+    tracer = _ShardedLeafTracer()
+    trace_error = None
+    try:
+        tracer.trace(root)
+    except Exception as error:  # fx raises TraceError, TypeError, ... on code it cannot follow
+        trace_error = f"{type(error).__name__}: {error}"
+    graph: torch.fx.Graph | None = getattr(tracer, "graph", None)
+    nodes = list(graph.nodes) if graph is not None else []
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    pipelineable: dict[str, tuple[ShardedModule, CallArgs]] = {}
+    reasons: dict[str, str] = {}
+    calls: dict[str, list[torch.fx.Node]] = {}
+    for node in nodes:
+        if node.op == "call_module" and node.target in sharded:
+            calls.setdefault(str(node.target), []).append(node)
+    for name, module in sharded.items():
+        if name not in calls:
+            where = f"tracing stopped before it is called ({trace_error})" if trace_error else "it is never called"
+            reasons[name] = where
+            continue
+        if len(calls[name]) > 1:
+            reasons[name] = f"it is called {len(calls[name])} times per forward (a pipelined module is called once)"
+            continue
+        if not placeholders:
+            reasons[name] = "the model's forward takes no input"
+            continue
+        node = calls[name][0]
+        infos = [_arg_info(a, placeholders[0]) for a in node.args]
+        kw_infos = [(k, _arg_info(v, placeholders[0])) for k, v in node.kwargs.items()]
+        bad = [i for i in [*infos, *(v for _, v in kw_infos)] if isinstance(i, str)]
+        if bad:
+            reasons[name] = bad[0]
+            continue
+        pipelineable[name] = (module, CallArgs(tuple(infos), tuple(kw_infos)))  # type: ignore[arg-type]
+    return TracedInputs(pipelineable, reasons, trace_error)
+
+
+# ------------------------------------------------------------------------------------------- the swapped forward
+class PipelinedForward:
+    """Replaces a sharded module's ``forward``: ignores its arguments (their input dist is already in flight) and
+    runs ``compute_and_output_dist`` on the prefetched input of the current context."""
+
+    def __init__(
+        self,
+        name: str,
+        call_args: CallArgs,
+        module: ShardedModule,
+        context: TrainPipelineContext,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
+        self.name = name
+        self.call_args = call_args
+        self.module = module
+        self.context = context
+        self.stream = stream
+
+    def set_context(self, context: TrainPipelineContext) -> None:
+        self.context = context
+
+    def __call__(self, *input: Any, **kwargs: Any) -> Any:
+        requests = self.context.input_dist_tensors_requests
+        if self.name not in requests:
+            raise RuntimeError(
+                f"pipelined module {self.name!r} has no input dist for batch {self.context.index}: it is called "
+                "more than once per forward, or the pipeline did not start its input dist"
+            )
+        request = requests.pop(self.name)
+        with stream_context(self.stream):
+            data = request.wait()
+        module_context = self.context.module_contexts.pop(self.name)
+        if self.stream is not None:
+            stream = current_stream(self.stream.device)
+            assert stream is not None
+            stream.wait_stream(self.stream)
+            record_stream(data, stream)
+            record_stream(module_context, stream)
+        return self.module.compute_and_output_dist(module_context, data)
+
+
+@dataclass
+class PipelinedModules:
+    """The modules whose forward was swapped, with their original forwards (restored by :meth:`detach`)."""
+
+    forwards: dict[str, PipelinedForward]
+    originals: dict[str, Callable[..., Any] | None]
+
+    def set_context(self, context: TrainPipelineContext) -> None:
+        for forward in self.forwards.values():
+            forward.set_context(context)
+
+    def start_input_dist(self, batch: Any, context: TrainPipelineContext, stream: torch.cuda.Stream | None) -> None:
+        """Launch every pipelined module's input dist for ``batch`` (first round: split sizes)."""
+        with stream_context(stream):
+            for name, forward in self.forwards.items():
+                args, kwargs = forward.call_args.build(batch)
+                module_context = forward.module.create_context()
+                context.module_contexts[name] = module_context
+                context.input_dist_splits_requests[name] = forward.module.input_dist(module_context, *args, **kwargs)
+
+    def wait_splits(self, context: TrainPipelineContext, stream: torch.cuda.Stream | None) -> None:
+        """Finish the split-size rounds of ``context``'s input dists, which launches their tensor rounds."""
+        with stream_context(stream):
+            for name, request in context.input_dist_splits_requests.items():
+                context.input_dist_tensors_requests[name] = request.wait()
+        context.input_dist_splits_requests.clear()
+
+    def detach(self) -> None:
+        for name, forward in self.forwards.items():
+            module = forward.module
+            original = self.originals[name]
+            if original is None:
+                del module.forward
+            else:
+                module.forward = original  # type: ignore[method-assign]
+            module.is_pipelined = False
+
+
+def rewrite_model(
+    model: nn.Module, context: TrainPipelineContext, stream: torch.cuda.Stream | None
+) -> tuple[PipelinedModules, str | None]:
+    """Swap the forward of every pipelineable sharded module of ``model``; returns them and, when none could be,
+    the reason (logged) the pipeline falls back to the model's own forward."""
+    traced = trace_sharded_inputs(model)
+    for name, reason in traced.reasons.items():
+        logger.warning("train pipeline: sharded module %r runs unpipelined: %s", name, reason)
+    forwards: dict[str, PipelinedForward] = {}
+    originals: dict[str, Callable[..., Any] | None] = {}
+    for name, (module, call_args) in traced.pipelineable.items():
+        originals[name] = module.__dict__.get("forward")
+        forward = PipelinedForward(name, call_args, module, context, stream)
+        module.forward = forward  # type: ignore[method-assign]
+        module.is_pipelined = True
+        forwards[name] = forward
+    fallback = None
+    if not forwards:
+        if traced.reasons:
+            fallback = "no sharded module's input could be traced to the batch: " + "; ".join(
+                f"{n}: {r}" for n, r in traced.reasons.items()
+            )
+        else:
+            fallback = "the model has no sharded module"
+        logger.warning("train pipeline falls back to the model's own forward: %s", fallback)
+    return PipelinedModules(forwards, originals), fallback
+
+
+__all__ = [
+    "ArgInfo",
+    "CallArgs",
+    "PipelinedForward",
+    "PipelinedModules",
+    "TracedInputs",
+    "TrainPipelineContext",
+    "rewrite_model",
+    "trace_sharded_inputs",
+    "unwrap_model",
+]

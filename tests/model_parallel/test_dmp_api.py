@@ -1,0 +1,123 @@
+"""DistributedModelParallel's API on 2 ranks (rank-side code: api_cases.py): unwrapped names, DMP / DDP wrappers,
+the combined fused optimizer (its param_groups reach the fused update), state_dict round trip, copy, sparse-gradient
+names, building on ``meta`` (only this rank's shards materialised: peak RSS), and bad input, including the cases that
+need no process group."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.model_parallel.api_cases import MEMORY_TABLES
+from tests.model_parallel.dlrm_cases import SHARDED_PATH, build_dlrm
+from tests.model_parallel.spawned import suite_results
+from tritonrec.dist.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
+
+WORLD = 2
+
+
+def _api(case: str) -> list[dict]:
+    return [r[case] for r in suite_results("api", WORLD)]
+
+
+@pytest.mark.dist
+def test_names_are_the_unwrapped_models() -> None:
+    for rank, got in enumerate(_api("names")):
+        local = {f"{SHARDED_PATH}.embedding_bags.{t}.weight" for t in got["local_tables"]}
+        dense = {n for n in got["reference_names"] if "embedding_bags" not in n}
+        assert set(got["param_names"]) == dense | local, f"rank {rank}"
+        assert set(got["fused_keys"]) == local, f"rank {rank}: fused optimizer keys {got['fused_keys']}"
+        assert got["state_dict_keys"] == got["reference_keys"], f"rank {rank}: the unsharded model's keys"
+        assert "inter_arch.triu_indices" in got["buffer_names"]
+        assert got["get_module_is_ddp"] and got["unwrapped_is_model"]
+        assert got["set_module_after_ddp"].startswith("RuntimeError: module cannot be set after init_data_parallel")
+        assert got["lazy_not_ddp"] and got["lazy_then_ddp"]
+    tables = [set(got["local_tables"]) for got in _api("names")]
+    assert tables[0].isdisjoint(tables[1]) and tables[0] | tables[1] == {"t0", "t1", "t2", "t3"}  # table-wise
+
+
+@pytest.mark.dist
+def test_fused_optimizer_param_groups_reach_the_tables() -> None:
+    for rank, got in enumerate(_api("fused_lr")):
+        assert got == {"frozen_at_lr0": True, "moves_at_lr01": True, "groups": 1}, f"rank {rank}: {got}"
+
+
+@pytest.mark.dist
+def test_state_dict_round_trip() -> None:
+    """An unsharded state dict (gathered on rank 0) loads back into the sharded model after training."""
+    assert _api("state_dict")[0]["changed_by_training"] and _api("state_dict")[0]["restored"]
+    for got in _api("state_dict"):
+        assert got["missing"] == [] and got["unexpected"] == []
+        assert "unexpected keys ['over_arch.extra']" in got["unexpected_strict"]
+        assert got["not_a_mapping"] == "TypeError: state_dict must be a mapping, got list"
+
+
+@pytest.mark.dist
+def test_copy_is_independent_and_data_parallel() -> None:
+    for rank, got in enumerate(_api("copy")):
+        assert got["same_output"] and got["shares_nothing"] and got["fused_on_twin"], f"rank {rank}: {got}"
+        assert got["original_untouched"] and got["twin_trained"], f"rank {rank}: {got}"
+        assert got["twin_is_ddp"] == "DistributedDataParallel"
+        assert got["bad_device"].startswith("TypeError: device must be a real torch.device")
+
+
+@pytest.mark.dist
+def test_sparse_grad_names_and_meta_build() -> None:
+    for rank, got in enumerate(_api("sparse_meta")):
+        assert got["sparse_names"] == ["bag.weight"], f"rank {rank}"
+        # each rank drew different meta-initialised values: DDP and the replicated-table broadcast make them equal
+        assert got["meta_dense_equal"] and got["meta_tables_equal"] and got["meta_on_cpu"], f"rank {rank}: {got}"
+        assert 0.0 < got["meta_loss"] < 5.0
+
+
+@pytest.mark.dist
+def test_compressed_all_reduce_of_dense_gradients() -> None:
+    for rank, got in enumerate(_api("comm_precision")):
+        assert got["fp16"]["names"] and got["bf16"]["names"], f"rank {rank}"
+        assert 0.0 < got["fp16"]["max_rel"] < 1e-2, f"rank {rank}: fp16 all-reduce off by {got['fp16']['max_rel']}"
+        assert 0.0 < got["bf16"]["max_rel"] < 5e-2, f"rank {rank}: bf16 all-reduce off by {got['bf16']['max_rel']}"
+        assert got["bf16"]["max_rel"] > got["fp16"]["max_rel"]  # bf16 keeps fewer mantissa bits
+
+
+@pytest.mark.dist
+def test_dropped_model_frees_its_tables() -> None:
+    for rank, got in enumerate(_api("released")):
+        for kind, counts in got.items():
+            assert counts["buffers"] > 0 and counts["alive"] == 0, f"rank {rank}, {kind}: {counts}"
+
+
+@pytest.mark.dist
+def test_bad_input_on_ranks() -> None:
+    got = _api("bad_input")[0]
+    assert got["missing_path"] == "ValueError: the plan shards module 'sparse_arch.nope', which the model does not have"
+    assert got["no_sharder"].startswith("ValueError: the plan shards module 'dense_arch' (DenseArch) but no sharder")
+    assert got["bad_plan"] == "TypeError: plan must be a ShardingPlan, got dict"
+    assert got["bad_sharders"] == "TypeError: sharders must hold ModuleSharder instances, got object"
+    assert got["meta_device"].startswith("ValueError: device must be a real torch.device")
+    assert got["bad_env"] == "TypeError: env must be a ShardingEnv, got str"
+
+
+@pytest.mark.dist
+def test_meta_build_materialises_only_this_ranks_shards() -> None:
+    """Peak RSS growth while building: the row-wise DMP of a meta model holds half the tables per rank."""
+    for rank, got in enumerate(suite_results("memory", WORLD)):
+        local, whole = got["local_param_bytes"], got["model_param_bytes"]
+        assert local < 0.55 * whole, f"rank {rank}: holds {local} of {whole} parameter bytes"
+        dmp_mib, unsharded_mib = got["dmp_peak_growth"] >> 20, got["unsharded_peak_growth"] >> 20
+        report = f"rank {rank}: DMP peak +{dmp_mib} MiB, unsharded +{unsharded_mib} MiB"
+        # the shards and their optimizer state, plus a little; never the whole model
+        assert got["dmp_peak_growth"] < local + 0.15 * whole, report
+        assert got["unsharded_peak_growth"] > 0.95 * whole, report
+        print(report, f"({MEMORY_TABLES} tables, {whole >> 20} MiB)")
+
+
+def test_bad_input_without_process_group() -> None:
+    with pytest.raises(TypeError, match="module must be an nn.Module, got int"):
+        DistributedModelParallel(3)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="needs a process group"):
+        DistributedModelParallel(build_dlrm())
+    with pytest.raises(ValueError, match="bucket_cap_mb must be a positive number, got bucket_cap_mb=0"):
+        DefaultDataParallelWrapper(bucket_cap_mb=0)
+    with pytest.raises(ValueError, match="allreduce_comm_precision must be None, 'fp16' or 'bf16', got 'fp8'"):
+        DefaultDataParallelWrapper(allreduce_comm_precision="fp8")
+    with pytest.raises(TypeError, match="static_graph must be a bool, got static_graph=1"):
+        DefaultDataParallelWrapper(static_graph=1)  # type: ignore[arg-type]

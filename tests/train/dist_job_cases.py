@@ -1,0 +1,67 @@
+"""Rank-side cases of the distributed training job (2 gloo ranks, one spawn for all): a tiny DLRM job under several
+sharding x pipeline x codec combinations, an exact resume at the same world size, and SIGTERM on one rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+
+def tiny_config(output_dir: Path, **changes: Any) -> Any:
+    from tritonrec.dist.train.config import DLRMConfig, SyntheticDataConfig, TrainConfig
+    from tritonrec.dist.train.job_config import LoggerConfig, PipelineConfig, QCommConfig, ShardingConfig
+
+    cfg = TrainConfig(
+        model=DLRMConfig(embedding_dim=4, dense_arch_layer_sizes=[8, 4], over_arch_layer_sizes=[8, 1], backend="torch"),
+        data=SyntheticDataConfig(num_sparse_features=3, num_embeddings=40, num_eval_samples=64),
+        batch_size=8, eval_batch_size=16, steps=6, log_every=2, eval_every=3, checkpoint_every=3, progress=False,
+        plot=False, output_dir=str(output_dir), name="tiny_dist", num_threads=1,
+    )  # fmt: skip
+    cfg.sharding, cfg.pipeline = ShardingConfig(kind="tw"), PipelineConfig(kind="sparse_dist")
+    cfg.qcomm, cfg.logger = QCommConfig(), LoggerConfig(kind="csv")
+    for key, value in changes.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+VARIANTS = {  # name -> (sharding, pipeline, qcomm)
+    "staged-cw-fp16": ("cw", "staged", "fp16"),
+    "base-dp-int8": ("dp", "base", "int8"),
+    "sparse_dist-twrw-bf16": ("twrw", "sparse_dist", "bf16"),
+    "sparse_dist-auto-fp32": ("auto", "sparse_dist", "fp32"),
+}
+
+
+def _sigterm_when_training(log: Path) -> None:
+    """Rank 1 sends itself SIGTERM once rank 0 logged a step (every rank's handler is installed by then)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if log.is_file() and "step 2:" in log.read_text():
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        time.sleep(0.05)
+
+
+def run_suite(rank: int, world: int, root: str) -> dict[str, Any]:
+    from tritonrec.dist.train.job_config import PipelineConfig, QCommConfig, ShardingConfig
+    from tritonrec.dist.train.run import run_rank
+
+    base = Path(root)
+    out: dict[str, Any] = {"smoke": run_rank(tiny_config(base / "smoke"))}
+    checkpoint = base / "smoke" / "checkpoints" / "step_00000003"
+    out["resumed"] = run_rank(tiny_config(base / "resumed", resume=str(checkpoint)))
+    for name, (sharding, pipeline, qcomm) in VARIANTS.items():
+        cfg = tiny_config(base / name, steps=3, eval_every=0, checkpoint_every=0)
+        cfg.sharding, cfg.pipeline = ShardingConfig(kind=sharding), PipelineConfig(kind=pipeline)
+        cfg.qcomm = QCommConfig(forward=qcomm, backward=qcomm)
+        out[name] = run_rank(cfg)
+    log = base / "sigterm" / "train.log"
+    if rank == 1:
+        threading.Thread(target=_sigterm_when_training, args=(log,), daemon=True).start()
+    out["sigterm"] = run_rank(tiny_config(base / "sigterm", steps=100_000, log_every=1, eval_every=0,
+                                          checkpoint_every=0))  # fmt: skip
+    return out

@@ -1,0 +1,157 @@
+"""The distributed training job: torchrun with 2 ranks (one output folder, rank 0 reports), the sharding x pipeline x
+codec groups, metrics over all ranks, DCP checkpoints with exact resume (same world size) and resume at another world
+size (same global batch), SIGTERM's final checkpoint, and the errors for a resume that would train nothing or on
+other data, a torchrun world that contradicts dist.nproc, and an unwritable output folder. Rank-side code:
+dist_job_cases.py (one spawn of 2 gloo ranks runs them all).
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.distributed.spawned import spawn_ranks
+from tests.train.dist_job_cases import VARIANTS, tiny_config
+from tritonrec.dist.train import run
+
+pytestmark = pytest.mark.dist
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("dist_job")
+
+
+@functools.cache
+def _suite(root: str) -> list[dict[str, Any]]:
+    from tests.train.dist_job_cases import run_suite
+
+    return spawn_ranks(run_suite, 2, root, timeout=420)
+
+
+@pytest.fixture(scope="module")
+def ranks(root: Path) -> list[dict[str, Any]]:
+    return _suite(str(root))
+
+
+def test_torchrun_two_ranks_one_output_folder(tmp_path: Path) -> None:
+    """The 2-rank main-job smoke test: torchrun, a few steps, rank 0's bar and files only."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
+    script = str(ROOT / "scripts" / "train.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script, "experiment=dlrm_2ranks",
+               "steps=4", "eval_every=2", "log_every=2", "data.num_eval_samples=256", "sharding=tw", "plot=false",
+               "progress=false", "model.backend=torch", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("dlrm_2ranks: loss") == 1, done.stdout  # one summary line: rank 0's
+    assert "over 2 rank(s)" in done.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["steps"] == 4 and metrics["pipeline"] == "sparse_dist"
+    assert metrics["pipelined_modules"] == ["model.sparse_arch.embedding_bag_collection"]
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "step 2: loss" in log and "step 4: loss" in log and "held-out AUROC" in log
+
+
+def test_metrics_cover_every_rank(ranks: list[dict[str, Any]], root: Path) -> None:
+    metrics = ranks[0]["smoke"]
+    assert ranks[1]["smoke"] is None  # rank 0 alone reports
+    assert metrics["world_size"] == 2 and metrics["history"]["step"] == [1, 2, 3, 4, 5, 6]
+    assert metrics["train_samples"] == 6 * 8 * 2  # every rank's samples
+    assert metrics["eval_history"]["samples"] == [64.0, 64.0]  # both ranks' halves of the held-out set
+    assert all(np.isfinite(metrics["history"]["loss"])) and 0 < metrics["eval_auroc"] < 1
+    smoke = root / "smoke"
+    assert json.loads((smoke / "metrics.json").read_text())["history"] == metrics["history"]
+    rows = list(csv.DictReader((smoke / "series.csv").open()))
+    assert [(r["kind"], r["step"]) for r in rows] == [("train", "2"), ("eval", "3"), ("train", "4"), ("train", "6"),
+                                                      ("eval", "6")]  # fmt: skip
+    log = (smoke / "train.log").read_text()
+    assert "step 6: loss" in log and "held-out AUROC" in log
+    assert sorted(p.name for p in (smoke / "checkpoints").iterdir()) == ["step_00000003", "step_00000006"]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_sharding_pipeline_and_codec_trains(ranks: list[dict[str, Any]], variant: str) -> None:
+    metrics = ranks[0][variant]
+    sharding, pipeline, qcomm = VARIANTS[variant]
+    assert metrics["history"]["step"] == [1, 2, 3] and all(np.isfinite(metrics["history"]["loss"]))
+    assert (metrics["sharding"], metrics["pipeline"], metrics["qcomm"]) == (sharding, pipeline, f"{qcomm}/{qcomm}")
+    expected = [] if pipeline == "base" else ["model.sparse_arch.embedding_bag_collection"]
+    assert metrics["pipelined_modules"] == expected
+
+
+def test_resume_at_the_same_world_size_is_exact(ranks: list[dict[str, Any]]) -> None:
+    full, resumed = ranks[0]["smoke"], ranks[0]["resumed"]
+    assert resumed["history"]["step"] == [1, 2, 3, 4, 5, 6]
+    assert resumed["history"]["loss"] == full["history"]["loss"]  # exact: steps 4-6 retrained after the resume
+    assert resumed["train_auroc"] == full["train_auroc"] and resumed["eval_auroc"] == full["eval_auroc"]
+
+
+def test_resume_at_another_world_size_keeps_the_global_batch(ranks: list[dict[str, Any]], root: Path) -> None:
+    """2 ranks x 8 samples -> 1 rank x 16: every step sees the same samples, so the losses agree to rounding."""
+    full = ranks[0]["smoke"]
+    cfg = tiny_config(root / "one_rank", batch_size=16, resume=str(root / "smoke" / "checkpoints" / "step_00000003"))
+    resumed = run(cfg)
+    assert resumed["world_size"] == 1
+    np.testing.assert_allclose(resumed["history"]["loss"][3:], full["history"]["loss"][3:], rtol=1e-5)
+    assert resumed["history"]["loss"][:3] == full["history"]["loss"][:3]
+
+
+def test_sigterm_on_one_rank_stops_every_rank_with_a_checkpoint(ranks: list[dict[str, Any]], root: Path) -> None:
+    metrics = ranks[0]["sigterm"]
+    assert metrics["stopped_by"] == "SIGTERM"
+    step = metrics["steps"]
+    assert 2 <= step < 100_000 and metrics["history"]["step"][-1] == step
+    assert metrics["checkpoint"].endswith(f"step_{step:08d}")
+    manifest = json.loads((Path(metrics["checkpoint"]) / "manifest.json").read_text())
+    assert manifest["step"] == step
+
+
+@pytest.mark.parametrize(("change", "pattern"), [
+    ({"steps": 3}, "was taken after step 3, and steps=3 leaves nothing to train"),
+    ({"data.seed": 7}, r"data.seed=0 in the checkpoint but 7 now"),
+])  # fmt: skip
+def test_resume_that_trains_nothing_or_other_data_is_refused(
+    ranks: list[dict[str, Any]], root: Path, change: dict[str, Any], pattern: str
+) -> None:
+    cfg = tiny_config(root / "refused", resume=str(root / "smoke" / "checkpoints" / "step_00000003"))
+    cfg.dist.nproc = 2
+    for key, value in change.items():
+        if key == "data.seed":
+            cfg.data.seed = value
+        else:
+            setattr(cfg, key, value)
+    with pytest.raises(ValueError, match=pattern):
+        run(cfg)
+    assert not (root / "refused").exists()  # refused before any output folder
+
+
+def test_torchrun_world_must_match_dist_nproc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in {"WORLD_SIZE": "4", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    cfg = tiny_config(tmp_path)
+    cfg.dist.nproc = 2
+    with pytest.raises(ValueError, match=r"dist.nproc=2 but torchrun started 4 rank\(s\)"):
+        run(cfg)
+
+
+def test_unwritable_output_dir_fails_before_training(tmp_path: Path) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="output_dir .* is not writable"):
+        run(tiny_config(blocker / "run"))
+    cfg = tiny_config(blocker / "run")
+    cfg.dist.nproc = 2
+    with pytest.raises(ValueError, match="output_dir .* is not writable"):
+        run(cfg)

@@ -1,0 +1,47 @@
+"""End of data and failures on 2 gloo ranks: every rank stops at the same step (5 batches each; 6 on rank 0 and 4 on
+rank 1), execute_all_batches drains the pipeline (or stops 2 batches early without it), the eval pipeline runs every
+batch with the unpipelined model's outputs, and a data loader or stage that raises on one rank makes every rank
+raise (the failing one its own error, the others PipelineStageError naming it) instead of hanging. Rank-side code:
+pipeline_cases.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.train_pipeline.spawned import suite_results
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.mark.parametrize(("case", "steps"), [("drain", 5), ("uneven", 4)])
+def test_every_rank_stops_at_the_same_step(case: str, steps: int) -> None:
+    for rank, results in enumerate(suite_results("end")):
+        got = results[case]
+        assert len(got["base"]) == steps, f"rank {rank}: base ran {len(got['base'])} steps"
+        assert got["sparse_dist"] == got["base"], f"rank {rank}: sparse_dist losses differ from base"
+        assert got["differ"] == [], f"rank {rank}: weights differ: {got['differ']}"
+        assert got["staged"] == steps, f"rank {rank}: staged ran {got['staged']} steps"
+        assert got["eval_steps"] == steps, f"rank {rank}: eval ran {got['eval_steps']} batches"
+        assert got["eval_equal"], f"rank {rank}: eval pipeline outputs differ from the model's"
+
+
+@pytest.mark.parametrize(("case", "steps"), [("drain", 5), ("uneven", 4)])
+def test_without_execute_all_batches_the_last_two_batches_are_dropped(case: str, steps: int) -> None:
+    for results in suite_results("end"):
+        assert results[case]["no_drain"] == results[case]["base"][: steps - 2]
+
+
+@pytest.mark.parametrize(("pipeline", "failing_rank", "error", "stage"), [
+    ("base", 1, "ValueError", "next_batch"),
+    ("sparse_dist", 1, "ValueError", "next_batch"),
+    ("staged", 0, "RuntimeError", "process"),
+])  # fmt: skip
+def test_a_failure_on_one_rank_raises_on_every_rank(pipeline: str, failing_rank: int, error: str, stage: str) -> None:
+    for rank, results in enumerate(suite_results("errors")):
+        got = results[pipeline]
+        if rank == failing_rank:
+            assert got["type"] == error, got
+        else:
+            assert got["type"] == "PipelineStageError", got
+            assert f"'{stage}' failed on rank(s) [{failing_rank}]" in got["message"], got["message"]
