@@ -10,19 +10,23 @@ classes that matter most (a representative subset); ``"full"`` is every combinat
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
+from torch._library.custom_ops import CustomOpDef
 
 from tritonrec import kernels as K
 from tritonrec.kernels.embedding import OptimType, PoolingMode, TableBatchedLayout, TableSpec
 from tritonrec.kernels.embedding import quantized as Q
 from tritonrec.kernels.embedding.fused_update import fused_update_triton
 from tritonrec.kernels.embedding.grad_plan import RowGradientPlan, ValueGradientInfo
+from tritonrec.kernels.embedding.pooled_forward import pooled_forward_triton
 from tritonrec.kernels.embedding.row_gradients import per_sample_weight_grad_triton, row_gradient_sums_triton
 from tritonrec.kernels.embedding.sequence import sequence_forward_triton
 from tritonrec.kernels.lengths_to_offsets import _lengths_to_offsets_triton
+from tritonrec.kernels.library import NAMESPACE
 from tritonrec.kernels.pack_sequences import _pack_triton, _unpack_triton
 
 Workload = Callable[[], object]
@@ -206,12 +210,19 @@ def production_lookup(dim: int) -> None:
     """Pooled and sequence forwards through the public ops; the backward launchers with a gradient plan of
     ``N`` unique rows (building a real plan needs the values: a sort and a unique)."""
     layout, weights, indices, offsets = _meta_lookup(dim)
-    n, ignore = indices.numel(), K.BoundsCheckMode.IGNORE
-    K.pooled_embedding_lookup(weights, layout, indices, offsets, bounds_check=ignore, backend=T)
+    n = indices.numel()
+    pooled_forward_triton(weights, layout, indices, offsets, None, None, BATCH)  # the op reads offsets: bounds
     per_feature = [f * (n // FEATURES) for f in range(FEATURES + 1)]
     sequence_forward_triton(weights, layout, indices, per_feature, _meta(n), _meta(n))
-    plan = RowGradientPlan(_meta(n), _meta(n, dtype=torch.float32), _meta(n + 1), _meta(n), _meta(n), _meta(n),
-                           [0] * FEATURES + [n], [0] * FEATURES + [n])  # fmt: skip
+    plan = RowGradientPlan(
+        sorted_grad_offsets=_meta(n),
+        sorted_scales=_meta(n, dtype=torch.float32),
+        segment_offsets=_meta(n + 1),
+        unique_rows=_meta(n),
+        table_row_offsets=_meta(FEATURES + 1),
+        table_unique_offsets=[0] * FEATURES + [n],
+        table_contribution_offsets=[0] * FEATURES + [n],
+    )
     grad = _meta(n * dim, dtype=torch.float32)
     row_gradient_sums_triton(layout, plan, grad)
     fused_update_triton(weights, layout, plan, grad, K.create_fused_optimizer_state(layout, OptimType.ADAM, META))
@@ -251,6 +262,33 @@ def production_packing(sequences: int, length: int, width: int) -> None:
     _unpack_triton(tokens, plan, 0.0)
 
 
+@contextlib.contextmanager
+def ops_call_their_implementations() -> Iterator[None]:
+    """A custom op called on ``meta`` tensors dispatches to its fake implementation, which launches nothing. While a
+    production workload runs, each ``tritonrec`` op called from Python runs its implementation directly instead
+    (forward only: no autograd), so its Triton launcher records the launch; other libraries' ops are untouched."""
+    original = CustomOpDef.__call__
+
+    def call(self: CustomOpDef, *args: object, **kwargs: object) -> object:
+        if self._namespace == NAMESPACE:
+            return self._init_fn(*args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    CustomOpDef.__call__ = call
+    try:
+        yield
+    finally:
+        CustomOpDef.__call__ = original
+
+
+def _through_implementations(workload: Workload) -> Workload:
+    def run() -> None:
+        with ops_call_their_implementations():
+            workload()
+
+    return run
+
+
 def production_workloads() -> dict[str, Workload]:
     """``{name: workload}`` on ``meta`` tensors at production sizes (launches recorded, not run; value checks off)."""
     out: dict[str, Workload] = {}
@@ -267,4 +305,4 @@ def production_workloads() -> dict[str, Workload]:
         out[f"production/codecs/row_dim={row_dim}"] = lambda r=row_dim: production_codecs(r)
     out["production/packing/2**20x16"] = lambda: production_packing(1 << 20, 16, 1)
     out["production/packing/4096x4096"] = lambda: production_packing(4096, 256, 4096)
-    return out
+    return {name: _through_implementations(workload) for name, workload in out.items()}
