@@ -6,16 +6,20 @@ sharded EBC on the same configuration in the same run (where installed).
 
 Each rank runs fused rowwise Adagrad steps (forward, backward, update) on a stream of DISTINCT batches (pooling
 lengths ~ U[0, 40), ids uniform), built through the API a user calls: ``EmbeddingBagCollectionSharder.shard`` for
-ours; ``DistributedModelParallel`` for torchrec (its data-parallel tables use the dense kernel, so they train with
-DDP's all-reduce and torchrec's ``RowWiseAdagrad`` stepped after the backward).
+ours; ``DistributedModelParallel`` for torchrec with the fused compute kernel on every sharded table (FBGEMM's CPU
+TBE updating rows inside the backward; torchrec's plan generators would pick the dense kernel, which takes no
+optimizer step). torchrec's data-parallel tables only come dense: they train with DDP's all-reduce and torchrec's
+``RowWiseAdagrad`` stepped after the backward.
 
-Reported per (implementation, sharding type): the slowest rank's median ms per step; bytes handed to the
-collectives per rank per step (every ``torch.distributed`` send buffer, counted by wrapping the Python collectives;
-DDP's C++ all-reduce escapes the count); the largest rank's peak RSS (each measurement runs in fresh processes, so the
-peak is that configuration's, imports included).
+Reported per (implementation, sharding type): the slowest rank's median ms per step (median over rounds, with the
+rounds' range); the process CPU time per step (the slowest rank; what a step costs whatever else the machine runs);
+bytes handed to the collectives per rank per step (every ``torch.distributed`` send buffer, counted by wrapping the
+Python collectives; DDP's C++ all-reduce escapes the count); the largest rank's peak RSS (each measurement runs in
+fresh processes, so the peak is that configuration's, imports included). The speedup is the median over rounds of
+the ratio measured within one round (both implementations run back to back, in alternating order), so load drifting
+across the run biases no type against another. Timed steps follow more warm-up steps than the collectives' metadata
+checks take (their first calls), so the steady state is what is timed.
 A sharding type torchrec cannot build on CPU (or has no plan helper for) is recorded as ``refused`` with its error.
-Implementations and sharding types are timed in interleaved rounds, so load drifting during the run biases no row
-against another.
 
 Appends to ``benchmarks/results/sharded_ebc_cpu.csv`` (``--plot``: ``sharded_ebc_cpu.png``).
 """
@@ -23,6 +27,7 @@ Appends to ``benchmarks/results/sharded_ebc_cpu.csv`` (``--plot``: ``sharded_ebc
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import resource
 import socket
@@ -31,7 +36,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -40,44 +45,48 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import append_csv, print_table
 
+from tritonrec.dist.comm_consistency import DEFAULT_CHECKED_CALLS
+
 TYPES = ["table_wise", "row_wise", "column_wise", "table_column_wise", "data_parallel", "table_row_wise", "grid_shard"]
-TORCHREC_TYPES = set(TYPES)  # tried on every type: a refusal is recorded with its error
 
 
 # ------------------------------------------------------------------------------------------------- wire counting
 class WireCounter:
-    """Counts the bytes every collective is handed to send (wraps ``torch.distributed``'s functions)."""
+    """Counts the bytes every collective is handed to send (wraps ``torch.distributed``'s functions; the send buffer
+    is found by parameter name, so keyword calls such as torchrec's ``all_to_all_single(output=..., input=...)``
+    count too)."""
 
-    # point-to-point sends are counted through batch_isend_irecv (P2POp checks that its op IS dist.isend)
-    NAMES = ("all_to_all_single", "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor",
-             "_reduce_scatter_base", "_all_gather_base", "all_gather", "reduce_scatter", "all_to_all",
-             "batch_isend_irecv")  # fmt: skip
+    # the parameter holding what is sent; point-to-point sends count through batch_isend_irecv (P2POp checks that
+    # its op IS dist.isend, so isend itself stays unwrapped)
+    SENT: ClassVar[dict[str, str]] = {
+        "all_to_all_single": "input", "all_reduce": "tensor", "reduce_scatter_tensor": "input",
+        "all_gather_into_tensor": "input_tensor", "_reduce_scatter_base": "input", "_all_gather_base": "input_tensor",
+        "all_gather": "tensor", "reduce_scatter": "input_list", "all_to_all": "input_tensor_list",
+        "batch_isend_irecv": "p2p_op_list",
+    }  # fmt: skip
 
     def __init__(self) -> None:
         self.bytes = 0
         self._originals: dict[str, Any] = {}
 
     def install(self) -> None:
-        for name in self.NAMES:
+        for name, param in self.SENT.items():
             original = getattr(dist, name, None)
             if original is None or name in self._originals:
                 continue
             self._originals[name] = original
-            setattr(dist, name, self._wrap(name, original))
+            setattr(dist, name, self._wrap(name, param, original))
 
-    def _wrap(self, name: str, original: Any) -> Any:
+    def _wrap(self, name: str, param: str, original: Any) -> Any:
+        signature = inspect.signature(original)
+
         def counted(*args: Any, **kwargs: Any) -> Any:
-            tensors = args[1:2] if name in ("all_to_all_single", "reduce_scatter_tensor", "_reduce_scatter_base",
-                                            "all_gather_into_tensor", "_all_gather_base") else args[:1]  # fmt: skip
-            if name in ("all_gather", "reduce_scatter", "all_to_all"):
-                tensors = args[1:2]
+            sent = signature.bind_partial(*args, **kwargs).arguments.get(param)
             if name == "batch_isend_irecv":
-                tensors = [[op.tensor for op in args[0] if op.op is dist.isend]]
-            for t in tensors:
+                sent = [op.tensor for op in sent if op.op is dist.isend]
+            for t in sent if isinstance(sent, (list, tuple)) else [sent]:
                 if isinstance(t, torch.Tensor):
                     self.bytes += t.numel() * t.element_size()
-                elif isinstance(t, (list, tuple)):
-                    self.bytes += sum(x.numel() * x.element_size() for x in t if isinstance(x, torch.Tensor))
             return original(*args, **kwargs)
 
         return counted
@@ -166,6 +175,11 @@ def build_torchrec(args: argparse.Namespace, kind: str, world: int) -> tuple[Any
     sharder = EmbeddingBagCollectionSharder(fused_params=fused)
     generators = plan_generators(kind, args.tables, world, lib)
     module_plan = construct_module_sharding_plan(ebc, generators, sharder, world, world, "cpu")
+    if kind != "data_parallel":
+        # torchrec's plan generators pick the dense kernel unless the parameter carries an in-backward optimizer:
+        # that kernel would only accumulate dense gradients (no optimizer step at all). Fused is what ours runs.
+        for sharding in module_plan.values():
+            sharding.compute_kernel = "fused"
     env = ShardingEnv.from_process_group(dist.group.WORLD)
     model = DistributedModelParallel(
         ebc, env=env, device=torch.device("cpu"), plan=ShardingPlan({"": module_plan}), sharders=[sharder]
@@ -195,15 +209,24 @@ def _time_steps(step: Any, batches: list, grad: torch.Tensor, steps: int, warmup
     dist.barrier()
     counter.bytes = 0
     samples = []
+    cpu_start = _cpu_seconds()
     for i in range(steps):
         t0 = time.perf_counter()
         step(batches[(warmup + i) % len(batches)], grad)
         samples.append((time.perf_counter() - t0) * 1e3)
+    cpu_ms = (_cpu_seconds() - cpu_start) / steps * 1e3
     wire = counter.bytes / steps
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # this fresh process's peak
-    worst = torch.tensor([statistics.median(samples), peak_mb], dtype=torch.float64)
+    worst = torch.tensor([statistics.median(samples), peak_mb, cpu_ms], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return {"median_ms": float(worst[0]), "wire_bytes_per_rank": wire, "peak_rss_mb": float(worst[1])}
+    return {"median_ms": float(worst[0]), "wire_bytes_per_rank": wire, "peak_rss_mb": float(worst[1]),
+            "cpu_ms": float(worst[2])}  # fmt: skip
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process (all its threads, gloo's included): what a step costs whatever else runs."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, impl: str, kind: str, results: Any) -> None:
@@ -266,8 +289,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=512, help="samples per rank")
     parser.add_argument("--max-length", type=int, default=40, help="pooling lengths ~ U[0, max_length)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps first (more than the metadata-checked "
+                        f"calls, {DEFAULT_CHECKED_CALLS}, so the steady state is timed)")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--types", nargs="+", default=TYPES, choices=TYPES)
@@ -284,53 +308,77 @@ def main() -> None:
             args.torchrec = False
     impls = ["tritonrec"] + (["torchrec"] if args.torchrec else [])
     rows: dict[tuple[str, str], dict[str, Any]] = {}
+    loads = [os.getloadavg()[0]]
     for round_ in range(args.rounds):
         for kind in args.types:
-            for impl in impls:
+            # the order alternates per round, so neither implementation always runs right after the other
+            for impl in impls if round_ % 2 == 0 else impls[::-1]:
                 key = (impl, kind)
-                if impl == "torchrec" and kind not in TORCHREC_TYPES:
-                    rows[key] = {"status": "not in torchrec"}
                 if rows.get(key, {}).get("status", "ok") != "ok":
                     continue
                 result = measure_once(args, impl, kind)
                 if result["status"] != "ok":
                     rows[key] = result
                     continue
-                entry = rows.setdefault(key, {"status": "ok", "medians": [], "wire": result["wire_bytes_per_rank"]})
-                entry["medians"].append(result["median_ms"])
+                entry = rows.setdefault(key, {"status": "ok", "medians": {}, "cpu": {}, "wire": 0.0})
+                entry["medians"][round_] = result["median_ms"]
+                entry["cpu"][round_] = result["cpu_ms"]
+                entry["wire"] = result["wire_bytes_per_rank"]
                 entry["peak_rss_mb"] = max(entry.get("peak_rss_mb", 0.0), result["peak_rss_mb"])
-        print(f"round {round_ + 1}/{args.rounds} done", flush=True)
-    report(args, rows)
+        loads.append(os.getloadavg()[0])
+        print(f"round {round_ + 1}/{args.rounds} done (load average {loads[-1]:.1f})", flush=True)
+    report(args, rows, loads)
 
 
-def report(args: argparse.Namespace, measured: dict[tuple[str, str], dict[str, Any]]) -> None:
+def _paired_ratios(anchor: dict[int, float], mine: dict[int, float]) -> list[float]:
+    """Per round in which both ran: anchor / ours (each round's two runs are neighbours in time)."""
+    return [anchor[r] / mine[r] for r in sorted(anchor) if r in mine and mine[r] > 0]
+
+
+def report(args: argparse.Namespace, measured: dict[tuple[str, str], dict[str, Any]], loads: list[float]) -> None:
     rows = []
-    ours = {k: v for (impl, k), v in measured.items() if impl == "tritonrec"}
     for (impl, kind), entry in measured.items():
         row: dict[str, Any] = {"impl": impl, "sharding": kind, "status": entry["status"], "tables": args.tables,
                                "rows": args.rows, "dim": args.dim, "batch_per_rank": args.batch, "world": args.world,
-                               "steps": args.steps * args.rounds}  # fmt: skip
+                               "rounds": args.rounds, "steps_per_round": args.steps,
+                               "load_avg_min": min(loads), "load_avg_max": max(loads)}  # fmt: skip
         if entry["status"] == "ok":
-            row["ms_per_step"] = statistics.median(entry["medians"])
+            medians = list(entry["medians"].values())
+            row["ms_per_step"] = statistics.median(medians)
+            row["ms_min_round"], row["ms_max_round"] = min(medians), max(medians)
             row["steps_per_s"] = 1e3 / row["ms_per_step"]
+            row["cpu_ms_per_step"] = statistics.median(entry["cpu"].values())
             row["wire_mb_per_rank_step"] = entry["wire"] / 1e6
             row["peak_rss_mb_max_rank"] = entry["peak_rss_mb"]
             if impl == "torchrec" and kind == "data_parallel":
-                row["wire_mb_per_rank_step"] = float("nan")
                 row["note"] = "DDP's all-reduce runs in C++: its bytes are not counted"
         else:
             row["note"] = entry.get("error", entry["status"])
         rows.append(row)
     for row in rows:
-        if row["impl"] == "torchrec" and row["status"] == "ok" and ours.get(row["sharding"], {}).get("status") == "ok":
-            mine = next(r for r in rows if r["impl"] == "tritonrec" and r["sharding"] == row["sharding"])
-            mine["speedup_vs_torchrec"] = row["ms_per_step"] / mine["ms_per_step"]
-    print_table(rows, ["impl", "sharding", "status", "ms_per_step", "steps_per_s", "wire_mb_per_rank_step",
-                       "peak_rss_mb_max_rank", "speedup_vs_torchrec", "note"])  # fmt: skip
-    print(f"threads per rank: {args.threads}; peak RSS: the largest rank's whole process (torch + library imports)")
-    columns = ["impl", "sharding", "status", "ms_per_step", "steps_per_s", "wire_mb_per_rank_step",
-               "speedup_vs_torchrec", "peak_rss_mb_max_rank", "tables", "rows", "dim",
-               "batch_per_rank", "world", "steps", "note"]  # fmt: skip
+        theirs = measured[(row["impl"], row["sharding"])]
+        mine = measured.get(("tritonrec", row["sharding"]), {})
+        if row["impl"] != "torchrec" or theirs["status"] != "ok" or mine.get("status") != "ok":
+            continue
+        ours = next(r for r in rows if r["impl"] == "tritonrec" and r["sharding"] == row["sharding"])
+        ratios = _paired_ratios(theirs["medians"], mine["medians"])
+        ours["speedup_vs_torchrec"] = statistics.median(ratios)
+        ours["speedup_min_round"], ours["speedup_max_round"] = min(ratios), max(ratios)
+        ours["cpu_speedup_vs_torchrec"] = statistics.median(_paired_ratios(theirs["cpu"], mine["cpu"]))
+    print_table(rows, ["impl", "sharding", "status", "ms_per_step", "ms_min_round", "ms_max_round", "cpu_ms_per_step",
+                       "wire_mb_per_rank_step", "peak_rss_mb_max_rank", "speedup_vs_torchrec", "speedup_min_round",
+                       "speedup_max_round", "cpu_speedup_vs_torchrec", "note"])  # fmt: skip
+    print(f"threads per rank: {args.threads}; {args.rounds} rounds x {args.steps} steps (after {args.warmup} warm-up "
+          f"steps) per implementation and type, each round in fresh processes; ms: the slowest rank's median per "
+          f"round, then the median over rounds (min/max: the rounds' range); speedup: median over rounds of the "
+          f"same round's ratio; cpu: process CPU time per step (the slowest rank), load-independent; load average "
+          f"during the run {min(loads):.1f}-{max(loads):.1f}; peak RSS: the largest rank's whole process")  # fmt: skip
+    columns = ["impl", "sharding", "status", "ms_per_step", "ms_min_round", "ms_max_round", "steps_per_s",
+               "cpu_ms_per_step", "wire_mb_per_rank_step", "speedup_vs_torchrec", "speedup_min_round",
+               "speedup_max_round", "cpu_speedup_vs_torchrec", "peak_rss_mb_max_rank", "tables", "rows", "dim",
+               "batch_per_rank", "world", "rounds", "steps_per_round", "load_avg_min", "load_avg_max",
+               "note"]  # fmt: skip
+    torch.set_num_threads(args.threads)  # the CSV's threads column: what each rank ran with
     path = append_csv(args.csv, [{c: row.get(c, "") for c in columns} for row in rows])
     if args.plot:
         plot(rows, path.with_suffix(".png"))

@@ -21,14 +21,10 @@ import torch.distributed as dist
 from torch import nn
 
 from tritonrec.data import KeyedJaggedTensor
-from tritonrec.dist.grad_sync import (
-    ColumnShardAdagradUpdate,
-    ColumnShardKey,
-    DataParallelFusedUpdate,
-    FusedTables,
-    all_reduced_params,
-    sink_views,
-)
+from tritonrec.dist.column_adagrad import ColumnShardAdagradUpdate, ColumnShardKey
+from tritonrec.dist.dp_fused_update import DataParallelFusedUpdate
+from tritonrec.dist.fused_spans import FusedTables
+from tritonrec.dist.grad_sync import all_reduced_params, sink_views
 from tritonrec.dist.types import EmbeddingComputeKernel
 from tritonrec.kernels.backend import Backend
 from tritonrec.kernels.embedding import (

@@ -20,9 +20,9 @@ from torch import nn
 
 from tritonrec.data import KeyedJaggedTensor
 from tritonrec.dist.awaitable import Awaitable, NoWait
+from tritonrec.dist.column_adagrad import ColumnShardKey
 from tritonrec.dist.dist_data import KJTAllToAll, KJTAllToAllTensorsAwaitable
 from tritonrec.dist.embedding_lookup import FusedConfig, GroupedEmbeddingLookup
-from tritonrec.dist.grad_sync import ColumnShardKey
 from tritonrec.dist.qcomm_protocol import CommOp, QuantizedCommCodecs
 from tritonrec.dist.sharding.common import (
     COLUMN_SPLIT_TYPES,

@@ -112,6 +112,8 @@ def build_pair(case: Case, rank: int, world: int, codecs: Any = None):
         handler = getattr(sharding.lookup, "_handler", None)
         if "exchange" in case.extra and handler is not None:  # data-parallel fused: force one exchange
             handler.exchange = case.extra["exchange"]
+        if "max_align" in case.extra and hasattr(handler, "max_align"):  # data-parallel: rows copied, not in place
+            handler.max_align = case.extra["max_align"]
     return reference, sharded
 
 
@@ -138,7 +140,22 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run_ebc_case(case: Case, rank: int, world: int, codecs: Any = None) -> dict[str, float]:
-    """Forward (and, dense, gradient) max differences at step 0; fused: weights and state after ``steps``."""
+    """Forward (and, dense, gradient) max differences at step 0; fused: weights and state after ``steps``.
+
+    ``case.extra["division"]``: gradient division on (every sharding's gradient is the global one over W), against
+    the unsharded module trained on the loss divided by W."""
+    from tritonrec.dist import get_gradient_division, set_gradient_division
+
+    division = bool(case.extra.get("division", False))
+    before = get_gradient_division()
+    set_gradient_division(division)
+    try:
+        return _run_ebc_case(case, rank, world, codecs, 1.0 / world if division else 1.0)
+    finally:
+        set_gradient_division(before)
+
+
+def _run_ebc_case(case: Case, rank: int, world: int, codecs: Any, reference_scale: float) -> dict[str, float]:
     reference, sharded = build_pair(case, rank, world, codecs)
     batch = BATCH_PER_RANK[world]
     total, lo = sum(batch), sum(batch[:rank])
@@ -152,7 +169,7 @@ def run_ebc_case(case: Case, rank: int, world: int, codecs: Any = None) -> dict[
         if step == 0:  # same weights on both sides: the lookup itself is compared
             result["forward"] = max_diff(out.values(), full.values()[lo:hi])
         (out.values() * grad_out[lo:hi]).sum().backward()
-        (full.values() * grad_out).sum().backward()
+        (full.values() * grad_out * reference_scale).sum().backward()
         if step == 0 and case.optimizer is None:
             for table, _, spec, param in shard_slices(sharded):
                 expected = _block(reference.embedding_bags[table].weight.grad, spec)
@@ -256,6 +273,14 @@ def ebc_cases(types: list[str]) -> list[Case]:
             for exchange in ("sparse", "dense"):
                 extra = {"exchange": exchange}
                 cases.append(Case(f"{kind}-ADAM-{exchange}", plans[kind], "MEAN", True, "ADAM", 5, extra=extra))
+            # the sparse exchange's gathered rows copied into one block (widths past max_align), and scaled by 1/W
+            extra = {"exchange": "sparse", "max_align": 1, "division": True}
+            cases.append(Case(f"{kind}-ROWWISE-unaligned-division", plans[kind], "SUM", False,
+                              "EXACT_ROWWISE_ADAGRAD", 5, extra=extra))  # fmt: skip
+        if kind == "mixed":  # every sharding's fused update with gradient division on (the default)
+            extra = {"exchange": "sparse", "division": True}
+            cases.append(Case(f"{kind}-ROWWISE-division", plans[kind], "MEAN", False, "EXACT_ROWWISE_ADAGRAD", 5,
+                              extra=extra))  # fmt: skip
     return cases
 
 
