@@ -181,6 +181,12 @@ def build_torchrec(args: argparse.Namespace, sharding: str, pipeline: str, qcomm
     )
     generators = plan_generators(sharding, args.tables, world, sharding_plan)
     module_plan = construct_module_sharding_plan(ebc, generators, sharder, world, world, "cpu")
+    if sharding != "dp":
+        # torchrec's plan generators pick its dense kernel on CPU: the tables then take a dense gradient and the dense
+        # Adagrad steps every row of every table. Ours runs fused rowwise Adagrad, so the anchor runs FBGEMM's fused
+        # CPU kernel too (data-parallel tables are dense in torchrec: DDP + the dense optimizer).
+        for parameter_sharding in module_plan.values():
+            parameter_sharding.compute_kernel = "fused"
     plan = ShardingPlan({"model.sparse_arch.embedding_bag_collection": module_plan})
     env = ShardingEnv.from_process_group(dist.group.WORLD)
     dmp = DistributedModelParallel(model, env=env, device=torch.device("cpu"), plan=plan, sharders=[sharder])
