@@ -39,6 +39,7 @@ from tritonrec.dist.types import (
     ShardingEnv,
     ShardingType,
 )
+from tritonrec.kernels.checks import merge_spans, spans_out_of_range
 from tritonrec.kernels.embedding import BoundsCheckMode
 from tritonrec.modules.embedding_modules import EmbeddingBagCollection
 
@@ -231,29 +232,20 @@ def check_index_bounds(features: KeyedJaggedTensor, limits: dict[str, int]) -> N
     ``aminmax`` of a view (no copy, no per-value limit tensor); only a failing span is searched for the culprit."""
     keys = features.keys()
     starts = features.offset_per_key()
-    spans: list[list[int]] = []  # [start, end, rows] of each span, in value order
-    for key, start, end in zip(keys, starts[:-1], starts[1:], strict=True):
-        rows = limits.get(key)
-        if rows is None or end == start:
-            continue
-        if spans and spans[-1][1] == start and spans[-1][2] == rows:
-            spans[-1][1] = end
-        else:
-            spans.append([start, end, rows])
-    if not spans:
-        return
+    per_key = zip(keys, starts[:-1], starts[1:], strict=True)
+    spans = merge_spans([(start, end, limits[key]) for key, start, end in per_key if key in limits])
     values = features.values()
-    extremes = torch.stack([e for start, end, _ in spans for e in torch.aminmax(values[start:end])]).tolist()
-    for (start, end, rows), low, high in zip(spans, extremes[0::2], extremes[1::2], strict=True):
-        if low >= 0 and high < rows:
-            continue
-        span = values[start:end]
-        where = start + int(((span < 0) | (span >= rows)).nonzero()[0].item())
-        key = keys[next(i for i, end_ in enumerate(starts[1:]) if where < end_)]
-        raise ValueError(
-            f"index {int(values[where])} of feature {key!r} is outside its table's [0, {limits[key]}) rows "
-            "(bounds_check_mode=FATAL)"
-        )
+    failing = spans_out_of_range(values, spans)
+    if not failing:
+        return
+    start, end, rows = spans[failing[0]]
+    span = values[start:end]
+    where = start + int(((span < 0) | (span >= rows)).nonzero()[0].item())
+    key = keys[next(i for i, key_end in enumerate(starts[1:]) if where < key_end)]
+    raise ValueError(
+        f"index {int(values[where])} of feature {key!r} is outside its table's [0, {limits[key]}) rows "
+        "(bounds_check_mode=FATAL)"
+    )
 
 
 class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
