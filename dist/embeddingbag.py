@@ -17,7 +17,6 @@ Example (2 ranks, each a process in a gloo group)::
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +39,7 @@ from tritonrec.dist.types import (
     ShardingEnv,
     ShardingType,
 )
+from tritonrec.kernels.checks import merge_spans, spans_out_of_range
 from tritonrec.kernels.embedding import BoundsCheckMode
 from tritonrec.modules.embedding_modules import EmbeddingBagCollection
 
@@ -228,24 +228,24 @@ class ShardedEmbeddingBagCollection(
 
 def check_index_bounds(features: KeyedJaggedTensor, limits: dict[str, int]) -> None:
     """FATAL bounds check on the global indices of the features in ``limits``, before they are distributed (one
-    host sync)."""
+    host sync). Consecutive checked features with one row count form a span of ``values``, checked by one
+    ``aminmax`` of a view (no copy, no per-value limit tensor); only a failing span is searched for the culprit."""
     keys = features.keys()
-    lengths = [n if k in limits else 0 for k, n in zip(keys, features.length_per_key(), strict=True)]
-    if not any(lengths):
-        return
-    rows = torch.tensor([limits.get(k, 2**62) for k in keys], device=features.device())
-    bound = rows.repeat_interleave(torch.tensor(lengths, device=features.device()), output_size=sum(lengths))
     starts = features.offset_per_key()
-    values = torch.cat([features.values()[starts[i] : starts[i] + n] for i, n in enumerate(lengths) if n])
-    bad = (values < 0) | (values >= bound)
-    if bool(bad.any()):
-        where = int(bad.nonzero()[0].item())
-        ends = list(itertools.accumulate(lengths))
-        key = keys[next(i for i, end in enumerate(ends) if where < end)]
-        raise ValueError(
-            f"index {int(values[where])} of feature {key!r} is outside its table's [0, {limits[key]}) rows "
-            "(bounds_check_mode=FATAL)"
-        )
+    per_key = zip(keys, starts[:-1], starts[1:], strict=True)
+    spans = merge_spans([(start, end, limits[key]) for key, start, end in per_key if key in limits])
+    values = features.values()
+    failing = spans_out_of_range(values, spans)
+    if not failing:
+        return
+    start, end, rows = spans[failing[0]]
+    span = values[start:end]
+    where = start + int(((span < 0) | (span >= rows)).nonzero()[0].item())
+    key = keys[next(i for i, key_end in enumerate(starts[1:]) if where < key_end)]
+    raise ValueError(
+        f"index {int(values[where])} of feature {key!r} is outside its table's [0, {limits[key]}) rows "
+        "(bounds_check_mode=FATAL)"
+    )
 
 
 class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):

@@ -15,7 +15,7 @@ import itertools
 import torch
 
 from tritonrec.data import KeyedJaggedTensor
-from tritonrec.kernels import lengths_to_offsets, permute_1d_sparse_data
+from tritonrec.kernels import lengths_to_offsets, permute_1d_sparse_data, permute_2d_sparse_data
 
 
 def _sum_by_splits(values: list[int], splits: list[int]) -> list[int]:
@@ -144,6 +144,8 @@ def dist_init(
         assert stride_per_rank is not None, "fixed-stride inputs need stride_per_rank"
         bags_per_segment = [b for b in stride_per_rank for _ in range(num_keys)]
     order = _rank_order(num_workers, stagger)
+    if not variable_stride_per_key and num_keys and len(set(stride_per_rank)) == 1:
+        return _equal_batch_init(keys, lengths, values, weights, num_workers, stride_per_rank[0], order)
     recat = torch.tensor(
         [s * num_keys + t for t in range(num_keys) for s in order], dtype=torch.int64, device=lengths.device
     )
@@ -156,6 +158,32 @@ def dist_init(
             keys, values, weights, lengths=lengths, stride_per_key_per_rank=stride_per_key_per_rank
         ).sync()
     return KeyedJaggedTensor(keys, values, weights, lengths=lengths, stride=sum(stride_per_rank)).sync()
+
+
+def _equal_batch_init(
+    keys: list[str],
+    lengths: torch.Tensor,
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    num_workers: int,
+    batch: int,
+    order: list[int],
+) -> KeyedJaggedTensor:
+    """:func:`dist_init` when every source rank sent ``batch`` bags per key: the received ``[source, key]`` segments
+    are the rows of one ``[W * K, batch]`` lengths matrix, so one 2-D permute moves lengths, values and weights
+    together, and the per-key totals come from one row sum. The parts are consistent by construction (our own
+    all-to-all of checked KJTs, splits taken from those lengths), so the KJT is built without re-validating them."""
+    num_keys = len(keys)
+    lengths_2d = lengths.view(num_workers * num_keys, batch)
+    segment_totals = lengths_2d.sum(dim=1, dtype=torch.int64).tolist()  # [source * K + key]
+    recat = [s * num_keys + t for t in range(num_keys) for s in order]
+    out_lengths, out_values, out_weights = permute_2d_sparse_data(
+        torch.tensor(recat, dtype=torch.int32, device=lengths.device), lengths_2d, values, weights, sum(segment_totals)
+    )
+    length_per_key = [sum(segment_totals[s * num_keys + t] for s in range(num_workers)) for t in range(num_keys)]
+    return KeyedJaggedTensor._trusted(
+        keys, out_values, out_weights, out_lengths.reshape(-1), num_workers * batch, length_per_key=length_per_key
+    )
 
 
 __all__ = [

@@ -196,6 +196,11 @@ def _stable_sort_buckets(bucket: torch.Tensor, num_buckets: int) -> tuple[torch.
     return sorted_keys[:n], order[:n]
 
 
+# Up to this many buckets a shared block size gives bucket ids by comparisons (80k ids, 2 buckets: one compare and
+# a cast, ~0.07 ms, instead of the int64 floor division, ~0.21 ms; from 3 buckets the extra passes eat the gain).
+_COMPARE_MAX_BUCKETS = 2
+
+
 def block_bucketize_sparse_features_reference(
     lengths: torch.Tensor,
     indices: torch.Tensor,
@@ -210,19 +215,27 @@ def block_bucketize_sparse_features_reference(
 
     Indices arrive ordered by bag, so a *stable* sort by bucket alone yields the output order (bucket, feature,
     sample, position in bag); the counts and in-bag positions are then read off the sorted side. All elementwise
-    steps keep operands of one dtype (mixed-dtype in-place ops take torch's slow casting path, ~10x slower).
+    steps keep operands of one dtype (mixed-dtype in-place ops take torch's slow casting path, ~10x slower). One
+    ``aminmax`` of the ids (shared block size) tells whether any lies past the blocks and lets two buckets be found
+    by a comparison.
     """
     num_bags, n, device = lengths.numel(), indices.numel(), indices.device
     num_features = block_sizes.numel()
     idx, block_size = _index_and_block_size(lengths, indices, block_sizes, num_features, n)
-    bucket = torch.div(idx, block_size, rounding_mode="floor")
+    shared = isinstance(block_size, int)
+    low, high = (int(v) for v in torch.aminmax(idx)) if shared and n else (0, -1)
+    if shared and num_buckets <= _COMPARE_MAX_BUCKETS and low >= 0 and high < block_size * num_buckets:
+        bucket = torch.ge(idx, block_size).to(idx.dtype)  # = floor(idx / block_size) for ids inside the blocks
+    else:
+        bucket = torch.div(idx, block_size, rounding_mode="floor")
     if keep_orig_idx:
         local = idx
     elif isinstance(block_size, int):
         local = torch.sub(idx, bucket, alpha=block_size)  # one pass instead of a mul and a sub
     else:
         local = idx - bucket * block_size
-    if n and int(bucket.max()) >= num_buckets:  # ids past block_size * num_buckets are spread round-robin
+    past_blocks = high >= block_size * num_buckets if shared else n and int(bucket.max()) >= num_buckets
+    if past_blocks:  # ids past block_size * num_buckets are spread round-robin
         in_blocks = bucket < num_buckets
         bucket = torch.where(in_blocks, bucket, idx % num_buckets)
         if not keep_orig_idx:

@@ -96,6 +96,35 @@ def check_index_range(t: torch.Tensor, name: str, high: torch.Tensor | int, what
         )
 
 
+def spans_out_of_range(values: torch.Tensor, spans: list[tuple[int, int, int]]) -> list[int]:
+    """Positions in ``spans`` (``(start, end, rows)``: ``values[start:end]`` must lie in ``[0, rows)``) of the spans
+    holding an out-of-range value. One ``aminmax`` per span (a view, no copy) and one host read for all of them:
+    callers merge neighbouring features that share a row count into one span and search only failing spans."""
+    spans = [span for span in spans if span[1] > span[0]]
+    if not spans:
+        return []
+    extremes = torch.stack([e for start, end, _ in spans for e in torch.aminmax(values[start:end])]).tolist()
+    return [
+        k
+        for k, ((_, _, rows), low, high) in enumerate(zip(spans, extremes[0::2], extremes[1::2], strict=True))
+        if low < 0 or high >= rows
+    ]
+
+
+def merge_spans(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """``(start, end, rows)`` spans with each run of adjacent spans (one's end is the next one's start) of equal
+    ``rows`` merged into one; empty spans dropped."""
+    merged: list[tuple[int, int, int]] = []
+    for start, end, rows in spans:
+        if end <= start:
+            continue
+        if merged and merged[-1][1] == start and merged[-1][2] == rows:
+            merged[-1] = (merged[-1][0], end, rows)
+        else:
+            merged.append((start, end, rows))
+    return merged
+
+
 def check_offsets(offsets: torch.Tensor, name: str, total: int | None = None, capacity: int | None = None) -> None:
     """Value check: offsets start at 0, never decrease, and end at ``total`` (or at most at ``capacity``).
     One host sync on the happy path; the failing position is only searched for when there is an error."""
@@ -151,6 +180,8 @@ __all__ = [
     "check_offsets",
     "check_same_device",
     "check_tensor",
+    "merge_spans",
     "set_value_checks",
+    "spans_out_of_range",
     "value_checks_enabled",
 ]

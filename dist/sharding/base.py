@@ -83,6 +83,10 @@ class EmbeddingSharding(nn.Module, abc.ABC):
             self.shards_per_rank[self.rank], compute_kernel, device, fused, seed_base, bounds_check, backend
         )
         self._select_cache: dict[Any, list[int]] = {}
+        # One KJTAllToAll per (splits, stagger), kept across batches: its MetadataCheck counts calls, so only the
+        # first calls pay the cross-rank consistency check (a fresh module per batch would check every batch).
+        # A plain dict, not submodules: the modules hold no state worth saving.
+        self._kjt_all_to_all: dict[tuple[tuple[int, ...], int], KJTAllToAll] = {}
         if not pooled:
             widths = {s.spec.cols for shards in self.shards_per_rank for s in shards}
             if len(widths) > 1:
@@ -150,7 +154,11 @@ class EmbeddingSharding(nn.Module, abc.ABC):
         then: Callable[[KeyedJaggedTensor], KeyedJaggedTensor] | None = None,
     ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         """``KJTAllToAll`` of ``features`` whose second round records batch sizes and splits into ``ctx``."""
-        splits_awaitable = KJTAllToAll(self.pg, splits, stagger)(features)
+        key = (tuple(splits), stagger)
+        module = self._kjt_all_to_all.get(key)
+        if module is None:
+            module = self._kjt_all_to_all[key] = KJTAllToAll(self.pg, splits, stagger)
+        splits_awaitable = module(features)
         return _RecordingSplits(splits_awaitable, ctx, then)
 
 

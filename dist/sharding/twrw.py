@@ -83,6 +83,7 @@ class TwRwSharding(EmbeddingSharding):
             for j in range(self.local_size)
             for i in range(len(self._node_features[n]))
         ]
+        self._identity_permute = self._permute == list(range(len(self._permute)))  # one node: already in order
         self._splits = [len(self._node_features[r // self.local_size]) for r in range(self.world_size)]
         self._local_features = self._node_features[self.node]
         self._dims = feature_dims(self.shards_per_rank[self.rank])
@@ -119,7 +120,7 @@ class TwRwSharding(EmbeddingSharding):
             raise ValueError(f"{self.sharding_type} sharding does not take a variable batch per feature (VBE)")
         ctx.lengths = selected.lengths()
         bucketized, _ = bucketize(selected, self._block_sizes, self.local_size, False, self.lookup.backend)
-        ordered = bucketized.permute(self._permute)
+        ordered = bucketized if self._identity_permute else bucketized.permute(self._permute)
         return self.all_to_all(ordered, self._splits, ctx, stagger=self.num_nodes)
 
     def output_dist(self, local: torch.Tensor, ctx: ShardingContext) -> Awaitable[torch.Tensor]:

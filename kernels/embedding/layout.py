@@ -27,6 +27,8 @@ from itertools import accumulate
 
 import torch
 
+from tritonrec.kernels.checks import merge_spans, spans_out_of_range
+
 
 class PoolingMode(enum.IntEnum):
     """How a bag's rows combine. MEAN = SUM followed by a per-bag divisor (the local bag length unless the caller
@@ -281,21 +283,19 @@ def check_bounds(
 
     Returns True when every index was checked and is in range, so lookups may skip masking; False when the mode is
     IGNORE (nothing checked) or WARNING found out-of-range indices (after warning). FATAL raises ``ValueError`` on
-    the first out-of-range index. The check is one min / max reduction per feature.
+    the first out-of-range index. The check is one min / max reduction per run of adjacent features with one row
+    count, and one host read; only on failure is each feature checked alone.
     """
     if not isinstance(mode, BoundsCheckMode):
         raise TypeError(f"bounds_check must be a BoundsCheckMode, got bounds_check={mode!r}")
     if mode == BoundsCheckMode.IGNORE:
         return False
-    bad_features = []
-    for f, table in enumerate(layout.feature_tables):
-        start, end = feature_value_offsets[f], feature_value_offsets[f + 1]
-        if end > start:
-            low, high = torch.aminmax(indices[start:end])
-            if int(low) < 0 or int(high) >= layout.tables[table].num_rows:
-                bad_features.append(f)
-    if not bad_features:
+    offsets = feature_value_offsets
+    rows = [layout.tables[table].num_rows for table in layout.feature_tables]
+    per_feature = [(offsets[f], offsets[f + 1], rows[f]) for f in range(len(rows))]
+    if not spans_out_of_range(indices, merge_spans(per_feature)):  # features sharing a row count: one reduction
         return True
+    bad_features = [f for f in range(len(rows)) if spans_out_of_range(indices, per_feature[f : f + 1])]
     feature = bad_features[0]
     table = layout.feature_tables[feature]
     start, end = feature_value_offsets[feature], feature_value_offsets[feature + 1]
