@@ -18,22 +18,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from harness import append_csv, measure, print_table
+from harness import append_csv, measure, print_table, spawn_ranks
 
 ROWS_PER_RANK, DIM = 64, 16
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # newer torch's name
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _time(fn: Any, repeats: int) -> dict[str, float]:
@@ -62,19 +54,11 @@ def _rank(rank: int, world: int, port: int, repeats: int, results: Any) -> None:
     os.environ["TRITONREC_DIST_CHECKS"] = "1"
     timings["alltoall_pooled, checks on"] = _time(a2a, repeats)
     dist.destroy_process_group()
-    results.put((rank, timings))
+    results.put((rank, True, timings))
 
 
 def run_world(world: int, repeats: int) -> list[dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, repeats, results)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    per_rank = dict(results.get(timeout=600) for _ in procs)
-    for proc in procs:
-        proc.join()
+    per_rank = spawn_ranks(_rank, world, repeats, timeout_s=600)
     rows = []
     for impl in per_rank[0]:
         slowest = max(per_rank.values(), key=lambda timings: timings[impl]["median_ms"])[impl]

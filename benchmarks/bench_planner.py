@@ -38,7 +38,6 @@ import argparse
 import gc
 import logging
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -49,11 +48,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import append_csv, print_table
+from harness import append_csv, print_table, spawn_ranks
 
 # table set -> per table (rows, dim, pooling factor)
 TABLE_SETS: dict[str, list[tuple[int, int, float]]] = {
@@ -393,12 +391,6 @@ def plot(rows: list[dict[str, Any]], summary: list[dict[str, Any]], path: Path) 
     fig.savefig(path, dpi=120)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sets", nargs="+", default=list(TABLE_SETS), choices=list(TABLE_SETS))
@@ -425,21 +417,7 @@ def main() -> None:
         calibrate("cpu", 2).save(path)
         args.calibration = str(path)
         print(f"calibrated the perf model in {time.perf_counter() - started:.0f} s -> {path}", flush=True)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, 2, port, args, queue)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    outputs = {}
-    for _ in procs:
-        rank, ok, payload = queue.get()
-        if not ok:
-            raise RuntimeError(f"rank {rank} failed:\n{payload}")
-        outputs[rank] = payload
-    for proc in procs:
-        proc.join()
-    rows = outputs[0]
+    rows = spawn_ranks(rank_main, 2, args)[0]
     summary = summarize(rows)
     print_table([r for r in rows if r["refined"]], ["table_set", "plan", "sharding", "measured_ms", "estimated_ms",
                                                     "screen_ms", "note"])  # fmt: skip

@@ -30,7 +30,6 @@ import argparse
 import inspect
 import os
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -40,10 +39,9 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import append_csv, print_table
+from harness import append_csv, print_table, spawn_ranks
 
 from tritonrec.dist.comm_consistency import DEFAULT_CHECKED_CALLS
 
@@ -255,30 +253,8 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, impl: 
             dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def measure_once(args: argparse.Namespace, impl: str, kind: str) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=rank_main, args=(r, args.world, port, args, impl, kind, queue)) for r in range(args.world)
-    ]
-    for proc in procs:
-        proc.start()
-    outputs = {}
-    for _ in procs:
-        rank, ok, payload = queue.get()
-        if not ok:
-            raise RuntimeError(f"rank {rank} failed:\n{payload}")
-        outputs[rank] = payload
-    for proc in procs:
-        proc.join()
-    return outputs[0]
+    return spawn_ranks(rank_main, args.world, args, impl, kind)[0]
 
 
 def main() -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -36,10 +35,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import append_csv, print_table, results_dir
+from harness import append_csv, print_table, results_dir, spawn_ranks
 
 SHARDINGS = ["tw", "rw", "cw", "twrw", "dp"]
 PIPELINES = ["base", "sparse_dist", "staged"]
@@ -271,28 +269,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, config
 
 def run_round(args: argparse.Namespace, configs: list[tuple]) -> dict[tuple, Any]:
     """Every configuration once, in fresh rank processes."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, args.world, port, args, configs, queue))
-             for r in range(args.world)]  # fmt: skip
-    for proc in procs:
-        proc.start()
-    outputs = {}
-    for _ in procs:
-        rank, ok, payload = queue.get()
-        if not ok:
-            raise RuntimeError(f"rank {rank} failed:\n{payload}")
-        outputs[rank] = payload
-    for proc in procs:
-        proc.join()
-    return outputs[0]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return spawn_ranks(rank_main, args.world, args, configs)[0]
 
 
 def report(args: argparse.Namespace, rows: dict[tuple, dict[str, Any]]) -> list[dict[str, Any]]:

@@ -20,6 +20,7 @@ import datetime
 import logging
 import os
 import platform
+import socket
 import statistics
 import sys
 import time
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.multiprocessing as mp
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 COMMIT_FLAG = "--commit-results"
@@ -191,3 +193,37 @@ def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return "" if value is None else str(value)
+
+
+def free_port() -> int:
+    """A free TCP port on loopback, for the rendezvous of a spawned gloo group."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def spawn_ranks(target: Callable[..., None], world: int, *args: Any, timeout_s: float | None = None) -> dict[int, Any]:
+    """Run ``target(rank, world, port, *args, queue)`` in ``world`` spawned processes that meet on a fresh loopback
+    port. Each rank puts ``(rank, ok, payload)`` on ``queue``: its result, or its traceback when ``ok`` is False.
+    Returns ``{rank: payload}``; the first rank that failed raises a ``RuntimeError`` carrying its traceback (the
+    other ranks are then stopped rather than left waiting in a collective)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(rank, world, port, *args, queue)) for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    outputs: dict[int, Any] = {}
+    try:
+        for _ in procs:
+            rank, ok, payload = queue.get(timeout=timeout_s)
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            outputs[rank] = payload
+    except BaseException:
+        for proc in procs:
+            proc.terminate()
+        raise
+    for proc in procs:
+        proc.join()
+    return outputs
