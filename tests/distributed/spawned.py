@@ -41,7 +41,9 @@ def run_op_cases(rank: int, world: int) -> dict[str, Any]:
 
 
 # suite name -> (rank-side function, world sizes it runs on)
-SUITES: dict[str, tuple[Callable[[int, int], Any], tuple[int, ...]]] = {
+Suites = dict[str, tuple[Callable[[int, int], Any], tuple[int, ...]]]
+
+SUITES: Suites = {
     "ops": (run_op_cases, (2, 4)),
     "data": (run_data_cases, (2, 4)),
     "codecs": (run_codec_cases, (2,)),
@@ -52,15 +54,30 @@ SUITES: dict[str, tuple[Callable[[int, int], Any], tuple[int, ...]]] = {
 }
 
 
-def _run_suites(rank: int, world: int) -> dict[str, Any]:
+def run_suites(suites: Suites, rank: int, world: int) -> dict[str, Any]:
+    """On this rank, every suite listed for ``world``, in order: ``{name: result}``, or ``{"error": traceback}`` for
+    a suite that raised (the later suites still run; a collective it left unmatched would show as their timeout)."""
     results: dict[str, Any] = {}
-    for name, (suite, worlds) in SUITES.items():
+    for name, (suite, worlds) in suites.items():
         if world in worlds:
             try:
                 results[name] = suite(rank, world)
-            except Exception:  # reported per suite; a collective mismatch after this would show as a timeout
+            except Exception:
                 results[name] = {"error": traceback.format_exc()}
     return results
+
+
+def results_of(per_rank_results: list[dict[str, Any]], suite: str, world: int) -> list[Any]:
+    """Per rank, what ``suite`` returned; a suite that raised on any rank fails here with that rank's traceback."""
+    per_rank = [results[suite] for results in per_rank_results]
+    for rank, result in enumerate(per_rank):
+        if isinstance(result, dict) and "error" in result:
+            raise AssertionError(f"suite {suite!r} raised on rank {rank} of {world}:\n{result['error']}")
+    return per_rank
+
+
+def _run_suites(rank: int, world: int) -> dict[str, Any]:
+    return run_suites(SUITES, rank, world)
 
 
 @contextlib.contextmanager
@@ -90,8 +107,4 @@ def _all_results(world: int) -> list[dict[str, Any]]:
 
 def suite_results(suite: str, world: int) -> list[Any]:
     """Per rank, what ``suite`` returned on ``world`` ranks (the spawn runs once per world size per session)."""
-    per_rank = [results[suite] for results in _all_results(world)]
-    for rank, result in enumerate(per_rank):
-        if isinstance(result, dict) and "error" in result:
-            raise AssertionError(f"suite {suite!r} raised on rank {rank} of {world}:\n{result['error']}")
-    return per_rank
+    return results_of(_all_results(world), suite, world)

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import functools
 import os
-import traceback
 from collections.abc import Callable
 from typing import Any
 
-from tests.distributed.spawned import spawn_ranks
+from tests.distributed.spawned import results_of, run_suites, spawn_ranks
 
 SPAWN_TIMEOUT_S = 480.0
 LOCAL_WORLD_SIZE = {2: 2, 4: 2}
@@ -38,14 +37,7 @@ def _run_suites(rank: int, world: int) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
-    results: dict[str, Any] = {}
-    for name, (suite, worlds) in _suites().items():
-        if world in worlds:
-            try:
-                results[name] = suite(rank, world)
-            except Exception:  # reported per suite; a collective mismatch after this would show as a timeout
-                results[name] = {"error": traceback.format_exc()}
-    return results
+    return run_suites(_suites(), rank, world)
 
 
 @functools.cache
@@ -55,8 +47,4 @@ def _all_results(world: int) -> list[dict[str, Any]]:
 
 def suite_results(suite: str, world: int) -> list[Any]:
     """Per rank, what ``suite`` returned on ``world`` ranks (the spawn runs once per world size per session)."""
-    per_rank = [results[suite] for results in _all_results(world)]
-    for rank, result in enumerate(per_rank):
-        if isinstance(result, dict) and "error" in result:
-            raise AssertionError(f"suite {suite!r} raised on rank {rank} of {world}:\n{result['error']}")
-    return per_rank
+    return results_of(_all_results(world), suite, world)

@@ -5,10 +5,9 @@ pattern of tests/distributed/spawned.py). Ranks run the torch twins with one int
 from __future__ import annotations
 
 import functools
-import traceback
 from typing import Any
 
-from tests.distributed.spawned import spawn_ranks
+from tests.distributed.spawned import results_of, run_suites, spawn_ranks
 
 SPAWN_TIMEOUT_S = 300.0
 WORLD = 2
@@ -20,15 +19,13 @@ def _run_suites(rank: int, world: int) -> dict[str, Any]:
     from tests.train_pipeline import pipeline_cases
 
     torch.set_num_threads(1)
-    results: dict[str, Any] = {}
     # the error cases run last: a rank that failed may leave a collective unmatched on the main group
-    for name, suite in (("exact", pipeline_cases.exact_cases), ("end", pipeline_cases.end_cases),
-                        ("errors", pipeline_cases.error_cases)):  # fmt: skip
-        try:
-            results[name] = suite(rank, world)
-        except Exception:  # reported per suite
-            results[name] = {"error": traceback.format_exc()}
-    return results
+    suites = {
+        "exact": (pipeline_cases.exact_cases, (WORLD,)),
+        "end": (pipeline_cases.end_cases, (WORLD,)),
+        "errors": (pipeline_cases.error_cases, (WORLD,)),
+    }
+    return run_suites(suites, rank, world)
 
 
 @functools.cache
@@ -38,8 +35,4 @@ def _all_results() -> list[dict[str, Any]]:
 
 def suite_results(suite: str) -> list[Any]:
     """Per rank, what ``suite`` returned (the spawn runs once per session)."""
-    per_rank = [results[suite] for results in _all_results()]
-    for rank, result in enumerate(per_rank):
-        if isinstance(result, dict) and "error" in result:
-            raise AssertionError(f"suite {suite!r} raised on rank {rank}:\n{result['error']}")
-    return per_rank
+    return results_of(_all_results(), suite, WORLD)
