@@ -45,6 +45,20 @@ _CHUNK_BYTES_PER_THREAD = 2 << 20
 # a barrier waits for a descheduled thread (milliseconds each): past this many chunks per update, chunks grow instead
 # (at FBGEMM's default size on 2 loaded cores, 8 chunks instead of 40 halved the update's wall time).
 _MAX_CHUNKS_MULTITHREADED = 8
+# With one thread there is no barrier, but every chunk's sums are a fresh allocation: glibc maps a block of at least
+# the largest size it has recently unmapped straight from the kernel (page faults on first touch, an munmap on free),
+# and 2 MiB chunks of equal size hit that every time (cpu_sized, 1 thread: ~2.3k faults per backward, 17-19 ms vs
+# 15.5-16.5 ms with 512 KiB chunks, which the heap serves). Chunks grow again past this many per update, where the
+# ~20 us of torch calls per chunk would outweigh it (FBGEMM's default size: 156 MB of sums).
+_CHUNK_BYTES_ONE_THREAD = 512 << 10
+_MAX_CHUNKS_ONE_THREAD = 64
+
+
+def _chunk_bytes(total_bytes: int) -> int:
+    """Bytes of gradient sums the torch twin updates per chunk, for ``total_bytes`` of sums in all."""
+    if torch.get_num_threads() > 1:
+        return max(_CHUNK_BYTES_PER_THREAD * torch.get_num_threads(), -(-total_bytes // _MAX_CHUNKS_MULTITHREADED))
+    return max(_CHUNK_BYTES_ONE_THREAD, -(-total_bytes // _MAX_CHUNKS_ONE_THREAD))
 
 
 @triton.jit
@@ -350,8 +364,7 @@ def fused_update_reference(
 ) -> None:
     """The specification (see module docstring): apply the rule in fp32 to the touched rows, round to the storage
     dtype and write rows and state back - over all tables at once when they share a dim, else per table, in
-    chunks of ``_CHUNK_BYTES_PER_THREAD`` of gradient sums per thread (at most ``_MAX_CHUNKS_MULTITHREADED`` chunks
-    with several threads).
+    chunks of gradient sums sized by :func:`_chunk_bytes`.
 
     Each rule computes ``delta = -update`` and the new weights are ``w + delta``. For fp32 SGD and rowwise Adagrad
     that is written with ``index_add_`` (one read-modify-write per row, much faster on CPU than gathering the rows
@@ -362,10 +375,7 @@ def fused_update_reference(
     in_place = weights.dtype == torch.float32 and state.optim != OptimType.ADAM
     rowwise = state.optim == OptimType.EXACT_ROWWISE_ADAGRAD
     row_state = state.momentum1.index_select(0, plan.unique_rows) if rowwise else None  # [U], by unique row
-    chunk_bytes = _CHUNK_BYTES_PER_THREAD * torch.get_num_threads()
-    if torch.get_num_threads() > 1:
-        total_bytes = 4 * compact_offsets(layout, plan)[-1]
-        chunk_bytes = max(chunk_bytes, -(-total_bytes // _MAX_CHUNKS_MULTITHREADED))
+    chunk_bytes = _chunk_bytes(4 * compact_offsets(layout, plan)[-1])
     for span, a, b, g in iter_row_sums(layout, plan, grad_flat, chunk_bytes):
         t, dim = span.table, span.dim
         if t is None:  # every table: global rows of the flat buffer viewed as [num_rows, dim]

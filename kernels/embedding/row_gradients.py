@@ -237,6 +237,14 @@ def segment_sums(
     )
 
 
+def _chunk_sums(
+    matrix: torch.Tensor, ids: torch.Tensor, bag_offsets: torch.Tensor, scales: torch.Tensor | None
+) -> torch.Tensor:
+    """:func:`segment_sums` with offsets already starting at 0, through ``torch.embedding_bag`` itself (the same
+    kernel without the functional wrapper's per-call checks: the plan built these tensors)."""
+    return torch.embedding_bag(matrix, ids, bag_offsets, False, 0, False, scales, True)[0]
+
+
 def iter_row_sums(
     layout: TableBatchedLayout,
     plan: RowGradientPlan,
@@ -258,9 +266,8 @@ def iter_row_sums(
         starts = plan.segment_offsets[bounds].tolist() if len(bounds) > 2 else [span.c0, span.c1]
         for k, (a, b) in enumerate(itertools.pairwise(bounds)):
             c0, c1 = starts[k] - span.c0, starts[k + 1] - span.c0
-            sums = segment_sums(
-                matrix, ids[c0:c1], plan.segment_offsets[a : b + 1], None if span_scales is None else span_scales[c0:c1]
-            )
+            bag_offsets = plan.segment_offsets[a : b + 1] - starts[k]
+            sums = _chunk_sums(matrix, ids[c0:c1], bag_offsets, None if span_scales is None else span_scales[c0:c1])
             yield span, a, b, sums
 
 

@@ -125,7 +125,9 @@ def test_twin_in_one_row_chunks_matches_plain_torch(optim, dims, monkeypatch, to
     # the twin updates rows chunk by chunk (rowwise state gathered once, sliced per chunk, written back once): with a
     # few bytes per chunk every row is its own chunk, so every chunk boundary is crossed in every step
     monkeypatch.setattr(fused_update_module, "_CHUNK_BYTES_PER_THREAD", 4)
-    monkeypatch.setattr(fused_update_module, "_MAX_CHUNKS_MULTITHREADED", 1 << 20)  # whatever the thread count
+    monkeypatch.setattr(fused_update_module, "_CHUNK_BYTES_ONE_THREAD", 4)
+    for name in ("_MAX_CHUNKS_MULTITHREADED", "_MAX_CHUNKS_ONE_THREAD"):  # whatever the thread count
+        monkeypatch.setattr(fused_update_module, name, 1 << 20)
     layout = _layout(dims)
     batches = _batches(layout)
     weights = batches[0].weights.clone()
