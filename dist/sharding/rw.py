@@ -23,12 +23,11 @@ from tritonrec.dist.embedding_dist import (
     SequenceEmbeddingsAllToAll,
     VariableBatchPooledEmbeddingsReduceScatter,
 )
-from tritonrec.dist.embedding_lookup import pad_variable_batch
 from tritonrec.dist.kjt_dist import get_recat
 from tritonrec.dist.qcomm_protocol import CommOp
 from tritonrec.dist.sharding.base import EmbeddingSharding, feature_dims, record_slots, sequence_rows
 from tritonrec.dist.sharding.common import LocalShard, OutputColumns, ShardingContext, mean_divisor
-from tritonrec.dist.sharding.tw import expand_variable_batch, flatten_per_rank
+from tritonrec.dist.sharding.tw import expand_variable_batch, lookup_received
 from tritonrec.dist.types import ShardingType
 from tritonrec.kernels import block_bucketize_sparse_features
 from tritonrec.kernels.embedding import PoolingMode
@@ -118,15 +117,7 @@ class RwSharding(EmbeddingSharding):
         return self.all_to_all(bucketized, [len(self._features)] * self.world_size, ctx)
 
     def compute(self, features: KeyedJaggedTensor, ctx: ShardingContext) -> torch.Tensor:
-        if not self.pooled:
-            ctx.lengths_after_dist = features.lengths()
-            return super().compute(features, ctx)
-        if not features.variable_stride_per_key():
-            return super().compute(features, ctx)
-        ctx.stride_per_key_per_rank = features.stride_per_key_per_rank()
-        self.lookup.ensure_packed()
-        padded = self.lookup.forward_pooled(pad_variable_batch(features))
-        return flatten_per_rank(padded, ctx.stride_per_key_per_rank, self._dims)
+        return lookup_received(self, features, ctx, self._dims)
 
     def output_dist(self, local: torch.Tensor, ctx: ShardingContext) -> Awaitable[torch.Tensor]:
         if not self.pooled:

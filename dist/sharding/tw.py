@@ -83,15 +83,7 @@ class TwCwSharding(EmbeddingSharding):
         return self.all_to_all(permuted, self._splits, ctx)
 
     def compute(self, features: KeyedJaggedTensor, ctx: ShardingContext) -> torch.Tensor:
-        if not self.pooled:
-            ctx.lengths_after_dist = features.lengths()
-            return super().compute(features, ctx)
-        if not features.variable_stride_per_key():
-            return super().compute(features, ctx)
-        ctx.stride_per_key_per_rank = features.stride_per_key_per_rank()
-        self.lookup.ensure_packed()
-        padded = self.lookup.forward_pooled(pad_variable_batch(features))
-        return flatten_per_rank(padded, ctx.stride_per_key_per_rank, feature_dims(self.shards_per_rank[self.rank]))
+        return lookup_received(self, features, ctx, feature_dims(self.shards_per_rank[self.rank]))
 
     def output_dist(self, local: torch.Tensor, ctx: ShardingContext) -> Awaitable[torch.Tensor]:
         if not self.pooled:
@@ -128,6 +120,23 @@ class TwCwSharding(EmbeddingSharding):
             batch_size_per_rank=ctx.batch_size_per_rank,
             sparse_features_recat=recat,
         )
+
+
+def lookup_received(
+    sharding: EmbeddingSharding, features: KeyedJaggedTensor, ctx: ShardingContext, dims: list[int]
+) -> torch.Tensor:
+    """The local lookup of a KJT gathered from every rank (TW/CW, RW): a sequence lookup records the received
+    lengths; a variable batch per feature (VBE) is padded to each feature's largest batch, looked up, and flattened
+    back into per-rank order (``dims``: the output width of each local feature)."""
+    if not sharding.pooled:
+        ctx.lengths_after_dist = features.lengths()
+        return EmbeddingSharding.compute(sharding, features, ctx)
+    if not features.variable_stride_per_key():
+        return EmbeddingSharding.compute(sharding, features, ctx)
+    ctx.stride_per_key_per_rank = features.stride_per_key_per_rank()
+    sharding.lookup.ensure_packed()
+    padded = sharding.lookup.forward_pooled(pad_variable_batch(features))
+    return flatten_per_rank(padded, ctx.stride_per_key_per_rank, dims)
 
 
 def flatten_per_rank(padded: torch.Tensor, strides: list[list[int]], dims: list[int]) -> torch.Tensor:
@@ -175,4 +184,11 @@ class TwCwTableColumnSharding(TwCwSharding):
     sharding_type = ShardingType.TABLE_COLUMN_WISE.value
 
 
-__all__ = ["CwSharding", "TwCwSharding", "TwCwTableColumnSharding", "expand_variable_batch", "flatten_per_rank"]
+__all__ = [
+    "CwSharding",
+    "TwCwSharding",
+    "TwCwTableColumnSharding",
+    "expand_variable_batch",
+    "flatten_per_rank",
+    "lookup_received",
+]
