@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_sharded_ebc import plan_generators as sharded_ebc_plan_generators
 from harness import append_csv, print_table, results_dir, spawn_ranks
 
 SHARDINGS = ["tw", "rw", "cw", "twrw", "dp"]
@@ -76,17 +77,13 @@ def make_batches(args: argparse.Namespace, rank: int, count: int, torchrec_types
     return out
 
 
+# this benchmark's sharding names -> bench_sharded_ebc's (ShardingType values), whose plan generators it uses
+SHARDING_TYPES = {"tw": "table_wise", "rw": "row_wise", "cw": "column_wise", "twrw": "table_row_wise",
+                  "dp": "data_parallel"}  # fmt: skip
+
+
 def plan_generators(kind: str, tables: int, world: int, lib: Any) -> dict[str, Any]:
-    names = [f"t{i}" for i in range(tables)]
-    if kind == "tw":
-        return {n: lib.table_wise(rank=i % world) for i, n in enumerate(names)}
-    if kind == "rw":
-        return {n: lib.row_wise() for n in names}
-    if kind == "cw":
-        return {n: lib.column_wise(ranks=list(range(world))) for n in names}
-    if kind == "twrw":
-        return {n: lib.table_row_wise(host_index=0) for n in names}
-    return {n: lib.data_parallel() for n in names}
+    return sharded_ebc_plan_generators(SHARDING_TYPES[kind], tables, world, lib)
 
 
 # -------------------------------------------------------------------------------------------------------- ours
