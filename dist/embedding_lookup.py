@@ -37,6 +37,7 @@ from tritonrec.kernels.embedding import (
     pooled_embedding_lookup,
     sequence_embedding_lookup,
 )
+from tritonrec.kernels.embedding.storage import empty_table_storage
 from tritonrec.modules.table_batched import TableGroup, is_packed, repack
 
 if TYPE_CHECKING:
@@ -124,7 +125,7 @@ class GroupedEmbeddingLookup(nn.Module):
             feature_tables = [t for t, s in enumerate(run) for _ in s.features]
             names = [f for s in run for f in s.features]
             layout = TableBatchedLayout(specs, feature_tables, names)
-            flat = torch.empty(layout.num_weights, dtype=run[0].dtype, device=device)
+            flat = empty_table_storage(layout.num_weights, run[0].dtype, device)
             requires_grad = compute_kernel == EmbeddingComputeKernel.DENSE.value
             modules = [
                 ShardWeight(nn.Parameter(layout.table_view(flat, t), requires_grad=requires_grad))

@@ -20,6 +20,7 @@ from torch import nn
 from tritonrec.data import KeyedJaggedTensor
 from tritonrec.kernels.backend import Backend
 from tritonrec.kernels.embedding import BoundsCheckMode, PoolingMode, TableBatchedLayout, TableSpec
+from tritonrec.kernels.embedding.storage import empty_table_storage
 from tritonrec.modules.embedding_configs import (
     BaseEmbeddingConfig,
     data_type_to_dtype,
@@ -106,7 +107,7 @@ def build_groups(
             feature_tables += [local] * len(config.feature_names)
             feature_names += config.feature_names
         layout = TableBatchedLayout(specs, feature_tables, feature_names)
-        flat = torch.empty(layout.num_weights, dtype=dtype, device=device)
+        flat = empty_table_storage(layout.num_weights, dtype, device)
         for local, pos in enumerate(positions):
             view = layout.table_view(flat, local)
             if flat.device.type != "meta":
@@ -131,7 +132,7 @@ def repack(group: TableGroup) -> None:
                 f"tables of one dtype group must share dtype and device, got {layout.table_label(t)} as {p.dtype} on "
                 f"{p.device} but {layout.table_label(0)} as {first.dtype} on {first.device}"
             )
-    flat = torch.empty(layout.num_weights, dtype=first.dtype, device=first.device)
+    flat = empty_table_storage(layout.num_weights, first.dtype, first.device)
     with torch.no_grad():
         for t, p in enumerate(params):
             view = layout.table_view(flat, t)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from tritonrec.kernels.embedding.layout import TableBatchedLayout
+from tritonrec.kernels.embedding.storage import zeros_table_storage
 
 
 class OptimType(enum.Enum):
@@ -142,7 +143,8 @@ def create_fused_optimizer_state(
     if optim == OptimType.EXACT_ROWWISE_ADAGRAD:
         momentum1 = zeros(layout.num_rows)
     elif optim == OptimType.ADAM:
-        momentum1, momentum2 = zeros(layout.num_weights), zeros(layout.num_weights)
+        momentum1 = zeros_table_storage(layout.num_weights, torch.float32, device)
+        momentum2 = zeros_table_storage(layout.num_weights, torch.float32, device)
     step = torch.zeros(layout.num_tables, dtype=torch.int64, device=device)
     return FusedOptimizerState(optim, merged, momentum1, momentum2, step, stochastic_rounding, seed)
 
