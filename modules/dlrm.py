@@ -79,8 +79,12 @@ class DLRM(nn.Module):
 
     def forward(self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
         """``dense_features [B, Dd]``, ``sparse_features`` (stride B) -> logits ``[B, over_arch_layer_sizes[-1]]``."""
+        # The lookup first: a sharded collection returns a lazy awaitable, so its output all-to-all is in flight
+        # while the dense arch runs, and in the backward (autograd runs the latest-created ready node first) the dense
+        # arch's gradients - and DDP's all-reduce of them - come before the embedding update instead of after it.
+        pooled = self.sparse_arch.embedding_bag_collection(sparse_features)
         embedded_dense = self.dense_arch(dense_features)
-        embedded_sparse = self.sparse_arch(sparse_features)
+        embedded_sparse = self.sparse_arch.to_tensor(pooled)
         return self.over_arch(self.inter_arch(embedded_dense, embedded_sparse))
 
 

@@ -76,7 +76,11 @@ class SparseArch(nn.Module):
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         """``features`` -> ``[B, F, D]``."""
-        pooled: KeyedTensor = self.embedding_bag_collection(features)
+        return self.to_tensor(self.embedding_bag_collection(features))
+
+    def to_tensor(self, pooled: KeyedTensor) -> torch.Tensor:
+        """The collection's output (a KeyedTensor, or a sharded collection's lazy awaitable of one, waited here) ->
+        ``[B, F, D]``."""
         if pooled.keys() == self._sparse_feature_names:  # the collection's output order: no regrouping copy needed
             values = pooled.values()
         else:

@@ -14,6 +14,7 @@ import torch
 
 from tritonrec.data.batcher import Batcher
 from tritonrec.data.elements import ElementSpec, RecElement
+from tritonrec.dist.awaitable import LazyAwaitable
 from tritonrec.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection
 from tritonrec.modules.dlrm import DLRM, DLRM_DCN, DLRMTrain
 from tritonrec.modules.dlrm_archs import InteractionArch, LowRankCrossNet, OverArch
@@ -129,6 +130,45 @@ def test_triton_kernels_under_the_interpreter_match_the_twin() -> None:
     torch.testing.assert_close(results[0][0], results[1][0])
     for auto_table, torch_table in zip(results[0][1], results[1][1], strict=True):
         torch.testing.assert_close(auto_table, torch_table)
+
+
+class _RecordingAwaitable(LazyAwaitable):
+    """A sharded collection's output stand-in: records when it is waited."""
+
+    def __init__(self, result: object, events: list[str]) -> None:
+        super().__init__()
+        self._value, self._events = result, events
+
+    def _wait_impl(self) -> object:
+        self._events.append("wait embeddings")
+        return self._value
+
+
+def test_the_lookup_is_in_flight_while_the_dense_arch_runs_and_its_backward_comes_first() -> None:
+    """A sharded collection returns a lazy awaitable: DLRM starts it before the dense arch and waits it after, so the
+    output all-to-all overlaps the dense forward; autograd then reaches the dense arch's gradients (and DDP's
+    all-reduce of them) before the embedding lookup's backward (the fused update), not after it."""
+    events: list[str] = []
+    model = DLRM(_collection(), 3, [8, D], [5, 1])
+    collection = model.sparse_arch.embedding_bag_collection
+    inner_forward = collection.forward
+
+    def lazy_forward(features: object) -> _RecordingAwaitable:
+        events.append("lookup")
+        return _RecordingAwaitable(inner_forward(features), events)
+
+    collection.forward = lazy_forward
+    model.dense_arch.register_forward_hook(lambda *_: events.append("dense forward"))
+    batch = next(Batcher(SPEC).process(_elements(4), 4))
+    logits = model(batch.dense_features, batch.sparse_features)
+    assert events == ["lookup", "dense forward", "wait embeddings"]
+    table = collection.embedding_bags["t0"].weight
+    before = table.detach().clone()
+    first_dense = model.dense_arch.model._mlp[0]._linear.weight
+    first_dense.register_hook(lambda g: events.append(f"dense grad, table updated: {not torch.equal(table, before)}"))
+    logits.sum().backward()
+    assert events[3:] == ["dense grad, table updated: False"]
+    assert not torch.equal(table, before)  # the fused update ran, after the dense arch's backward
 
 
 def test_bad_model_arguments() -> None:
