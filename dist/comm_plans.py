@@ -56,7 +56,7 @@ class PooledAllToAllPlan(CollectivePlan):
         return comm_wire.all_to_all(self.backward_name, self.group, blocks, recv, self.backward_codec)
 
     def finish_backward(self, received: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        return (torch.cat(received, dim=0),)
+        return (comm_wire.cat_received(received),)
 
 
 class FlatAllToAllPlan(CollectivePlan):
@@ -85,7 +85,7 @@ class FlatAllToAllPlan(CollectivePlan):
         )
 
     def finish_forward(self, received: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(received)
+        return comm_wire.cat_received(received)
 
     def launch_backward(self, grads: tuple[torch.Tensor, ...]) -> InFlight[list[torch.Tensor]]:
         (grad,) = grads
@@ -95,7 +95,7 @@ class FlatAllToAllPlan(CollectivePlan):
         )
 
     def finish_backward(self, received: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        return (torch.cat(received),)
+        return (comm_wire.cat_received(received),)
 
 
 class SequenceAllToAllPlan(CollectivePlan):
@@ -147,7 +147,7 @@ class SequenceAllToAllPlan(CollectivePlan):
         )
 
     def finish_forward(self, received: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(received).view(-1, self.embedding_dim)
+        return comm_wire.cat_received(received).view(-1, self.embedding_dim)
 
     def launch_backward(self, grads: tuple[torch.Tensor, ...]) -> InFlight[list[torch.Tensor]]:
         (grad,) = grads
@@ -157,7 +157,7 @@ class SequenceAllToAllPlan(CollectivePlan):
         )
 
     def finish_backward(self, received: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        grad = torch.cat(received).view(-1, self.embedding_dim)
+        grad = comm_wire.cat_received(received).view(-1, self.embedding_dim)
         if self.permuted_lengths is not None and self.backward_recat is not None:
             grad = self._permute(self.backward_recat, self.permuted_lengths, grad)[1]
         return (grad,)
@@ -198,7 +198,7 @@ class AllToAllVPlan(CollectivePlan):
         return comm_wire.all_to_all(self.backward_name, self.group, grads, recv, self.backward_codec)
 
     def finish_backward(self, received: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        grad = torch.cat(received, dim=0)
+        grad = comm_wire.cat_received(received)
         return tuple(g.contiguous() for g in grad.split(self.local_dims, dim=1))
 
 
@@ -240,7 +240,7 @@ class ReduceScatterPlan(CollectivePlan):
     def finish_backward(self, received: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         if self.splits is None:
             return tuple(received)
-        return (torch.cat(received),)
+        return (comm_wire.cat_received(received),)
 
 
 class AllGatherPlan(CollectivePlan):
@@ -264,7 +264,7 @@ class AllGatherPlan(CollectivePlan):
         return comm_wire.all_gather(self.name, self.group, block, shapes, self.forward_codec)
 
     def finish_forward(self, received: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(received)
+        return comm_wire.cat_received(received)
 
     def launch_backward(self, grads: tuple[torch.Tensor, ...]) -> InFlight[torch.Tensor]:
         (grad,) = grads
