@@ -8,7 +8,8 @@ Data flow (pooled), with ``H`` nodes of ``L`` ranks and rank ``r = node * L + lo
       -> local SUM lookup [sum(B), D_node] (partial bags)
       -> reduce-scatter inside the node (intra-node group): local rank j gets the node's sums for the samples of
          every rank with local index j
-      -> all-to-all across nodes (cross-node group of local index j): [B_me, sum over nodes D_node]
+      -> all-to-all across nodes (cross-node group of local index j): [B_me, sum over nodes D_node] (skipped on
+         one node, where it would return its input)
       -> MEAN divided by the bag length this rank holds
 
 The groups come from :func:`~tritonrec.dist.comm.intra_and_cross_node_pg` (``LOCAL_WORLD_SIZE`` ranks per node).
@@ -129,7 +130,11 @@ class TwRwSharding(EmbeddingSharding):
         rs_splits = [sum(batch[x + size * y] for y in nodes) for x in range(size)]
         cross_batch = [batch[self.local_rank + size * y] for y in nodes]
         first = self.intra_rs(local, rs_splits)
-        awaitable = _TwoStage(first, lambda reduced: self.cross_a2a(reduced, cross_batch))
+        # one node: the cross-node group is this rank alone and its all-to-all would hand the reduced sums back
+        # unchanged (~1 ms a step of launches, waits and copies, both ways, on 2 ranks)
+        awaitable: Awaitable[torch.Tensor] = (
+            first if self.num_nodes == 1 else _TwoStage(first, lambda reduced: self.cross_a2a(reduced, cross_batch))
+        )
         is_mean = [m for per_node in self._is_mean_per_node for m in per_node]
         if any(is_mean):
             lengths = ctx.lengths.view(len(self._send), -1)  # type: ignore[union-attr]
