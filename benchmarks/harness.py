@@ -163,7 +163,9 @@ def append_csv(path: str | Path, rows: Iterable[Mapping[str, Any]], device: str 
         path = results_dir() / path
     path.parent.mkdir(parents=True, exist_ok=True)
     env = environment(device)
-    full_rows = [{**row, **env} for row in rows]
+    # a row's own value wins (e.g. the threads each spawned rank ran with, which this process's count is not); the
+    # columns stay in the same order either way
+    full_rows = [{**row, **{k: v for k, v in env.items() if k not in row}} for row in rows]
     if not full_rows:
         return path
     fields = list(full_rows[0].keys())

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -50,6 +51,16 @@ def test_commit_results_writes_the_committed_files(results: Path, monkeypatch: p
     harness.set_commit_results(None)
     monkeypatch.setenv("TRITONREC_COMMIT_RESULTS", "1")
     assert harness.results_dir() == results
+
+
+def test_a_rows_own_thread_count_is_kept(results: Path) -> None:
+    """A benchmark whose ranks ran with their own thread count records it, not the parent process's."""
+    import csv
+
+    path = harness.append_csv("bench.csv", [{"case": "a", "threads": 7}, {"case": "b"}])
+    written = list(csv.DictReader(path.open()))
+    assert list(written[0])[:2] == ["case", "threads"]
+    assert written[0]["threads"] == "7" and written[1]["threads"] == str(torch.get_num_threads())
 
 
 def test_commit_flag_is_taken_off_the_command_line() -> None:
