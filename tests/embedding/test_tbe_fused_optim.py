@@ -252,3 +252,26 @@ def test_fused_update_runs_without_any_input_requiring_grad(backend):
     assert not torch.equal(weights, case.weights) and state.step.tolist() == [1, 1]
     with torch.no_grad():
         assert not pooled_embedding_lookup(weights, layout, case.indices, case.offsets, fused=state).requires_grad
+
+
+@pytest.mark.parametrize("dims", [(3, 129), (4, 4)], ids=["mixed_dims", "equal_dims"])
+@pytest.mark.parametrize("rows_per_chunk", [1, 2, 3])
+def test_chunked_row_sums_are_bit_identical_to_one_chunk(dims, rows_per_chunk):
+    """Whatever the chunk size the twin sums rows in (chunks bound its temporaries), each row's sum is the same bits
+    as in one chunk per span, weighted bags included."""
+    from tritonrec.kernels.embedding.row_gradients import iter_row_sums
+
+    layout = _layout(dims)
+    for case in _batches(layout, 2):
+        grad = torch.randn(case.batch_size, layout.total_dim)
+        info = pooled_value_info(
+            layout, case.indices, case.offsets, case.per_sample_weights, None, case.batch_size, grad.stride(0), True
+        )
+        plan = build_row_gradient_plan(layout, case.indices, info, pooled_fingerprints(info, grad))
+        whole = {(a, b): sums for _, a, b, sums in iter_row_sums(layout, plan, grad.reshape(-1))}
+        pieces = list(iter_row_sums(layout, plan, grad.reshape(-1), chunk_bytes=4 * min(dims) * rows_per_chunk))
+        assert len(pieces) > len(whole)
+        for (a, b), sums in whole.items():
+            parts = [s for _, a2, b2, s in pieces if a <= a2 and b2 <= b]
+            assert sum(p.shape[0] for p in parts) == b - a
+            assert torch.equal(torch.cat(parts), sums)
