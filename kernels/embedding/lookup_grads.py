@@ -5,7 +5,8 @@ tensors an op was given, and the fused state's op arguments.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -18,6 +19,7 @@ from tritonrec.kernels.embedding.row_gradients import (
     row_gradient_sums_reference,
     row_gradient_sums_triton,
 )
+from tritonrec.kernels.library import optional_outputs
 
 
 def bounds_checked(layout: TableBatchedLayout, indices: torch.Tensor, starts: list[int], bounds_check: str) -> bool:
@@ -127,3 +129,24 @@ def lookup_state_args(fused: FusedOptimizerState | None) -> tuple[list[torch.Ten
     if fused is None:
         return [], None, -1
     return list(fused.state_tensors().values()), fused.trigger, fused.op_key
+
+
+def backward_weight_grads(
+    ctx: Any,
+    grad: torch.Tensor,
+    common: tuple[Any, ...],
+    fused_update_op: Callable[..., None],
+    weight_grad_op: Callable[..., list[torch.Tensor]],
+) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+    """The weights' part of a lookup op's backward, shared by the pooled and sequence lookups: ``(flat gradient,
+    per-table gradients)``. A fused state updates the rows in place (no gradient); otherwise the tables that need one
+    get theirs, or the flat buffer gets one. ``common`` are the op's own arguments after ``grad, weights``."""
+    flat_grad, table_grads = None, [None] * len(ctx.table_needs)
+    if ctx.fused >= 0:
+        fused_update_op(ctx.weights, ctx.optimizer_state, grad, *common, ctx.fused, ctx.backend)
+    elif any(ctx.table_needs):
+        grads = weight_grad_op(grad, ctx.weights, *common, ctx.table_needs, ctx.sparse, ctx.backend)
+        table_grads = optional_outputs(grads, ctx.table_needs)
+    elif ctx.weights_needs:
+        (flat_grad,) = weight_grad_op(grad, ctx.weights, *common, [], False, ctx.backend)
+    return flat_grad, table_grads

@@ -36,6 +36,7 @@ from tritonrec.kernels.embedding.layout import (
     layout_from_op_key,
 )
 from tritonrec.kernels.embedding.lookup_grads import (
+    backward_weight_grads,
     bounds_checked,
     fake_table_gradients,
     fused_update,
@@ -45,7 +46,7 @@ from tritonrec.kernels.embedding.lookup_grads import (
 from tritonrec.kernels.embedding.optim_state import FusedOptimizerState
 from tritonrec.kernels.embedding.pooled_forward import pooled_forward_reference, pooled_forward_triton
 from tritonrec.kernels.embedding.row_gradients import per_sample_weight_grad_reference, per_sample_weight_grad_triton
-from tritonrec.kernels.library import custom_op, optional_outputs
+from tritonrec.kernels.library import custom_op
 
 # --------------------------------------------------------------------------------------------------- the ops
 # The forward op takes the table views (so autograd routes their gradients), the fused state tensors and the
@@ -211,20 +212,13 @@ def _pooled_lookup_grad(ctx, grad_output):
     psw_grad = None
     if ctx.psw_needs:
         psw_grad = torch.ops.tritonrec.pooled_embedding_psw_grad(grad, ctx.weights, *common, ctx.backend)
-    flat_grad, table_grads = None, [None] * len(ctx.table_needs)
-    if ctx.fused >= 0:
-        torch.ops.tritonrec.pooled_embedding_fused_update(
-            ctx.weights, ctx.optimizer_state, grad, *common, ctx.fused, ctx.backend
-        )
-    elif any(ctx.table_needs):
-        grads = torch.ops.tritonrec.pooled_embedding_weight_grad(
-            grad, ctx.weights, *common, ctx.table_needs, ctx.sparse, ctx.backend
-        )
-        table_grads = optional_outputs(grads, ctx.table_needs)
-    elif ctx.weights_needs:
-        (flat_grad,) = torch.ops.tritonrec.pooled_embedding_weight_grad(
-            grad, ctx.weights, *common, [], False, ctx.backend
-        )
+    flat_grad, table_grads = backward_weight_grads(
+        ctx,
+        grad,
+        common,
+        torch.ops.tritonrec.pooled_embedding_fused_update,
+        torch.ops.tritonrec.pooled_embedding_weight_grad,
+    )
     return (flat_grad, None, None, psw_grad, None, table_grads, [None] * len(ctx.optimizer_state)) + (None,) * 6
 
 

@@ -30,6 +30,7 @@ from tritonrec.kernels.embedding.grad_plan import (
 )
 from tritonrec.kernels.embedding.layout import BoundsCheckMode, TableBatchedLayout, layout_from_op_key
 from tritonrec.kernels.embedding.lookup_grads import (
+    backward_weight_grads,
     bounds_checked,
     fake_table_gradients,
     fused_update,
@@ -38,7 +39,7 @@ from tritonrec.kernels.embedding.lookup_grads import (
 )
 from tritonrec.kernels.embedding.optim_state import FusedOptimizerState
 from tritonrec.kernels.embedding.pooled_forward import block_d_for
-from tritonrec.kernels.library import custom_op, optional_outputs
+from tritonrec.kernels.library import custom_op
 
 
 def _gather_configs() -> list:
@@ -256,20 +257,13 @@ def _sequence_lookup_grad(ctx, grad_output):
     (indices,) = ctx.saved_tensors
     grad = grad_output.contiguous().float()
     common = (indices, ctx.feature_value_offsets, ctx.layout, ctx.all_valid)
-    flat_grad, table_grads = None, [None] * len(ctx.table_needs)
-    if ctx.fused >= 0:
-        torch.ops.tritonrec.sequence_embedding_fused_update(
-            ctx.weights, ctx.optimizer_state, grad, *common, ctx.fused, ctx.backend
-        )
-    elif any(ctx.table_needs):
-        grads = torch.ops.tritonrec.sequence_embedding_weight_grad(
-            grad, ctx.weights, *common, ctx.table_needs, ctx.sparse, ctx.backend
-        )
-        table_grads = optional_outputs(grads, ctx.table_needs)
-    elif ctx.weights_needs:
-        (flat_grad,) = torch.ops.tritonrec.sequence_embedding_weight_grad(
-            grad, ctx.weights, *common, [], False, ctx.backend
-        )
+    flat_grad, table_grads = backward_weight_grads(
+        ctx,
+        grad,
+        common,
+        torch.ops.tritonrec.sequence_embedding_fused_update,
+        torch.ops.tritonrec.sequence_embedding_weight_grad,
+    )
     return (flat_grad, None, None, table_grads, [None] * len(ctx.optimizer_state)) + (None,) * 6
 
 
