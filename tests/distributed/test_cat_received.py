@@ -31,5 +31,4 @@ def test_anything_else_is_an_ordinary_cat() -> None:
     strided = buffer[:16].view(4, 4)
     columns = cat_received([strided[:2, :2], strided[2:, :2]])  # not contiguous
     assert torch.equal(columns, strided[:, :2])
-    assert torch.equal(cat_received([a.t(), b.t()], dim=1), torch.cat([a.t(), b.t()], dim=1))
     assert torch.equal(cat_received([a]), a) and torch.equal(cat_received([a, a[:0]]), a)
