@@ -44,10 +44,10 @@ from harness import append_csv, print_table
 
 from tritonrec.data.batch import Batch
 from tritonrec.data.batch_cache import DataGroup
+from tritonrec.data.batcher import kjt_from_id_matrix
 from tritonrec.data.criteo import CriteoTSVSource
 from tritonrec.data.criteo_npy import CriteoNPYSource, criteo_tsv_to_npy, npy_paths
 from tritonrec.data.group_loader import GroupLoader
-from tritonrec.data.keyed_jagged_tensor import KeyedJaggedTensor
 from tritonrec.data.loader import make_rank_loader
 from tritonrec.dist.train.builders import DataSources, build_dense_optimizer, build_model
 from tritonrec.dist.train.config import DLRMConfig, OptimConfig
@@ -172,7 +172,7 @@ def torchrec_npy_files(ours: Path, theirs: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ the batch cache
-def cached_group(prefix: Path, location: Path, batch_size: int) -> DataGroup:
+def cached_group(prefix: Path, location: Path, batch_size: int, views: bool = False) -> DataGroup:
     """A cache of model-ready arrays (hashed ids with -1 for missing, dense, labels), filled once, untimed."""
     dense, sparse, labels = (np.load(p, mmap_mode="r") for p in npy_paths(prefix))
     layouts = {"dense": ((13,), torch.float32), "ids": ((26,), torch.int64), "labels": ((), torch.float32)}
@@ -188,19 +188,20 @@ def cached_group(prefix: Path, location: Path, batch_size: int) -> DataGroup:
             batch.cache({"dense": torch.from_numpy(np.ascontiguousarray(dense[rows])), "ids": torch.from_numpy(ids),
                          "labels": torch.from_numpy(labels[rows].astype(np.float32))})  # fmt: skip
         batch.release()
+    if views:  # the same files, read as views of the mapping instead of copies
+        group = DataGroup(batch_size, range(len(labels)), None, layouts, location, cache_views=True)
     return group
 
 
 def cached_pass(group: DataGroup) -> Callable[[], Iterable[Batch]]:
-    def to_batch(ids: torch.Tensor, dense: torch.Tensor, labels: torch.Tensor) -> Batch:
-        present = (ids >= 0).T  # key-major
-        sparse = KeyedJaggedTensor(KEYS, ids.T[present], lengths=present.reshape(-1).to(torch.int32))
-        return Batch(dense, sparse, labels, torch.ones(labels.shape[0], dtype=torch.bool))
+    """Later epochs: cached batches -> model batches (the user's part: ids [B, 26] -> a KJT with empty bags)."""
 
     def batches() -> Iterable[Batch]:
         for cached in GroupLoader(lambda *_: None, group):
             with cached:
-                yield to_batch(cached.get_array("ids"), cached.get_array("dense"), cached.get_array("labels"))
+                labels = cached.get_array("labels")
+                sparse = kjt_from_id_matrix(KEYS, cached.get_array("ids"))
+                yield Batch(cached.get_array("dense"), sparse, labels, torch.ones(labels.shape[0], dtype=torch.bool))
 
     return batches
 
@@ -239,8 +240,10 @@ def bench_batch_size(tsv: Path, root: Path, B: int, rounds: int) -> list[dict[st
                       lambda lo=loaders["npy"]: lo))  # fmt: skip
     rows_loader = make_rank_loader(CriteoNPYSource(rows_prefix, HASH), B)
     cases.append(("tritonrec CriteoNPYSource (rows layout, raw ids) -> Batch", "npy_rows", 0, lambda: rows_loader))
-    cases.append(("tritonrec batch cache (mmap .npy) -> Batch", "cache", 0, cached_pass(
+    cases.append(("tritonrec batch cache (mmap .npy, copies) -> Batch", "cache", 0, cached_pass(
         cached_group(rows_prefix, root / f"cache_{B}", B))))  # fmt: skip
+    cases.append(("tritonrec batch cache (mmap .npy, cache_views) -> Batch", "cache_views", 0, cached_pass(
+        cached_group(rows_prefix, root / f"cache_{B}", B, views=True))))  # fmt: skip
     anchor_notes: dict[str, str] = {}
     try:
         theirs = root / "torchrec" / "day_0"
@@ -268,7 +271,7 @@ def bench_batch_size(tsv: Path, root: Path, B: int, rounds: int) -> list[dict[st
             "cpu_samples_per_s": samples / min(cpus) if workers == 0 else None, "load_1min": load,
         })  # fmt: skip
     anchors = {r["format"]: r for r in rows_out if r["impl"].startswith("anchor")}
-    anchor_of = {"npy_rows": "npy", "npy_bare": "npy", "cache": "npy_mem"}
+    anchor_of = {"npy_rows": "npy", "npy_bare": "npy", "cache": "npy_mem", "cache_views": "npy_mem"}
     step = rows_out[-1]
     for row in rows_out:
         fmt = anchor_of.get(row["format"], row["format"])

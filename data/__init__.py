@@ -15,7 +15,7 @@ from tritonrec.data.batched_data_dict import (
     SequencePackingArgs,
     SlicedDataDict,
 )
-from tritonrec.data.batcher import Batcher, BatcherConfig
+from tritonrec.data.batcher import Batcher, BatcherConfig, kjt_from_id_matrix
 from tritonrec.data.criteo import CriteoTSVSource, MalformedLineError
 from tritonrec.data.criteo_npy import CriteoNPYSource, criteo_tsv_to_npy
 from tritonrec.data.element_chunk import ChunkSource, ElementChunk
@@ -62,6 +62,7 @@ __all__ = [
     "UnknownKeyError",
     "criteo_tsv_to_npy",
     "jt_is_equal",
+    "kjt_from_id_matrix",
     "kjt_is_equal",
     "make_rank_loader",
 ]

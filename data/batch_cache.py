@@ -7,20 +7,20 @@ A :class:`DataGroup` holds the items (any sequence of descriptors), the batch si
 :class:`Batch` es: an *uncached* batch holds loader arrays; the training code turns it into its cached form with
 :meth:`Batch.cache` (for example after running the frozen encoder), which also writes it to ``cache_location``
 unless the group is ``cache_readonly``, ``persist=False`` or the call says ``persist=False``. Later epochs read the
-stored batch (a memory-mapped ``.npy`` file per array and the pickled additional data) instead of calling the loader.
+stored batch instead of calling the loader: every cache array is one memory-mapped ``.npy`` for the whole group, so
+a stored batch is a slice of it, copied into fresh tensors (or, with ``cache_views=True``, handed out as views);
+see :mod:`tritonrec.data.batch_store` for the files.
 
 Batch ``b`` of a group always holds items ``[b * batch_size, (b + 1) * batch_size)`` (a partial last batch is not
 produced, as in hydrax), so a stored batch stays valid across epochs; shuffling reorders batches, not their items.
 A ``cache.json`` descriptor in ``cache_location`` records the batch size, the item count and the cache layouts; a
-group that disagrees with an existing cache is refused. Each batch is written to a temporary directory and renamed,
-so a job killed mid-write leaves no half batch behind.
+group that disagrees with an existing cache is refused. A batch is marked stored only after all of it is written, so
+a job killed mid-write leaves no half batch behind.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import pickle
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -30,9 +30,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from tritonrec.data.batch_store import BatchStore
+
 Layouts = Mapping[str, tuple[tuple[int, ...], Any]]
 CheckedLayouts = dict[str, tuple[tuple[int, ...], torch.dtype]]
-_FORMAT = "tritonrec-batch-cache-1"
 
 
 def _torch_dtype(dtype: object, where: str) -> torch.dtype:
@@ -79,6 +80,8 @@ class DataGroup:
             only as long as the Batch object.
         cache_readonly: read an existing cache, never write to it.
         persist: write cached batches to ``cache_location`` (the default of :meth:`Batch.cache`'s ``persist``).
+        cache_views: batches read from the cache hold views of the memory-mapped files instead of copies (no copy
+            per batch; in-place writes to them stay in this process, and its later epochs see them).
     """
 
     def __init__(
@@ -90,6 +93,7 @@ class DataGroup:
         cache_location: str | os.PathLike | None = None,
         cache_readonly: bool = False,
         persist: bool = True,
+        cache_views: bool = False,
     ) -> None:
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got batch_size={batch_size!r}")
@@ -111,10 +115,15 @@ class DataGroup:
         self.cache_location = Path(cache_location) if cache_location is not None else None
         self.cache_readonly = cache_readonly or not self._loader_layouts
         self.persist = persist
+        if not isinstance(cache_views, bool):
+            raise TypeError(f"cache_views must be a bool, got cache_views={cache_views!r}")
+        self._store: BatchStore | None = None
         if self.cache_location is not None:
             if not self._cache_layouts:
                 raise ValueError("cache_location is set but cache_layouts is None: there is nothing to cache")
-            self._prepare_location()
+            self._store = BatchStore(
+                self.cache_location, self.cache_layouts, batch_size, len(self.data), self.cache_readonly, cache_views
+            )
 
     def __len__(self) -> int:
         return len(self.data)
@@ -137,64 +146,19 @@ class DataGroup:
         """Cached arrays with the leading batch dimension (empty when the group does not cache)."""
         return MappingProxyType({k: ((self.batch_size, *s), d) for k, (s, d) in self._cache_layouts.items()})
 
-    def batch_path(self, index: int) -> Path | None:
-        """Directory of stored batch ``index`` (None without a cache location)."""
-        return None if self.cache_location is None else self.cache_location / f"batch_{index:08d}"
-
-    def _descriptor(self) -> dict[str, Any]:
-        layouts = {k: [list(s), str(d).removeprefix("torch.")] for k, (s, d) in self._cache_layouts.items()}
-        return {"format": _FORMAT, "batch_size": self.batch_size, "num_items": len(self.data), "cache_layouts": layouts}
-
-    def _prepare_location(self) -> None:
-        location = self.cache_location
-        assert location is not None
-        descriptor_path = location / "cache.json"
-        if self.cache_readonly and not descriptor_path.is_file():
-            raise ValueError(f"cache_location {str(location)!r} holds no cache (no cache.json) and is read-only")
-        mine = self._descriptor()
-        if descriptor_path.is_file():
-            theirs = json.loads(descriptor_path.read_text())
-            for key, value in mine.items():
-                if theirs.get(key) != value:
-                    raise ValueError(
-                        f"cache_location {str(location)!r} holds a cache with {key}={theirs.get(key)!r}, but this "
-                        f"group has {key}={value!r}; use another location or delete the old cache"
-                    )
-            return
-        location.mkdir(parents=True, exist_ok=True)
-        partial = descriptor_path.with_name(f"cache.json.{os.getpid()}")
-        partial.write_text(json.dumps(mine, indent=1))
-        os.replace(partial, descriptor_path)
+    @property
+    def store(self) -> BatchStore | None:
+        """The stored batches (None without a cache location)."""
+        return self._store
 
     def read_batch(self, index: int) -> tuple[dict[str, torch.Tensor], dict[str, list[Any]]] | None:
-        """Stored batch ``index`` (memory-mapped arrays and its additional data), or None when it is not stored."""
-        path = self.batch_path(index)
-        if path is None or not path.is_dir():
-            return None
-        arrays = {
-            name: torch.from_numpy(np.load(path / f"{name}.npy", mmap_mode="c"))  # copy-on-write: writable views
-            for name in self._cache_layouts
-        }
-        with (path / "additional.pkl").open("rb") as handle:
-            additional = pickle.load(handle)
-        return arrays, additional
+        """Stored batch ``index`` (its arrays and additional data), or None when it is not stored."""
+        return None if self._store is None else self._store.read(index)
 
     def write_batch(self, index: int, arrays: Mapping[str, torch.Tensor], additional: Mapping[str, list]) -> None:
-        """Store batch ``index`` atomically (a temporary directory renamed into place)."""
-        path = self.batch_path(index)
-        assert path is not None
-        partial = path.with_name(f"{path.name}.partial{os.getpid()}")
-        partial.mkdir(parents=True, exist_ok=True)
-        for name, tensor in arrays.items():
-            np.save(partial / f"{name}.npy", tensor.detach().cpu().numpy())
-        with (partial / "additional.pkl").open("wb") as handle:
-            pickle.dump(dict(additional), handle)
-        try:
-            os.rename(partial, path)
-        except OSError:  # another writer stored it first: theirs is the same batch
-            for child in partial.iterdir():
-                child.unlink()
-            partial.rmdir()
+        """Store batch ``index`` (its rows of the group's array files, then its mark)."""
+        assert self._store is not None
+        self._store.write(index, arrays, additional)
 
 
 class Batch:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy as copy_module
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -317,6 +317,21 @@ def _kjt_from_jagged(chunk: ElementChunk, keys: tuple[str, ...], batch_size: int
         stride=batch_size,
         length_per_key=lengths.sum(0).tolist(),
     )
+
+
+def kjt_from_id_matrix(keys: Sequence[str], ids: torch.Tensor | np.ndarray) -> KeyedJaggedTensor:
+    """``ids [B, F]`` (one id per sample and feature, negative: an empty bag) -> a KJT of ``F`` keys and stride ``B``
+    whose bags hold 0 or 1 id: the form of hashed Criteo-like ids kept in a batch cache. One transposing copy and,
+    when some bag is empty, one compaction (vectorised numpy, no loop over rows)."""
+    if not isinstance(ids, (torch.Tensor, np.ndarray)) or ids.ndim != 2:
+        raise ValueError(f"ids must be a 2-D [batch, features] tensor, got {getattr(ids, 'shape', type(ids))}")
+    matrix = ids.numpy(force=True) if isinstance(ids, torch.Tensor) else ids
+    if not np.issubdtype(matrix.dtype, np.integer):
+        raise TypeError(f"ids must have an integer dtype, got {ids.dtype}")
+    keys = tuple(keys)
+    if len(keys) != matrix.shape[1] or len(set(keys)) != len(keys):
+        raise ValueError(f"keys must name the {matrix.shape[1]} columns of ids once each, got {list(keys)}")
+    return _kjt_from_id_matrix(matrix, keys, matrix.shape[0])
 
 
 def _kjt_from_id_matrix(id_matrix: np.ndarray, keys: tuple[str, ...], batch_size: int) -> KeyedJaggedTensor:

@@ -76,7 +76,7 @@ def test_readonly_and_non_persisting_groups_write_nothing(tmp_path: Path) -> Non
             batch.cache(encode(batch))
             batch.release()
         assert loader_fn.calls == 16  # nothing stored, so every epoch loads again
-    assert not (tmp_path / "cache" / "batch_00000000").exists()
+    assert not _group(tmp_path).store.is_stored(0)
     for batch in GroupLoader(CountingLoader(), _group(tmp_path)):
         batch.cache(encode(batch), persist=batch.group_index == 0)  # only batch 0 is stored
     readonly = _group(tmp_path, cache_readonly=True)
@@ -84,7 +84,7 @@ def test_readonly_and_non_persisting_groups_write_nothing(tmp_path: Path) -> Non
     batches = list(GroupLoader(loader_fn, readonly, epochs=2, depth=4))  # keeps all 4
     assert [b.uncached for b in batches] == [False, True, False, True] and loader_fn.calls == 8
     batches[1].cache(encode(batches[1]))  # converted in memory, not written: the cache is read-only
-    assert not (tmp_path / "cache" / "batch_00000001").exists()
+    assert readonly.store.is_stored(0) and not readonly.store.is_stored(1)
     with pytest.raises(ValueError, match="holds no cache \\(no cache.json\\) and is read-only"):
         _group(tmp_path, cache_location=tmp_path / "empty", cache_readonly=True)
 
@@ -192,7 +192,7 @@ def test_group_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="cache_location is set but cache_layouts is None"):
         DataGroup(1, [1], LOADER, cache_location=tmp_path / "x")
     cache_only = DataGroup(4, list(range(10)), cache_layouts=CACHE, cache_location=tmp_path / "cache")
-    with pytest.raises(FileNotFoundError, match="batch 0 of a cache-only group is not stored at"):
+    with pytest.raises(FileNotFoundError, match="batch 0 of a cache-only group is not stored in"):
         list(GroupLoader(CountingLoader(), cache_only))
 
 

@@ -103,3 +103,30 @@ def test_key_major_chunks_concatenate_and_convert(tmp_path: Path) -> None:
     for chunk, rows in ((joined, slice(0, 100)), (parts[1], slice(30, 71)), (mixed, np.r_[0:30, 71:100])):
         reference = expected.take(np.arange(100)[rows])
         assert np.array_equal(chunk.ids, reference.ids) and np.array_equal(chunk.lengths, reference.lengths)
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(0, 30), missing=st.sampled_from([0.0, 0.3, 1.0]), seed=st.integers(0, 2**16))
+def test_kjt_from_id_matrix_matches_a_per_bag_loop(rows: int, missing: float, seed: int) -> None:
+    """The public form the batch cache's users call: a tensor or an array in, the per-bag loop's KJT out."""
+    from tritonrec.data import kjt_from_id_matrix
+
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, 1000, (rows, KEYS))
+    ids[rng.random((rows, KEYS)) < missing] = -1
+    values, lengths = _reference(ids, rows)
+    for given_ids in (ids, torch.from_numpy(ids)):
+        kjt = kjt_from_id_matrix(SPEC.sparse_keys, given_ids)
+        assert kjt.keys() == list(SPEC.sparse_keys) and kjt.stride() == rows
+        assert kjt.values().tolist() == values and kjt.lengths().tolist() == lengths
+
+
+def test_kjt_from_id_matrix_bad_input() -> None:
+    from tritonrec.data import kjt_from_id_matrix
+
+    with pytest.raises(ValueError, match=r"ids must be a 2-D \[batch, features\] tensor, got torch.Size\(\[4\]\)"):
+        kjt_from_id_matrix(["a"], torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"keys must name the 2 columns of ids once each, got \['a', 'a'\]"):
+        kjt_from_id_matrix(["a", "a"], torch.zeros(3, 2, dtype=torch.int64))
+    with pytest.raises(TypeError, match="ids must have an integer dtype, got torch.float32"):
+        kjt_from_id_matrix(["a", "b"], torch.zeros(3, 2))

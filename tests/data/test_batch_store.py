@@ -1,0 +1,132 @@
+"""The batch cache's files: one memory-mapped ``.npy`` per array for the whole group and a mark per batch. A batch
+is read only once marked (a half-written one is loaded again), copies protect the cache from in-place writes while
+views share the mapping, a store opened elsewhere sees batches as they are marked, files made by another process
+are never replaced, and a cache whose files do not match is refused by name."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tritonrec.data.batch_cache import DataGroup
+from tritonrec.data.batch_store import FORMAT, _create_exclusive
+from tritonrec.data.group_loader import GroupLoader
+
+LOADER = {"raw": ((3,), torch.int64)}
+CACHE = {"feat": ((2,), torch.float32), "ids": ((3,), torch.int64), "none": ((0,), torch.float32)}
+
+
+def fill(item: int, arrays: dict[str, torch.Tensor], seed: int | None) -> dict[str, object] | None:
+    arrays["raw"].copy_(torch.tensor([item, 2 * item, 3 * item]))
+    return {"tag": item} if item == 1 else None
+
+
+def encode(raw: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"feat": raw[:, :2].float() / 3, "ids": raw * 5, "none": torch.empty(raw.shape[0], 0)}
+
+
+def group(location: Path, **kwargs: object) -> DataGroup:
+    return DataGroup(2, list(range(7)), LOADER, CACHE, location, **kwargs)  # 3 batches of 2, item 6 left over
+
+
+def fill_cache(location: Path, **kwargs: object) -> DataGroup:
+    made = group(location, **kwargs)
+    for batch in GroupLoader(fill, made):
+        with batch:
+            batch.cache(encode(batch.get_array("raw")))
+    return made
+
+
+def test_files_hold_every_batch_in_one_array_per_name(tmp_path: Path) -> None:
+    fill_cache(tmp_path)
+    ids = np.load(tmp_path / "ids.npy")
+    assert ids.shape == (6, 3) and np.array_equal(ids, np.arange(6)[:, None] * [5, 10, 15])
+    assert np.load(tmp_path / "none.npy").shape == (6, 0)
+    assert (tmp_path / "stored.bin").read_bytes() == bytes([2, 1, 1])  # batch 0 holds item 1's additional data
+    with (tmp_path / "additional" / "00000000.pkl").open("rb") as handle:
+        assert pickle.load(handle) == {"tag": [None, 1]}
+    assert json.loads((tmp_path / "cache.json").read_text())["format"] == FORMAT
+    loader = GroupLoader(fill, group(tmp_path))
+    batches = [(b.group_index, b.get_additional("tag"), b.get_array("feat").clone()) for b in loader]
+    assert [(i, tags) for i, tags, _ in batches] == [(0, [None, 1]), (1, [None, None]), (2, [None, None])]
+    assert torch.equal(batches[2][2], torch.tensor([[4.0, 8.0], [5.0, 10.0]]) / 3)
+
+
+def test_an_unmarked_batch_is_loaded_again(tmp_path: Path) -> None:
+    """Rows written without their mark (a job killed mid-write) are not read: the loader makes the batch again."""
+    made = group(tmp_path)
+    rows = np.load(tmp_path / "ids.npy", mmap_mode="r+")
+    rows[2:4] = -1  # batch 1 half written, never marked
+    rows.flush()
+    calls = []
+    loader = GroupLoader(lambda item, arrays, seed: calls.append(item) or fill(item, arrays, seed), made)
+    for batch in loader:
+        with batch:
+            assert batch.uncached
+            batch.cache(encode(batch.get_array("raw")))
+    assert calls == list(range(6)) and made.store.is_stored(1)
+    again = [b.get_array("ids").clone() for b in GroupLoader(fill, group(tmp_path))]
+    assert torch.equal(again[1], torch.tensor([[10, 20, 30], [15, 30, 45]]))
+
+
+def test_copies_protect_the_cache_and_views_share_the_mapping(tmp_path: Path) -> None:
+    fill_cache(tmp_path)
+    copies = group(tmp_path)
+    for _ in range(2):  # epoch 1 reads what epoch 0's consumer overwrote in its copies
+        for batch in GroupLoader(fill, copies):
+            with batch:
+                assert torch.equal(batch.get_array("ids")[0], torch.tensor([10, 20, 30]) * batch.group_index)
+                batch.get_array("ids").fill_(-7)  # the consumer's own tensor
+    views = group(tmp_path, cache_views=True)
+    first = views.read_batch(1)[0]["ids"]
+    assert torch.equal(views.read_batch(1)[0]["ids"], first)
+    first.fill_(-7)  # a copy-on-write page of this process's mapping ...
+    assert int(views.read_batch(1)[0]["ids"][0, 0]) == -7  # ... which this group's later reads see
+    assert int(group(tmp_path).read_batch(1)[0]["ids"][0, 0]) == 10  # but not the file
+    assert int(np.load(tmp_path / "ids.npy")[2, 0]) == 10
+
+
+def test_a_store_sees_batches_another_writer_marks_later(tmp_path: Path) -> None:
+    reader, writer = group(tmp_path), group(tmp_path)
+    assert reader.read_batch(0) is None  # maps the marks before anything is stored
+    raw = torch.tensor([[0, 0, 0], [1, 2, 3]])
+    writer.write_batch(0, encode(raw), {})
+    arrays, additional = reader.read_batch(0)
+    assert torch.equal(arrays["ids"], raw * 5) and additional == {} and reader.read_batch(1) is None
+    writer.write_batch(1, encode(raw + 1), {"k": ["a", "b"]})
+    arrays, additional = reader.read_batch(1)  # its array mappings were opened before batch 1 was written
+    assert torch.equal(arrays["ids"], (raw + 1) * 5) and additional == {"k": ["a", "b"]}
+    copied = pickle.loads(pickle.dumps(reader))  # e.g. into a DataLoader worker: it maps the files anew
+    assert torch.equal(copied.read_batch(1)[0]["feat"], arrays["feat"])
+
+
+def test_files_another_process_made_are_never_replaced(tmp_path: Path) -> None:
+    target = tmp_path / "x.bin"
+
+    def racing(partial: Path) -> None:  # the other process links its file in while we make ours
+        partial.write_bytes(b"mine")
+        target.write_bytes(b"theirs")
+
+    _create_exclusive(target, racing)
+    assert target.read_bytes() == b"theirs" and list(tmp_path.iterdir()) == [target]
+    _create_exclusive(target, lambda p: p.write_bytes(b"late"))
+    assert target.read_bytes() == b"theirs"
+
+
+def test_mismatched_files_are_refused_by_name(tmp_path: Path) -> None:
+    group(tmp_path / "a")
+    (tmp_path / "a" / "feat.npy").unlink()
+    with pytest.raises(ValueError, match="has cache.json but lacks feat.npy"):
+        group(tmp_path / "a")
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "cache.json").write_text(json.dumps({"format": "tritonrec-batch-cache-1"}))
+    with pytest.raises(ValueError, match="holds a cache with format='tritonrec-batch-cache-1', but this group has"):
+        group(old)
+    with pytest.raises(TypeError, match="cache_views must be a bool, got cache_views=1"):
+        group(tmp_path / "b", cache_views=1)
