@@ -130,3 +130,26 @@ def test_mismatched_files_are_refused_by_name(tmp_path: Path) -> None:
         group(old)
     with pytest.raises(TypeError, match="cache_views must be a bool, got cache_views=1"):
         group(tmp_path / "b", cache_views=1)
+
+
+def test_stored_segments_keep_the_order_and_the_depth_limit(tmp_path: Path) -> None:
+    """A wholly stored pass is read in the consumer's thread: same order as the schedule, never more than ``depth``
+    alive, a consumer that keeps every batch is told so, and leaving early stops the waiting producer."""
+    fill_cache(tmp_path)
+    valid = DataGroup(1, [10, 11], loader_layouts=LOADER)  # never stored: made by the producer between passes
+    loader = GroupLoader(fill, group(tmp_path), validation=valid, epochs=2, depth=2, shuffle=True, seed=3)
+    seen = []
+    for batch in loader:
+        with batch:
+            seen.append((batch.epoch, batch.is_validation, batch.group_index, batch.uncached))
+    expected = [(e, False, i, False) for e in (0, 1) for i in np.random.default_rng([3, e]).permutation(3).tolist()]
+    assert [s for s in seen if not s[1]] == expected and loader.loaded_batches == 4
+    assert seen[3:5] == [(0, True, 0, True), (0, True, 1, True)] and loader.max_alive <= 2
+    with pytest.raises(RuntimeError, match="all depth=2 batches are still alive"):
+        kept = list(GroupLoader(fill, group(tmp_path), depth=2))  # noqa: F841 - holds every batch
+    early = GroupLoader(fill, group(tmp_path), epochs=50, depth=1)
+    for batch in early:
+        batch.release()
+        break
+    early.close()
+    assert not early._thread.is_alive()
