@@ -172,8 +172,11 @@ def torchrec_npy_files(ours: Path, theirs: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ the batch cache
-def cached_group(prefix: Path, location: Path, batch_size: int, views: bool = False) -> DataGroup:
-    """A cache of model-ready arrays (hashed ids with -1 for missing, dense, labels), filled once, untimed."""
+def cached_group(
+    prefix: Path, location: Path, batch_size: int, views: bool = False, missing_as_zero: bool = False
+) -> DataGroup:
+    """A cache of model-ready arrays (hashed ids, dense, labels), filled once, untimed. A missing id is -1 (an empty
+    bag, as our readers give it), or with ``missing_as_zero`` id 0 (torchrec's npy convention: every bag one id)."""
     dense, sparse, labels = (np.load(p, mmap_mode="r") for p in npy_paths(prefix))
     layouts = {"dense": ((13,), torch.float32), "ids": ((26,), torch.int64), "labels": ((), torch.float32)}
     group = DataGroup(batch_size, range(len(labels)), {"row": ((), torch.int64)}, layouts, location)
@@ -184,7 +187,7 @@ def cached_group(prefix: Path, location: Path, batch_size: int, views: bool = Fa
     for batch in GroupLoader(fill, group):
         if batch.uncached:
             rows = batch.get_array("row").numpy()
-            ids = np.where(sparse[rows] >= 0, sparse[rows] % HASH, -1)
+            ids = np.where(sparse[rows] >= 0, sparse[rows] % HASH, 0 if missing_as_zero else -1)
             batch.cache({"dense": torch.from_numpy(np.ascontiguousarray(dense[rows])), "ids": torch.from_numpy(ids),
                          "labels": torch.from_numpy(labels[rows].astype(np.float32))})  # fmt: skip
         batch.release()
@@ -244,6 +247,14 @@ def bench_batch_size(tsv: Path, root: Path, B: int, rounds: int) -> list[dict[st
         cached_group(rows_prefix, root / f"cache_{B}", B))))  # fmt: skip
     cases.append(("tritonrec batch cache (mmap .npy, cache_views) -> Batch", "cache_views", 0, cached_pass(
         cached_group(rows_prefix, root / f"cache_{B}", B, views=True))))  # fmt: skip
+    cases.append(
+        (
+            "tritonrec batch cache (mmap .npy, copies; missing id = 0 as torchrec's files)",
+            "cache_one_id",
+            0,
+            cached_pass(cached_group(rows_prefix, root / f"cache_zero_{B}", B, missing_as_zero=True)),
+        )
+    )
     anchor_notes: dict[str, str] = {}
     try:
         theirs = root / "torchrec" / "day_0"
@@ -271,7 +282,8 @@ def bench_batch_size(tsv: Path, root: Path, B: int, rounds: int) -> list[dict[st
             "cpu_samples_per_s": samples / min(cpus) if workers == 0 else None, "load_1min": load,
         })  # fmt: skip
     anchors = {r["format"]: r for r in rows_out if r["impl"].startswith("anchor")}
-    anchor_of = {"npy_rows": "npy", "npy_bare": "npy", "cache": "npy_mem", "cache_views": "npy_mem"}
+    anchor_of = {"npy_rows": "npy", "npy_bare": "npy"}
+    anchor_of |= {cached: "npy_mem" for cached in ("cache", "cache_views", "cache_one_id")}
     step = rows_out[-1]
     for row in rows_out:
         fmt = anchor_of.get(row["format"], row["format"])
@@ -321,6 +333,13 @@ def main() -> None:
         if bare:
             print(f"B={B}: key-major npy vs torchrec's bare pipe: {ours['samples_per_s'] / bare['samples_per_s']:.2f}x "
                   f"wall, {ours['cpu_samples_per_s'] / bare['cpu_samples_per_s']:.2f}x per CPU second")  # fmt: skip
+        mmap_pipe = next((r for r in of_size if r["format"] == "npy" and r["impl"].startswith("anchor")), None)
+        for cached in (r for r in of_size if r["format"].startswith("cache") and mmap_pipe):
+            print(
+                f"B={B}: {cached['format']} vs torchrec's mmap npy pipe in a DataLoader: "
+                f"{cached['samples_per_s'] / mmap_pipe['samples_per_s']:.2f}x wall, "
+                f"{cached['cpu_samples_per_s'] / mmap_pipe['cpu_samples_per_s']:.2f}x per CPU second"
+            )
     print(f"opening (validating) the key-major day of {args.rows} rows: {open_ms:.1f} ms of CPU")
     path = append_csv(args.out, rows_out)
     load = max(r["load_1min"] for r in rows_out)

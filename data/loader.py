@@ -29,6 +29,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from tritonrec.data.batch import Batch
 from tritonrec.data.batcher import Batcher
 from tritonrec.data.elements import ElementSource
+from tritonrec.data.worker_transfer import UnpackingIterator, WorkerPacker
 
 
 def _check_count(value: object, name: str, allow_none: bool = False, minimum: int = 1) -> int | None:
@@ -63,6 +64,8 @@ class ShardedBatchDataset(IterableDataset):
         self.drop_remainder = drop_remainder
         self.num_passes = _check_count(num_passes, "num_passes", allow_none=True)
         self.batcher = Batcher(source.element_spec)
+        self.pack_in_workers = False  # set by make_rank_loader, whose iterator unpacks (worker_transfer)
+        self._packer = WorkerPacker()
         self._resuming = False  # load_state_dict was called: the next iteration continues that state
 
     def _worker_source(self) -> ElementSource:
@@ -78,6 +81,12 @@ class ShardedBatchDataset(IterableDataset):
         return sub_shard(info.id, info.num_workers)
 
     def __iter__(self) -> Iterator[Batch]:
+        if self.pack_in_workers and get_worker_info() is not None:
+            self._packer.new_iteration()
+            return map(self._packer.pack, self._batches())
+        return self._batches()
+
+    def _batches(self) -> Iterator[Batch]:
         source = self._worker_source()
         state = self.batcher.get_state()
         if self._resuming:
@@ -108,6 +117,15 @@ class ShardedBatchDataset(IterableDataset):
         self._resuming = True
 
 
+class RankLoader(StatefulDataLoader):
+    """The ``StatefulDataLoader`` of :func:`make_rank_loader`: its workers send each batch as one shared buffer
+    (:class:`~tritonrec.data.worker_transfer.PackedBatch`), and its iterators hand out the unpacked batches."""
+
+    def __iter__(self) -> Iterator[Batch]:
+        iterator = super().__iter__()
+        return UnpackingIterator(iterator) if self.num_workers > 0 else iterator
+
+
 def _no_collate(batch: Batch) -> Batch:
     """The dataset already yields whole batches."""
     return batch
@@ -122,14 +140,16 @@ def make_rank_loader(
     pin_memory: bool = False,
     prefetch_factor: int | None = None,
     multiprocessing_context: str | None = None,
-) -> StatefulDataLoader:
-    """A ``StatefulDataLoader`` over :class:`ShardedBatchDataset` (``state_dict`` / ``load_state_dict`` resume it
-    exactly); ``num_workers`` processes collate in parallel, each on its part of ``source``'s shard.
+) -> RankLoader:
+    """A ``StatefulDataLoader`` (:class:`RankLoader`) over :class:`ShardedBatchDataset` (``state_dict`` /
+    ``load_state_dict`` resume it exactly); ``num_workers`` processes collate in parallel, each on its part of
+    ``source``'s shard, and send their batches through shared-memory rings (:mod:`.worker_transfer`).
 
     ``multiprocessing_context`` starts the workers (``"fork"``, ``"spawn"``, ...; ``None``: the process's default).
     A process that was itself spawned (a rank started by ``torch.multiprocessing.spawn``) defaults to ``"spawn"``,
     whose workers import torch anew: ``"fork"`` starts them in milliseconds where it is safe (CPU, no CUDA yet)."""
     dataset = ShardedBatchDataset(source, batch_size, drop_remainder, num_passes)
+    dataset.pack_in_workers = True
     _check_count(num_workers, "num_workers", minimum=0)
     options: dict[str, Any] = {"batch_size": None, "collate_fn": _no_collate, "pin_memory": pin_memory}
     if num_workers > 0:
@@ -141,4 +161,4 @@ def make_rank_loader(
         )
     with warnings.catch_warnings():  # torchdata 0.11's constructor calls torch.set_vital, deprecated in torch 2.13
         warnings.filterwarnings("ignore", message=".*set_vital.* is deprecated")
-        return StatefulDataLoader(dataset, **options)
+        return RankLoader(dataset, **options)

@@ -1,0 +1,205 @@
+"""Batches from DataLoader workers to the main process through a ring of shared-memory slots per worker.
+
+A torch DataLoader sends each tensor of a worker's batch as its own shared-memory segment, and with the default
+``file_descriptor`` strategy the main process receives every segment's descriptor over a fresh, authenticated
+socket connection to the worker: about 0.5 ms per tensor, 2.4 ms for a 2048-row Criteo batch of five tensors, more
+than reading the batch from a memory-mapped npy file. Here each worker owns a :class:`_Ring` of ``slots`` buffers in
+shared memory, sent to the main process once; a batch is packed into a free slot (every tensor at a 64-byte aligned
+offset, the KJT's other fields as its pytree context) and travels as a slot number. The main process copies the
+slot into a buffer of its own, hands out views of it, and marks the slot free. ``make_rank_loader`` packs in its
+workers and unpacks on the consumer's side.
+
+Slots are reclaimed when the worker starts a new iteration (the main process copies every slot it receives before
+asking for more, and drops the rest when it resets the iterator). A batch larger than a slot, or one made while
+every slot is taken, travels as a :class:`PackedBatch`: one shared buffer of its own.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from tritonrec.data._pytree import _flatten_kjt, _unflatten_kjt
+from tritonrec.data.batch import Batch
+
+_ALIGN = 64
+Layout = tuple[tuple[int, torch.dtype, tuple[int, ...]], ...]
+
+
+class PackedBatch:
+    """One :class:`Batch` in one buffer: ``buffer [nbytes] uint8``, each tensor's ``(offset, dtype, shape)`` in
+    ``layout`` (dense, labels, valid mask, then the KJT's tensors) and the KJT's pytree context."""
+
+    __slots__ = ("buffer", "kjt_context", "layout")
+
+    def __init__(self, buffer: torch.Tensor, layout: Layout, kjt_context: tuple) -> None:
+        self.buffer, self.layout, self.kjt_context = buffer, layout, kjt_context
+
+    @classmethod
+    def pack(cls, batch: Batch) -> PackedBatch:
+        kjt_tensors, kjt_context = _flatten_kjt(batch.sparse_features)
+        tensors = [batch.dense_features, batch.labels, batch.valid_mask, *kjt_tensors]
+        layout, size = [], 0
+        for tensor in tensors:
+            size = -(-size // _ALIGN) * _ALIGN
+            layout.append((size, tensor.dtype, tuple(tensor.shape)))
+            size += tensor.numel() * tensor.element_size()
+        storage = torch.UntypedStorage._new_shared(max(size, 1))  # shared from the start: pickling copies nothing
+        buffer = torch.empty(0, dtype=torch.uint8).set_(storage)
+        packed = cls(buffer, tuple(layout), kjt_context)
+        for tensor, view in zip(tensors, packed._views(), strict=True):
+            view.copy_(tensor)
+        return packed
+
+    def _views(self) -> list[torch.Tensor]:
+        views = []
+        for offset, dtype, shape in self.layout:
+            count = 1
+            for dim in shape:
+                count *= dim
+            nbytes = count * torch.empty(0, dtype=dtype).element_size()
+            views.append(self.buffer[offset : offset + nbytes].view(dtype).view(shape))
+        return views
+
+    def unpack(self) -> Batch:
+        """The batch, as views of :attr:`buffer` (no copy)."""
+        dense, labels, valid_mask, *kjt_tensors = self._views()
+        return Batch(dense, _unflatten_kjt(kjt_tensors, self.kjt_context), labels, valid_mask)
+
+    def pin_memory(self) -> PackedBatch:
+        """The DataLoader's pin-memory thread calls this: one pinned copy of the whole buffer."""
+        return PackedBatch(self.buffer.pin_memory(), self.layout, self.kjt_context)
+
+
+standalone_batches = 0  # main process: batches that came as a PackedBatch of their own (a full ring or oversize)
+
+
+def unpacked(batch: Any) -> Any:
+    global standalone_batches
+    if isinstance(batch, PackedBatch):
+        standalone_batches += 1
+    return batch.unpack() if isinstance(batch, (PackedBatch, RingBatch)) else batch
+
+
+class UnpackingIterator:
+    """Wraps a DataLoader iterator: yields what it yields, with :class:`PackedBatch` es unpacked."""
+
+    def __init__(self, iterator: Iterator[Any]) -> None:
+        self.iterator = iterator
+
+    def __iter__(self) -> UnpackingIterator:
+        return self
+
+    def __next__(self) -> Any:
+        return unpacked(next(self.iterator))
+
+    def __getattr__(self, name: str) -> Any:  # the wrapped iterator's own API (state_dict, ...)
+        return getattr(self.iterator, name)
+
+
+_SLOTS = 4  # >= the loader's default prefetch of 2 per worker, plus the one being made and one being copied
+_WAIT_S = 1.0  # longest wait for a free slot before a batch travels as its own PackedBatch
+_RINGS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # main process: ring id -> (slots, busy flags)
+
+
+def _layout_of(tensors: list[torch.Tensor]) -> tuple[Layout, int]:
+    layout, size = [], 0
+    for tensor in tensors:
+        size = -(-size // _ALIGN) * _ALIGN
+        layout.append((size, tensor.dtype, tuple(tensor.shape)))
+        size += tensor.numel() * tensor.element_size()
+    return tuple(layout), size
+
+
+class _Ring:
+    """A worker's slots: ``slots [count, slot_bytes] uint8`` and ``busy [count] int32`` (1 from packing until the
+    main process has copied the slot), both in shared memory. The ring travels with every batch until the worker
+    sees the main process free a slot (proof that it holds the ring); after that, batches carry only slot numbers."""
+
+    def __init__(self, slot_bytes: int, count: int = _SLOTS) -> None:
+        self.id = uuid.uuid4().hex
+        storage = torch.UntypedStorage._new_shared(count * slot_bytes)
+        self.slots = torch.empty(0, dtype=torch.uint8).set_(storage).view(count, slot_bytes)
+        self.busy = torch.zeros(count, dtype=torch.int32).share_memory_()
+        self.sent = False
+        self._outstanding: set[int] = set()  # slots this worker marked busy and has not seen freed
+
+    def reclaim(self) -> None:
+        """A new iteration: the main process has copied or dropped every slot it was sent."""
+        self.busy.zero_()
+        self._outstanding.clear()
+
+    def take(self) -> int | None:
+        """A free slot, marked busy; None when none frees up within ``_WAIT_S``."""
+        deadline = None
+        while True:
+            flags = self.busy.tolist()
+            if not self.sent and any(flags[s] == 0 for s in self._outstanding):
+                self.sent = True
+            if 0 in flags:
+                slot = flags.index(0)
+                self._outstanding.add(slot)
+                return slot
+            deadline = deadline or time.monotonic() + _WAIT_S
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(50e-6)
+
+
+class RingBatch:
+    """A batch in slot ``slot`` of ring ``ring_id`` (and the ring itself until the main process has it)."""
+
+    __slots__ = ("kjt_context", "layout", "ring", "ring_id", "size", "slot")
+
+    def __init__(self, ring_id: str, slot: int, size: int, layout: Layout, kjt_context: tuple, ring: Any) -> None:
+        self.ring_id, self.slot, self.size, self.layout, self.kjt_context = ring_id, slot, size, layout, kjt_context
+        self.ring = ring
+
+    def copy_out(self) -> PackedBatch:
+        """Main process: the slot's bytes in a buffer of our own, and the slot marked free."""
+        if self.ring is not None:
+            _RINGS.setdefault(self.ring_id, self.ring)
+        slots, busy = _RINGS[self.ring_id]
+        buffer = torch.empty(max(self.size, 1), dtype=torch.uint8)
+        buffer.copy_(slots[self.slot, : buffer.numel()])
+        busy[self.slot] = 0
+        return PackedBatch(buffer, self.layout, self.kjt_context)
+
+    def unpack(self) -> Batch:
+        return self.copy_out().unpack()
+
+    def pin_memory(self) -> PackedBatch:
+        return self.copy_out().pin_memory()
+
+
+class WorkerPacker:
+    """Worker side: packs each batch into a free slot of this worker's ring (made at the first batch, with slots
+    a quarter larger than it)."""
+
+    def __init__(self) -> None:
+        self.ring: _Ring | None = None
+
+    def new_iteration(self) -> None:
+        if self.ring is not None:
+            self.ring.reclaim()
+
+    def pack(self, batch: Batch) -> RingBatch | PackedBatch:
+        kjt_tensors, kjt_context = _flatten_kjt(batch.sparse_features)
+        tensors = [batch.dense_features, batch.labels, batch.valid_mask, *kjt_tensors]
+        layout, size = _layout_of(tensors)
+        if self.ring is None:
+            self.ring = _Ring(-(-(size + size // 4 + _ALIGN) // _ALIGN) * _ALIGN)
+        ring = self.ring
+        slot = ring.take() if size <= ring.slots.shape[1] else None
+        if slot is None:
+            return PackedBatch.pack(batch)
+        region = ring.slots[slot]
+        for tensor, (offset, dtype, shape) in zip(tensors, layout, strict=True):
+            nbytes = tensor.numel() * tensor.element_size()
+            region[offset : offset + nbytes].view(dtype).view(shape).copy_(tensor)
+        ring.busy[slot] = 1  # after the data: the main process reads the slot only once the batch arrives
+        return RingBatch(ring.id, slot, size, layout, kjt_context, None if ring.sent else (ring.slots, ring.busy))

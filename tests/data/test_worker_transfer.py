@@ -1,0 +1,88 @@
+"""Worker batches through shared-memory rings: a packed batch unpacks to the same tensors (every field, odd shapes,
+empty bags), the ring travels with batches only until the main process has freed a slot, a full ring or an oversize
+batch falls back to a buffer of its own, a new iteration reclaims every slot, and loaders with workers give the
+same batches as without, epoch after epoch, also when an epoch is left early."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tritonrec.data.worker_transfer as wt
+from tritonrec.data import KeyedJaggedTensor, SyntheticRecSource, make_rank_loader
+from tritonrec.data.batch import Batch
+
+
+def _batch(rows: int, seed: int, weights: bool = False) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 4, (3 * rows,), generator=g, dtype=torch.int32)
+    values = torch.randint(0, 100, (int(lengths.sum()),), generator=g)
+    kjt = KeyedJaggedTensor(
+        ["a", "b", "c"], values, torch.rand(values.shape, generator=g) if weights else None, lengths=lengths
+    )
+    dense = torch.randn(rows, 3, generator=g)[:, ::2]  # non-contiguous: packed as a copy
+    return Batch(dense, kjt, torch.rand(rows, generator=g), torch.rand(rows, generator=g) > 0.2)
+
+
+def _same(a: Batch, b: Batch) -> None:
+    for x, y in ((a.dense_features, b.dense_features), (a.labels, b.labels), (a.valid_mask, b.valid_mask)):
+        assert x.dtype == y.dtype and torch.equal(x, y)
+    ka, kb = a.sparse_features, b.sparse_features
+    assert ka.keys() == kb.keys() and ka.stride() == kb.stride() and ka.length_per_key() == kb.length_per_key()
+    assert torch.equal(ka.values(), kb.values()) and torch.equal(ka.lengths(), kb.lengths())
+    assert (ka.weights_or_none() is None) == (kb.weights_or_none() is None)
+    if ka.weights_or_none() is not None:
+        assert torch.equal(ka.weights(), kb.weights())
+
+
+def test_ring_round_trip_and_the_ring_travels_until_a_slot_is_freed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wt, "_RINGS", {})
+    packer = wt.WorkerPacker()
+    originals = [_batch(5, 0, weights=True), _batch(5, 1), _batch(1, 2), _batch(4, 3)]
+    first, second = packer.pack(originals[0]), packer.pack(originals[1])
+    assert isinstance(first, wt.RingBatch) and first.ring is not None and second.ring is not None
+    _same(first.unpack(), originals[0])  # the main process copies slot 0 and frees it
+    third = packer.pack(originals[2])  # the worker now knows the main process holds the ring
+    assert third.ring is None and third.slot == first.slot
+    _same(second.unpack(), originals[1])
+    _same(third.unpack(), originals[2])
+    unpacked = packer.pack(originals[3]).unpack()
+    originals[3].labels.fill_(-1)  # the unpacked batch owns its memory
+    assert not torch.equal(unpacked.labels, originals[3].labels)
+
+
+def test_a_full_ring_or_an_oversize_batch_falls_back_and_a_new_iteration_reclaims(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(wt, "_RINGS", {})
+    monkeypatch.setattr(wt, "_WAIT_S", 0.01)
+    packer = wt.WorkerPacker()
+    held = [packer.pack(_batch(6, seed)) for seed in range(wt._SLOTS)]  # never copied: every slot stays busy
+    assert all(isinstance(b, wt.RingBatch) for b in held) and len({b.slot for b in held}) == wt._SLOTS
+    full = packer.pack(_batch(6, 10))
+    assert isinstance(full, wt.PackedBatch)
+    _same(full.unpack(), _batch(6, 10))
+    oversize = packer.pack(_batch(60, 11))
+    assert isinstance(oversize, wt.PackedBatch)
+    _same(oversize.unpack(), _batch(60, 11))
+    packer.new_iteration()  # the main process dropped the held batches when it reset its iterator
+    again = packer.pack(_batch(6, 12))
+    assert isinstance(again, wt.RingBatch) and again.ring is not None  # no slot was ever freed by the main process
+    _same(again.unpack(), _batch(6, 12))
+
+
+def test_loaders_with_workers_give_torchs_own_transfer_batches_every_epoch() -> None:
+    """Against the same loader sending its batches the DataLoader's own way (one shared segment per tensor)."""
+    source = SyntheticRecSource([50, 20], num_dense=4, num_samples=90, chunk_size=16, seed=3)
+    ringed = make_rank_loader(source, 8, num_workers=2, multiprocessing_context="fork")
+    plain = make_rank_loader(source, 8, num_workers=2, multiprocessing_context="fork")
+    plain.dataset.pack_in_workers = False
+    before = wt.standalone_batches
+    for epoch in range(5):
+        count, left_early = 0, epoch in (1, 2, 3)
+        for count, (a, b) in enumerate(zip(ringed, plain, strict=True), start=1):
+            _same(a, b)
+            if left_early and count == 3:
+                break  # an epoch left early: its in-flight batches are dropped, their slots reclaimed
+        assert count == (3 if left_early else 12), epoch
+    assert wt.standalone_batches == before  # every batch came through a ring slot (slots were reclaimed)
