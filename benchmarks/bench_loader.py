@@ -173,13 +173,16 @@ def torchrec_npy_files(ours: Path, theirs: Path) -> None:
 
 # ------------------------------------------------------------------------------------------------ the batch cache
 def cached_group(
-    prefix: Path, location: Path, batch_size: int, views: bool = False, missing_as_zero: bool = False
+    prefix: Path, location: Path, batch_size: int, tuned: bool = False, missing_as_zero: bool = False
 ) -> DataGroup:
     """A cache of model-ready arrays (hashed ids, dense, labels), filled once, untimed. A missing id is -1 (an empty
-    bag, as our readers give it), or with ``missing_as_zero`` id 0 (torchrec's npy convention: every bag one id)."""
+    bag, as our readers give it), or with ``missing_as_zero`` id 0 (torchrec's npy convention: every bag one id).
+    ``tuned``: ids stored key-major and batches read as views (``cache_key_major``, ``cache_views``)."""
     dense, sparse, labels = (np.load(p, mmap_mode="r") for p in npy_paths(prefix))
     layouts = {"dense": ((13,), torch.float32), "ids": ((26,), torch.int64), "labels": ((), torch.float32)}
-    group = DataGroup(batch_size, range(len(labels)), {"row": ((), torch.int64)}, layouts, location)
+    key_major = ["ids"] if tuned else []
+    group = DataGroup(batch_size, range(len(labels)), {"row": ((), torch.int64)}, layouts, location,
+                      cache_key_major=key_major)  # fmt: skip
 
     def fill(item: int, arrays: dict[str, torch.Tensor], seed: int | None) -> None:
         arrays["row"].fill_(item)
@@ -191,8 +194,9 @@ def cached_group(
             batch.cache({"dense": torch.from_numpy(np.ascontiguousarray(dense[rows])), "ids": torch.from_numpy(ids),
                          "labels": torch.from_numpy(labels[rows].astype(np.float32))})  # fmt: skip
         batch.release()
-    if views:  # the same files, read as views of the mapping instead of copies
-        group = DataGroup(batch_size, range(len(labels)), None, layouts, location, cache_views=True)
+    if tuned:  # the same files, read as views of the mapping instead of copies
+        group = DataGroup(batch_size, range(len(labels)), None, layouts, location, cache_views=True,
+                          cache_key_major=key_major)  # fmt: skip
     return group
 
 
@@ -243,18 +247,12 @@ def bench_batch_size(tsv: Path, root: Path, B: int, rounds: int) -> list[dict[st
                       lambda lo=loaders["npy"]: lo))  # fmt: skip
     rows_loader = make_rank_loader(CriteoNPYSource(rows_prefix, HASH), B)
     cases.append(("tritonrec CriteoNPYSource (rows layout, raw ids) -> Batch", "npy_rows", 0, lambda: rows_loader))
-    cases.append(("tritonrec batch cache (mmap .npy, copies) -> Batch", "cache", 0, cached_pass(
+    cases.append(("tritonrec batch cache (defaults: copies, row-major ids) -> Batch", "cache", 0, cached_pass(
         cached_group(rows_prefix, root / f"cache_{B}", B))))  # fmt: skip
-    cases.append(("tritonrec batch cache (mmap .npy, cache_views) -> Batch", "cache_views", 0, cached_pass(
-        cached_group(rows_prefix, root / f"cache_{B}", B, views=True))))  # fmt: skip
-    cases.append(
-        (
-            "tritonrec batch cache (mmap .npy, copies; missing id = 0 as torchrec's files)",
-            "cache_one_id",
-            0,
-            cached_pass(cached_group(rows_prefix, root / f"cache_zero_{B}", B, missing_as_zero=True)),
-        )
-    )
+    cases.append(("tritonrec batch cache (cache_views, cache_key_major ids) -> Batch", "cache_key_major", 0,
+                  cached_pass(cached_group(rows_prefix, root / f"cache_km_{B}", B, tuned=True))))  # fmt: skip
+    cases.append(("tritonrec batch cache (views, key-major; missing id = 0 as torchrec's files)", "cache_one_id", 0,
+                  cached_pass(cached_group(rows_prefix, root / f"cache_zero_{B}", B, True, True))))  # fmt: skip
     anchor_notes: dict[str, str] = {}
     try:
         theirs = root / "torchrec" / "day_0"
@@ -283,7 +281,7 @@ def bench_batch_size(tsv: Path, root: Path, B: int, rounds: int) -> list[dict[st
         })  # fmt: skip
     anchors = {r["format"]: r for r in rows_out if r["impl"].startswith("anchor")}
     anchor_of = {"npy_rows": "npy", "npy_bare": "npy"}
-    anchor_of |= {cached: "npy_mem" for cached in ("cache", "cache_views", "cache_one_id")}
+    anchor_of |= {cached: "npy_mem" for cached in ("cache", "cache_key_major", "cache_one_id")}
     step = rows_out[-1]
     for row in rows_out:
         fmt = anchor_of.get(row["format"], row["format"])

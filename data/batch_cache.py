@@ -82,6 +82,9 @@ class DataGroup:
         persist: write cached batches to ``cache_location`` (the default of :meth:`Batch.cache`'s ``persist``).
         cache_views: batches read from the cache hold views of the memory-mapped files instead of copies (no copy
             per batch; in-place writes to them stay in this process, and its later epochs see them).
+        cache_key_major: cache arrays with one feature axis (per-item shape ``(F,)``) stored feature by feature
+            within each batch, the way a KJT holds them: ``get_array`` returns the same ``[batch_size, F]`` values as
+            a transposed view, so :func:`~tritonrec.data.batcher.kjt_from_id_matrix` needs no transposing copy.
     """
 
     def __init__(
@@ -94,6 +97,7 @@ class DataGroup:
         cache_readonly: bool = False,
         persist: bool = True,
         cache_views: bool = False,
+        cache_key_major: Iterable[str] = (),
     ) -> None:
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got batch_size={batch_size!r}")
@@ -117,13 +121,22 @@ class DataGroup:
         self.persist = persist
         if not isinstance(cache_views, bool):
             raise TypeError(f"cache_views must be a bool, got cache_views={cache_views!r}")
+        key_major = [cache_key_major] if isinstance(cache_key_major, str) else list(cache_key_major)
+        for name in key_major:
+            if name not in self._cache_layouts or len(self._cache_layouts[name][0]) != 1:
+                raise ValueError(
+                    f"cache_key_major names {name!r}, which is not a cache array with one feature axis (per-item "
+                    f"shape (F,)); those are {[k for k, (s, _) in self._cache_layouts.items() if len(s) == 1]}"
+                )
+        self.cache_key_major = frozenset(key_major)
         self._store: BatchStore | None = None
         if self.cache_location is not None:
             if not self._cache_layouts:
                 raise ValueError("cache_location is set but cache_layouts is None: there is nothing to cache")
             self._store = BatchStore(
-                self.cache_location, self.cache_layouts, batch_size, len(self.data), self.cache_readonly, cache_views
-            )
+                self.cache_location, self.cache_layouts, batch_size, len(self.data), self.cache_readonly, cache_views,
+                self.cache_key_major,
+            )  # fmt: skip
 
     def __len__(self) -> int:
         return len(self.data)

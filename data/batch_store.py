@@ -4,7 +4,8 @@ array for the whole group, mapped once per process, so reading a stored batch is
 Layout of ``cache_location``::
 
     cache.json          batch size, item count, cache layouts (written last: its presence means the files exist)
-    <array>.npy         [batch_count * batch_size, *shape] per cache array (created sparse, filled batch by batch)
+    <array>.npy         [batch_count * batch_size, *shape] per cache array (created sparse, filled batch by batch;
+                        key-major arrays [batch_count, F, batch_size])
     stored.bin          one byte per batch: 0 not stored, 1 stored, 2 stored with additional data
     additional/<b>.pkl  batch b's additional data (only when it has any)
 
@@ -12,6 +13,9 @@ A batch is written in place (its additional pickle first, renamed into place, th
 then marked in ``stored.bin``, so a job killed mid-write leaves the batch unmarked and it is loaded and written again.
 Files are created under a temporary name and linked into place without replacing an existing one, so ranks that open
 the same new cache at once all end up with the same files.
+
+An array named in ``key_major`` (one feature axis) is stored ``[batch_count, F, batch_size]``: each batch's block
+feature by feature, as a KJT holds ids, handed out as the transposed view ``[batch_size, F]``.
 
 Reading maps every array once (copy-on-write, ``mmap_mode="c"``): after the first epoch its pages stay mapped, so a
 batch costs one copy of its rows into fresh tensors, or nothing with ``views=True`` (tensors that are views of the
@@ -70,10 +74,11 @@ class BatchStore:
         num_items: int,
         readonly: bool,
         views: bool,
+        key_major: frozenset[str] = frozenset(),
     ) -> None:
         self.location, self.layouts, self.batch_size = location, dict(layouts), batch_size
         self.num_items, self.batch_count = num_items, num_items // batch_size
-        self.readonly, self.views = readonly, views
+        self.readonly, self.views, self.key_major = readonly, views, key_major
         self._read_maps: dict[str, np.ndarray] | None = None
         self._write_maps: dict[str, np.ndarray] | None = None
         self._stored: np.ndarray | None = None
@@ -88,7 +93,10 @@ class BatchStore:
 
     def _descriptor(self) -> dict[str, Any]:
         layouts = {k: [list(s[1:]), str(d).removeprefix("torch.")] for k, (s, d) in self.layouts.items()}
-        return {"format": FORMAT, "batch_size": self.batch_size, "num_items": self.num_items, "cache_layouts": layouts}
+        return {
+            "format": FORMAT, "batch_size": self.batch_size, "num_items": self.num_items, "cache_layouts": layouts,
+            "key_major": sorted(self.key_major),
+        }  # fmt: skip
 
     def _prepare(self) -> None:
         location, descriptor_path = self.location, self.location / "cache.json"
@@ -108,11 +116,25 @@ class BatchStore:
                     raise ValueError(f"cache_location {str(location)!r} has cache.json but lacks {path.name}")
             return
         (location / "additional").mkdir(parents=True, exist_ok=True)
-        rows = self.batch_count * self.batch_size
-        for name, (shape, dtype) in self.layouts.items():
-            _create_exclusive(self.array_path(name), lambda p, s=(rows, *shape[1:]), d=dtype: _empty_npy(p, s, d))
+        for name, (_, dtype) in self.layouts.items():
+            shape = self._file_shape(name)
+            _create_exclusive(self.array_path(name), lambda p, s=shape, d=dtype: _empty_npy(p, s, d))
         _create_exclusive(location / "stored.bin", lambda p: p.write_bytes(bytes(self.batch_count)))
         _create_exclusive(descriptor_path, lambda p: p.write_text(json.dumps(mine, indent=1)))
+
+    def _file_shape(self, name: str) -> tuple[int, ...]:
+        """Row-major arrays: ``[batch_count * batch_size, *shape]``; key-major ones ``[batch_count, F, batch_size]``."""
+        shape = self.layouts[name][0]
+        if name in self.key_major:
+            return (self.batch_count, shape[1], self.batch_size)
+        return (self.batch_count * self.batch_size, *shape[1:])
+
+    def _block(self, mapped: np.ndarray, name: str, index: int) -> np.ndarray:
+        """Batch ``index``'s part of array ``name``: ``[batch_size, *shape]`` rows, or the ``[F, batch_size]`` block
+        of a key-major array."""
+        if name in self.key_major:
+            return mapped[index]
+        return mapped[index * self.batch_size : (index + 1) * self.batch_size]
 
     def __getstate__(self) -> dict[str, Any]:  # a copy in another process maps the files itself
         return {**self.__dict__, "_read_maps": None, "_write_maps": None, "_stored": None}
@@ -133,15 +155,15 @@ class BatchStore:
             return None
         if self._read_maps is None:
             self._read_maps = {name: np.load(self.array_path(name), mmap_mode="c") for name in self.layouts}
-        rows = slice(index * self.batch_size, (index + 1) * self.batch_size)
         arrays = {}
         for name, mapped in self._read_maps.items():
+            block = self._block(mapped, name, index)
             if self.views:
-                arrays[name] = torch.from_numpy(mapped[rows])
+                tensor = torch.from_numpy(block)
             else:  # a fresh tensor the consumer owns (torch's allocator reuses freed blocks: no page faults)
-                shape, dtype = self.layouts[name]
-                arrays[name] = tensor = torch.empty(shape, dtype=dtype)
-                np.copyto(tensor.numpy(), mapped[rows])
+                tensor = torch.empty(block.shape, dtype=self.layouts[name][1])
+                np.copyto(tensor.numpy(), block)
+            arrays[name] = tensor.t() if name in self.key_major else tensor
         additional: dict[str, list[Any]] = {}
         if mark == STORED_WITH_ADDITIONAL:
             with self.additional_path(index).open("rb") as handle:
@@ -164,7 +186,7 @@ class BatchStore:
                 pickle.dump(dict(additional), handle)
             os.replace(partial, path)  # another writer of this batch wrote the same data
             mark = STORED_WITH_ADDITIONAL
-        rows = slice(index * self.batch_size, (index + 1) * self.batch_size)
         for name in self.layouts:
-            self._write_maps[name][rows] = arrays[name].detach().cpu().numpy()
+            values = arrays[name].detach().cpu().numpy()
+            self._block(self._write_maps[name], name, index)[...] = values.T if name in self.key_major else values
         self._write_maps["stored.bin"][index] = mark

@@ -153,3 +153,26 @@ def test_stored_segments_keep_the_order_and_the_depth_limit(tmp_path: Path) -> N
         break
     early.close()
     assert not early._thread.is_alive()
+
+
+def test_key_major_arrays_are_stored_feature_by_feature_and_read_as_transposed_views(tmp_path: Path) -> None:
+    from tritonrec.data import kjt_from_id_matrix
+
+    fill_cache(tmp_path / "rows")
+    fill_cache(tmp_path / "keys", cache_key_major=["ids"])
+    stored = np.load(tmp_path / "keys" / "ids.npy")
+    assert stored.shape == (3, 3, 2) and np.array_equal(stored[1], (np.arange(2, 4)[:, None] * [5, 10, 15]).T)
+    for views in (False, True):
+        by_rows, by_keys = group(tmp_path / "rows"), group(tmp_path / "keys", cache_views=views, cache_key_major="ids")
+        for index in range(3):
+            rows, keys = by_rows.read_batch(index)[0], by_keys.read_batch(index)[0]
+            assert keys["ids"].shape == (2, 3) and keys["ids"].stride() == (1, 2)  # a transposed [3, 2] block
+            assert all(torch.equal(rows[name], keys[name]) for name in CACHE)
+            a, b = kjt_from_id_matrix(["x", "y", "z"], rows["ids"]), kjt_from_id_matrix(["x", "y", "z"], keys["ids"])
+            assert torch.equal(a.values(), b.values()) and torch.equal(a.lengths(), b.lengths())
+    with pytest.raises(ValueError, match=r"holds a cache with key_major=\['ids'\], but this group has key_major=\[\]"):
+        group(tmp_path / "keys")
+    with pytest.raises(ValueError, match="cache_key_major names 'none', which is not a cache array with one feature"):
+        DataGroup(2, [1, 2], LOADER, {"none": ((1, 2), torch.float32)}, tmp_path / "other", cache_key_major=["none"])
+    with pytest.raises(ValueError, match="cache_key_major names 'raw', which is not a cache array"):
+        group(tmp_path / "third", cache_key_major=["raw"])
