@@ -16,6 +16,7 @@ every slot is taken, travels as a :class:`PackedBatch`: one shared buffer of its
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -97,13 +98,35 @@ class UnpackingIterator:
     def __next__(self) -> Any:
         return unpacked(next(self.iterator))
 
+    def __len__(self) -> int:
+        return len(self.iterator)  # type: ignore[arg-type]
+
     def __getattr__(self, name: str) -> Any:  # the wrapped iterator's own API (state_dict, ...)
         return getattr(self.iterator, name)
 
 
 _SLOTS = 4  # >= the loader's default prefetch of 2 per worker, plus the one being made and one being copied
 _WAIT_S = 1.0  # longest wait for a free slot before a batch travels as its own PackedBatch
-_RINGS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # main process: ring id -> (slots, busy flags)
+_RINGS: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}  # main process: ring id -> (slots, busy, worker pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _register(ring_id: str, ring: tuple[torch.Tensor, torch.Tensor, int]) -> None:
+    """Keep a worker's ring (its first batches carry it), and let go of the rings of workers that have exited."""
+    if ring_id in _RINGS:
+        return
+    for old in [key for key, (_, _, pid) in _RINGS.items() if not _alive(pid)]:
+        del _RINGS[old]
+    _RINGS[ring_id] = ring
 
 
 def _layout_of(tensors: list[torch.Tensor]) -> tuple[Layout, int]:
@@ -162,8 +185,8 @@ class RingBatch:
     def copy_out(self) -> PackedBatch:
         """Main process: the slot's bytes in a buffer of our own, and the slot marked free."""
         if self.ring is not None:
-            _RINGS.setdefault(self.ring_id, self.ring)
-        slots, busy = _RINGS[self.ring_id]
+            _register(self.ring_id, self.ring)
+        slots, busy, _ = _RINGS[self.ring_id]
         buffer = torch.empty(max(self.size, 1), dtype=torch.uint8)
         buffer.copy_(slots[self.slot, : buffer.numel()])
         busy[self.slot] = 0
@@ -202,4 +225,5 @@ class WorkerPacker:
             nbytes = tensor.numel() * tensor.element_size()
             region[offset : offset + nbytes].view(dtype).view(shape).copy_(tensor)
         ring.busy[slot] = 1  # after the data: the main process reads the slot only once the batch arrives
-        return RingBatch(ring.id, slot, size, layout, kjt_context, None if ring.sent else (ring.slots, ring.busy))
+        payload = None if ring.sent else (ring.slots, ring.busy, os.getpid())
+        return RingBatch(ring.id, slot, size, layout, kjt_context, payload)

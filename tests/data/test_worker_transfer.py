@@ -86,3 +86,19 @@ def test_loaders_with_workers_give_torchs_own_transfer_batches_every_epoch() -> 
                 break  # an epoch left early: its in-flight batches are dropped, their slots reclaimed
         assert count == (3 if left_early else 12), epoch
     assert wt.standalone_batches == before  # every batch came through a ring slot (slots were reclaimed)
+
+
+def test_the_main_process_lets_go_of_rings_whose_worker_exited(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(wt, "_RINGS", {})
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    exited.wait()
+    ring = (torch.zeros(1, 8, dtype=torch.uint8), torch.zeros(1, dtype=torch.int32))
+    wt._register("gone", (*ring, exited.pid))
+    wt._register("mine", (*ring, os.getpid()))
+    assert list(wt._RINGS) == ["mine"]
+    wt._register("later", (*ring, os.getpid()))
+    assert sorted(wt._RINGS) == ["later", "mine"]
