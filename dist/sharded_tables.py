@@ -113,6 +113,10 @@ class ShardedTablesMixin:
     _tables: list[ShardedTable]
     _options: LookupOptions
 
+    @property
+    def input_dist_on_own_group(self) -> bool:
+        return len(self._shardings) > 0 and all(s.input_dist_on_own_group for s in self._shardings)
+
     def _build(
         self,
         module: nn.Module,

@@ -222,6 +222,13 @@ class ShardedModule(abc.ABC, nn.Module, Generic[CompIn, DistOut, Out, ShrdCtx]):
     def qcomm_codecs_registry(self) -> dict[str, QuantizedCommCodecs]:
         return self._qcomm_codecs_registry
 
+    @property
+    def input_dist_on_own_group(self) -> bool:
+        """Whether every input dist of this module runs on a process group no other traffic uses, so a rank that
+        failed to launch one cannot mispair the model's other collectives (:mod:`tritonrec.dist.side_groups`).
+        The pipelines then let the ranks agree on a step's failures during the forward instead of before it."""
+        return False
+
     @abc.abstractmethod
     def create_context(self) -> ShrdCtx: ...
 

@@ -33,6 +33,7 @@ from tritonrec.dist.sharding.common import (
     order_for_lookup,
     select_features,
 )
+from tritonrec.dist.side_groups import same_ranks_group
 from tritonrec.dist.types import ShardingEnv
 from tritonrec.kernels.backend import Backend
 from tritonrec.kernels.embedding import BoundsCheckMode
@@ -87,6 +88,8 @@ class EmbeddingSharding(nn.Module, abc.ABC):
         # first calls pay the cross-rank consistency check (a fresh module per batch would check every batch).
         # A plain dict, not submodules: the modules hold no state worth saving.
         self._kjt_all_to_all: dict[tuple[tuple[int, ...], int], KJTAllToAll] = {}
+        # input dists on a group of their own (side_groups): the pipelines launch them ahead of other batches' work
+        self.input_dist_pg = same_ranks_group(self.pg, "input_dist")
         if not pooled:
             widths = {s.spec.cols for shards in self.shards_per_rank for s in shards}
             if len(widths) > 1:
@@ -125,6 +128,11 @@ class EmbeddingSharding(nn.Module, abc.ABC):
     def codecs(self, op: CommOp) -> QuantizedCommCodecs | None:
         return self.codecs_registry.get(op.name)
 
+    @property
+    def input_dist_on_own_group(self) -> bool:
+        """Whether this sharding's input dists run on a group of their own (see :mod:`tritonrec.dist.side_groups`)."""
+        return self.input_dist_pg is not self.pg
+
     # ------------------------------------------------------------------------------------------------ the steps
     @abc.abstractmethod
     def input_dist(self, features: KeyedJaggedTensor, ctx: ShardingContext) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
@@ -157,7 +165,7 @@ class EmbeddingSharding(nn.Module, abc.ABC):
         key = (tuple(splits), stagger)
         module = self._kjt_all_to_all.get(key)
         if module is None:
-            module = self._kjt_all_to_all[key] = KJTAllToAll(self.pg, splits, stagger)
+            module = self._kjt_all_to_all[key] = KJTAllToAll(self.input_dist_pg, splits, stagger)
         splits_awaitable = module(features)
         return _RecordingSplits(splits_awaitable, ctx, then)
 

@@ -14,6 +14,7 @@ unmatched, but the side group's order is always the same on every rank.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -76,22 +77,44 @@ class StepAgreement:
         ``error`` (raised by ``failed_stage``, one of ``stages``) makes this rank's status FAILED. When any rank
         failed, raises on every rank: ``error`` on the failing rank, :class:`PipelineStageError` on the others.
         """
+        return self.start(status, error, failed_stage).result()
+
+    def start(
+        self, status: Status, error: BaseException | None = None, failed_stage: str | None = None
+    ) -> PendingAgreement:
+        """:meth:`agree` in two halves: launch the all-reduce now, read the decision with ``.result()`` later (the
+        pipelines do work in between that does not depend on it). Every rank must call ``result()`` before it waits
+        on any collective a failed rank may not have launched."""
         code = int(status)
         if error is not None:
             code = int(Status.FAILED) + self.stages.index(failed_stage or self.stages[0])
-        if self._group is None:
-            codes = [code]
-        else:
-            flags = torch.zeros(self.world_size, dtype=torch.int32)
-            flags[self.rank] = code
-            dist.all_reduce(flags, group=self._group)
-            codes = flags.tolist()
-        failed = [r for r, c in enumerate(codes) if c >= Status.FAILED]
-        if failed:
-            if error is not None:
-                raise error
-            raise PipelineStageError(self.stages[codes[failed[0]] - Status.FAILED], failed, self.rank)
-        return all(c == Status.OK for c in codes)
+        flags = torch.zeros(max(self.world_size, 1), dtype=torch.int32)
+        flags[self.rank] = code
+        work = None if self._group is None else dist.all_reduce(flags, group=self._group, async_op=True)
+        return PendingAgreement(self, flags, work, error)
 
 
-__all__ = ["PipelineStageError", "Status", "StepAgreement"]
+class PendingAgreement:
+    """An agreement in flight (:meth:`StepAgreement.start`); :meth:`result` waits for it and decides, once."""
+
+    def __init__(self, agreement: StepAgreement, flags: torch.Tensor, work: Any, error: BaseException | None) -> None:
+        self._agreement, self._flags, self._work, self._error = agreement, flags, work, error
+        self._decided: bool | None = None
+
+    def result(self) -> bool:
+        """True when every rank has a batch; raises on every rank when one failed (as :meth:`StepAgreement.agree`)."""
+        if self._decided is None:
+            if self._work is not None:
+                self._work.wait()
+            codes = self._flags.tolist()
+            failed = [r for r, c in enumerate(codes) if c >= Status.FAILED]
+            if failed:
+                if self._error is not None:
+                    raise self._error
+                stage = self._agreement.stages[codes[failed[0]] - Status.FAILED]
+                raise PipelineStageError(stage, failed, self._agreement.rank)
+            self._decided = all(c == Status.OK for c in codes)
+        return self._decided
+
+
+__all__ = ["PendingAgreement", "PipelineStageError", "Status", "StepAgreement"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from tritonrec.dist.train_pipeline.agreement import Status, StepAgreement
+from tritonrec.dist.train_pipeline.agreement import PendingAgreement, Status, StepAgreement
 from tritonrec.dist.train_pipeline.utils import DataLoadingThread
 
 NEXT_BATCH = "next_batch"  # the stage name of reading the data iterator, in every pipeline's agreement
@@ -64,16 +64,19 @@ class BatchFetcher:
         Raises on every rank when a rank failed (see :class:`StepAgreement`). Every rank must call this the same
         number of times.
         """
+        return self.start(iterator, error, failed_stage).result()
+
+    def start(
+        self, iterator: Iterator[Any], error: BaseException | None = None, failed_stage: str | None = None
+    ) -> PendingBatch:
+        """:meth:`next` in two halves: read this rank's batch and launch the agreement now; ``.result()`` later
+        gives the agreed batch (or None) and raises as :meth:`next` does."""
         self._connect(iterator)
         batch, read_error = (None, None) if self.exhausted else self._read()
         status = Status.OK if batch is not None else Status.EXHAUSTED
         if read_error is not None and error is None:
             error, failed_stage = read_error, NEXT_BATCH
-        if not self.agreement.agree(status, error, failed_stage):
-            self.exhausted = True
-            self.close_thread()
-            return None
-        return batch
+        return PendingBatch(self, batch, self.agreement.start(status, error, failed_stage))
 
     def close_thread(self) -> None:
         if self._thread is not None:
@@ -87,3 +90,18 @@ class BatchFetcher:
 
 
 __all__ = ["NEXT_BATCH", "BatchFetcher", "check_host_prefetch"]
+
+
+class PendingBatch:
+    """This rank's next batch (``local``, None at its end) with its agreement in flight (:meth:`BatchFetcher.start`)."""
+
+    def __init__(self, fetcher: BatchFetcher, local: Any, agreement: PendingAgreement) -> None:
+        self.fetcher, self.local, self._agreement = fetcher, local, agreement
+
+    def result(self) -> Any:
+        """The batch when every rank has one, else None (and the fetcher is exhausted from now on)."""
+        if not self._agreement.result():
+            self.fetcher.exhausted = True
+            self.fetcher.close_thread()
+            return None
+        return self.local

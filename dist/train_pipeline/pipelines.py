@@ -39,7 +39,7 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from tritonrec.dist.train_pipeline.agreement import StepAgreement
-from tritonrec.dist.train_pipeline.fetch import NEXT_BATCH, BatchFetcher
+from tritonrec.dist.train_pipeline.fetch import NEXT_BATCH, BatchFetcher, PendingBatch
 from tritonrec.dist.train_pipeline.tracing import PipelinedModules, TrainPipelineContext, rewrite_model
 from tritonrec.dist.train_pipeline.utils import new_stream, stream_context, to_device, wait_for_batch
 
@@ -221,13 +221,23 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
     # ------------------------------------------------------------------------------------------------ the stages
     def _enqueue_batch(self, dataloader_iter: Iterator[In], error: BaseException | None = None) -> bool:
         """Stage 1: read the next batch (agreed across ranks, with this rank's ``error`` so far) and start its copy."""
-        batch = self._fetcher.next(dataloader_iter, error, START_SPARSE_DATA_DIST)
+        return self._finish_enqueue(self._start_enqueue(dataloader_iter, error))
+
+    def _start_enqueue(self, dataloader_iter: Iterator[In], error: BaseException | None = None) -> PendingBatch:
+        """Stage 1, first half: read this rank's next batch, start its copy, launch the ranks' agreement on it."""
+        pending = self._fetcher.start(dataloader_iter, error, START_SPARSE_DATA_DIST)
+        if pending.local is not None:  # copied now, to overlap what runs until the agreement is read (dropped if
+            with record_function("## copy_batch_to_device ##"), stream_context(self._memcpy_stream):  # ranks stop)
+                pending.local = to_device(pending.local, self._device, non_blocking=True)
+        return pending
+
+    def _finish_enqueue(self, pending: PendingBatch) -> bool:
+        """Stage 1, second half: read the agreement (raising a rank's failure on every rank) and queue the batch."""
+        batch = pending.result()
         if batch is None:
             if not self._execute_all_batches:
                 raise StopIteration
             return False
-        with record_function("## copy_batch_to_device ##"), stream_context(self._memcpy_stream):
-            batch = to_device(batch, self._device, non_blocking=True)
         self.batches.append(batch)
         self.contexts.append(TrainPipelineContext(index=self._next_index))
         self._next_index += 1
@@ -289,13 +299,22 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
                 self._start_sparse_data_dist(self.batches[1], self.contexts[1])
             except Exception as failure:  # reported to every rank by the agreement inside _enqueue_batch
                 error = failure
-        self._enqueue_batch(dataloader_iter, error)
+        # When every pipelined module's input dists run on a group of their own (side_groups), the ranks' agreement
+        # on this step (the batch after next, the failures so far) runs during the forward: a rank whose input dist
+        # for the next batch failed cannot mispair the forward's collectives, and everyone learns of the failure
+        # before waiting on that input dist. Otherwise the ranks agree before the forward.
+        deferred = self._pipelined is not None and self._pipelined.input_dists_on_own_groups
+        pending = self._start_enqueue(dataloader_iter, error)
+        if not deferred:
+            self._finish_enqueue(pending)
         with record_function(f"## forward {self.contexts[0].index} ##"):
             if training:
                 losses, output = self._model(self.batches[0])
             else:
                 with torch.no_grad():
                     losses, output = self._model(self.batches[0])
+        if deferred:
+            self._finish_enqueue(pending)
         if len(self.batches) >= 2:
             self._wait_sparse_data_dist(self.contexts[1])
         if training:

@@ -221,6 +221,11 @@ class PipelinedModules:
         for forward in self.forwards.values():
             forward.set_context(context)
 
+    @property
+    def input_dists_on_own_groups(self) -> bool:
+        """Every pipelined module's input dists run on a group of their own (``input_dist_on_own_group``)."""
+        return bool(self.forwards) and all(f.module.input_dist_on_own_group for f in self.forwards.values())
+
     def start_input_dist(self, batch: Any, context: TrainPipelineContext, stream: torch.cuda.Stream | None) -> None:
         """Launch every pipelined module's input dist for ``batch`` (first round: split sizes)."""
         with stream_context(stream):

@@ -221,7 +221,9 @@ def _outcome(run: Callable[[], Any]) -> dict[str, Any]:
 
 
 def error_cases(rank: int, world: int) -> dict[str, Any]:
-    """Each rank's outcome when rank 1's data raises (base, sparse_dist) or rank 0's stage raises (staged)."""
+    """Each rank's outcome when rank 1's data raises (base, sparse_dist), rank 0's stage raises (staged) or rank 1's
+    input dist raises (last, as it leaves rank 0's input dist unmatched on the input dists' group; then whether the
+    model's group still pairs collectives)."""
     from tritonrec.dist.train_pipeline import (
         PipelineStage,
         SparseDataDistUtil,
@@ -267,4 +269,31 @@ def error_cases(rank: int, world: int) -> dict[str, Any]:
         return steps
 
     out["staged"] = _outcome(staged)
+
+    def missing_key(count: int) -> Iterator[Any]:
+        """Rank 1's batch 12 lacks feature f3, so its input dist raises inside start_sparse_data_dist. Batch 12: past
+        the input dists' first DEFAULT_CHECKED_CALLS (8), whose metadata checks are synchronous, so rank 0 launches
+        its input dist for batch 12 and goes on (within those calls it would wait for rank 1's check, on every
+        design: the collective checks' own limitation)."""
+        from tritonrec.data import KeyedJaggedTensor
+
+        for step in range(count):
+            batch = make_batch(rank, step)
+            if rank == 1 and step == 12:
+                kjt = batch.sparse_features
+                kept = 3 * BATCH
+                short = KeyedJaggedTensor(FEATURES[:3], kjt.values()[: int(kjt.lengths()[:kept].sum())],
+                                          lengths=kjt.lengths()[:kept])  # fmt: skip
+                batch = type(batch)(batch.dense_features, short, batch.labels, batch.valid_mask)
+            yield batch
+
+    def input_dist_failure() -> int:
+        return len(train(lambda m, o: TrainPipelineSparseDist(m, o, CPU), "tw", world, missing_key(16))["losses"])
+
+    out["input_dist"] = _outcome(input_dist_failure)
+    # rank 0 launched batch 12's input dist and rank 1 did not; on their own group, that leaves the model's group
+    # in step: a collective on it still pairs up
+    probe = torch.tensor([float(rank + 1)])
+    torch.distributed.all_reduce(probe)
+    out["probe"] = probe.item()
     return out

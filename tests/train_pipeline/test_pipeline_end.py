@@ -1,7 +1,8 @@
 """End of data and failures on 2 gloo ranks: every rank stops at the same step (5 batches each; 6 on rank 0 and 4 on
 rank 1), execute_all_batches drains the pipeline (or stops 2 batches early without it), the eval pipeline runs every
 batch with the unpipelined model's outputs, and a data loader or stage that raises on one rank makes every rank
-raise (the failing one its own error, the others PipelineStageError naming it) instead of hanging. Rank-side code:
+raise (the failing one its own error, the others PipelineStageError naming it) instead of hanging, also when it is
+an input dist launched ahead (which leaves the model's own process group in step). Rank-side code:
 pipeline_cases.py.
 """
 
@@ -36,6 +37,7 @@ def test_without_execute_all_batches_the_last_two_batches_are_dropped(case: str,
     ("base", 1, "ValueError", "next_batch"),
     ("sparse_dist", 1, "ValueError", "next_batch"),
     ("staged", 0, "RuntimeError", "process"),
+    ("input_dist", 1, "ValueError", "start_sparse_data_dist"),
 ])  # fmt: skip
 def test_a_failure_on_one_rank_raises_on_every_rank(pipeline: str, failing_rank: int, error: str, stage: str) -> None:
     for rank, results in enumerate(suite_results("errors")):
@@ -45,3 +47,10 @@ def test_a_failure_on_one_rank_raises_on_every_rank(pipeline: str, failing_rank:
         else:
             assert got["type"] == "PipelineStageError", got
             assert f"'{stage}' failed on rank(s) [{failing_rank}]" in got["message"], got["message"]
+
+
+def test_after_a_failed_input_dist_the_model_group_still_pairs_collectives() -> None:
+    """Input dists run on a group of their own (dist/side_groups.py): rank 0 launched batch 12's, rank 1 failed
+    before launching it, and an all-reduce on the model's group afterwards still adds both ranks' values (on the
+    model's group, rank 0's unmatched input dist made that all-reduce time out)."""
+    assert [results["probe"] for results in suite_results("errors")] == [3.0, 3.0]

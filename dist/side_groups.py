@@ -1,0 +1,26 @@
+"""Process groups over the same ranks as another, for traffic that must not share its collective order.
+
+Why: collectives of one group are matched across ranks by the order they are launched in. A sparse input dist
+launched ahead (the train pipelines start batch ``i + 1``'s while batch ``i`` runs) sits in that order before
+batch ``i``'s own collectives; if one rank failed to launch it, every later collective of the group would pair up
+wrongly. On a group of its own, a missing input dist can only stall that group, and the pipeline can let the
+ranks agree on failures while batch ``i``'s forward runs instead of before it.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+_GROUPS: dict[tuple[int, str], dist.ProcessGroup] = {}
+
+
+def same_ranks_group(group: dist.ProcessGroup, purpose: str) -> dist.ProcessGroup:
+    """A group over ``group``'s ranks with ``group``'s backend, one per ``(group, purpose)``, or ``group`` itself
+    when it does not span the world (``new_group`` must be entered by every rank with the same ranks, which only a
+    world-spanning group guarantees). Every rank must get here in the same order, as when building a model."""
+    if not dist.is_initialized() or dist.get_world_size(group) != dist.get_world_size():
+        return group
+    key = (id(group), purpose)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(ranks=dist.get_process_group_ranks(group), backend=dist.get_backend(group))
+    return _GROUPS[key]
