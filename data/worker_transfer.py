@@ -31,6 +31,22 @@ _ALIGN = 64
 Layout = tuple[tuple[int, torch.dtype, tuple[int, ...]], ...]
 
 
+def _tensors_of(batch: Batch) -> tuple[list[torch.Tensor], tuple]:
+    """A batch's tensors in packing order (dense, labels, valid mask, the KJT's) and the KJT's pytree context."""
+    kjt_tensors, kjt_context = _flatten_kjt(batch.sparse_features)
+    return [batch.dense_features, batch.labels, batch.valid_mask, *kjt_tensors], kjt_context
+
+
+def _layout_of(tensors: list[torch.Tensor]) -> tuple[Layout, int]:
+    """Each tensor's ``(offset, dtype, shape)`` at 64-byte aligned offsets, and the bytes they take in all."""
+    layout, size = [], 0
+    for tensor in tensors:
+        size = -(-size // _ALIGN) * _ALIGN
+        layout.append((size, tensor.dtype, tuple(tensor.shape)))
+        size += tensor.numel() * tensor.element_size()
+    return tuple(layout), size
+
+
 class PackedBatch:
     """One :class:`Batch` in one buffer: ``buffer [nbytes] uint8``, each tensor's ``(offset, dtype, shape)`` in
     ``layout`` (dense, labels, valid mask, then the KJT's tensors) and the KJT's pytree context."""
@@ -42,16 +58,11 @@ class PackedBatch:
 
     @classmethod
     def pack(cls, batch: Batch) -> PackedBatch:
-        kjt_tensors, kjt_context = _flatten_kjt(batch.sparse_features)
-        tensors = [batch.dense_features, batch.labels, batch.valid_mask, *kjt_tensors]
-        layout, size = [], 0
-        for tensor in tensors:
-            size = -(-size // _ALIGN) * _ALIGN
-            layout.append((size, tensor.dtype, tuple(tensor.shape)))
-            size += tensor.numel() * tensor.element_size()
+        tensors, kjt_context = _tensors_of(batch)
+        layout, size = _layout_of(tensors)
         storage = torch.UntypedStorage._new_shared(max(size, 1))  # shared from the start: pickling copies nothing
         buffer = torch.empty(0, dtype=torch.uint8).set_(storage)
-        packed = cls(buffer, tuple(layout), kjt_context)
+        packed = cls(buffer, layout, kjt_context)
         for tensor, view in zip(tensors, packed._views(), strict=True):
             view.copy_(tensor)
         return packed
@@ -62,7 +73,7 @@ class PackedBatch:
             count = 1
             for dim in shape:
                 count *= dim
-            nbytes = count * torch.empty(0, dtype=dtype).element_size()
+            nbytes = count * dtype.itemsize
             views.append(self.buffer[offset : offset + nbytes].view(dtype).view(shape))
         return views
 
@@ -127,15 +138,6 @@ def _register(ring_id: str, ring: tuple[torch.Tensor, torch.Tensor, int]) -> Non
     for old in [key for key, (_, _, pid) in _RINGS.items() if not _alive(pid)]:
         del _RINGS[old]
     _RINGS[ring_id] = ring
-
-
-def _layout_of(tensors: list[torch.Tensor]) -> tuple[Layout, int]:
-    layout, size = [], 0
-    for tensor in tensors:
-        size = -(-size // _ALIGN) * _ALIGN
-        layout.append((size, tensor.dtype, tuple(tensor.shape)))
-        size += tensor.numel() * tensor.element_size()
-    return tuple(layout), size
 
 
 class _Ring:
@@ -211,8 +213,7 @@ class WorkerPacker:
             self.ring.reclaim()
 
     def pack(self, batch: Batch) -> RingBatch | PackedBatch:
-        kjt_tensors, kjt_context = _flatten_kjt(batch.sparse_features)
-        tensors = [batch.dense_features, batch.labels, batch.valid_mask, *kjt_tensors]
+        tensors, kjt_context = _tensors_of(batch)
         layout, size = _layout_of(tensors)
         if self.ring is None:
             self.ring = _Ring(-(-(size + size // 4 + _ALIGN) // _ALIGN) * _ALIGN)
