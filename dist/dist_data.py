@@ -200,7 +200,9 @@ class KJTAllToAll(nn.Module):
         #   rank 1:  'C': [C.V0] [C.V1] [] [C.V2] [C.V3] []
     """
 
-    def __init__(self, pg: dist.ProcessGroup, splits: list[int], stagger: int = 1) -> None:
+    def __init__(
+        self, pg: dist.ProcessGroup, splits: list[int], stagger: int = 1, metadata_check: MetadataCheck | None = None
+    ) -> None:
         super().__init__()
         if not isinstance(pg, dist.ProcessGroup):
             raise TypeError(f"pg must be a torch.distributed.ProcessGroup, got {type(pg).__name__}")
@@ -208,7 +210,8 @@ class KJTAllToAll(nn.Module):
         self._splits = check_sizes(splits, "splits", pg.size())
         self._splits_cumsum = [0, *itertools.accumulate(self._splits)]
         self._stagger = _check_stagger(stagger, pg.size())
-        self.metadata_check = MetadataCheck()
+        # a caller may pass its own check, to open it around its input checks (see MetadataCheck)
+        self.metadata_check = metadata_check if metadata_check is not None else MetadataCheck()
 
     def forward(self, input: KeyedJaggedTensor) -> KJTAllToAllSplitsAwaitable:
         """Launch the splits exchange; ``.wait()`` launches the tensors, ``.wait().wait()`` gives the KJT."""

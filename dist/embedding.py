@@ -21,7 +21,7 @@ from tritonrec.data import JaggedTensor, KeyedJaggedTensor
 from tritonrec.dist.awaitable import Awaitable, LazyAwaitable
 from tritonrec.dist.embeddingbag import check_index_bounds
 from tritonrec.dist.qcomm_protocol import QuantizedCommCodecs
-from tritonrec.dist.sharded_tables import ShardedTablesMixin, run_input_dists
+from tritonrec.dist.sharded_tables import ShardedTablesMixin, input_dist_checks, run_input_dists
 from tritonrec.dist.sharding.common import ShardingContext
 from tritonrec.dist.types import (
     EmbeddingComputeKernel,
@@ -157,21 +157,25 @@ class ShardedEmbeddingCollection(
     def input_dist(
         self, ctx: EmbeddingCollectionContext, features: KeyedJaggedTensor
     ) -> Awaitable[Awaitable[list[KeyedJaggedTensor]]]:
-        if not isinstance(features, KeyedJaggedTensor):
-            raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
-        missing = [f for f in self._embedding_names if f not in features.index_per_key()]
-        if missing:
-            raise ValueError(f"features is missing keys {missing} (it has {features.keys()})")
-        if features.variable_stride_per_key():
-            raise ValueError(f"{type(self).__name__} needs one batch size for all keys (no variable batch per feature)")
-        if self._options.bounds_check == BoundsCheckMode.FATAL:
-            check_index_bounds(features, self._limits)
-        per_feature = features.to_dict()
-        ctx.input_features = {name: per_feature[name] for name in self._embedding_names}
-        if self._use_index_dedup:
-            features, ctx.inverse = dedup_indices(features, self._embedding_names)
-        ctx.sharding_contexts = [ShardingContext() for _ in self._shardings]
-        return run_input_dists(list(self._shardings), features, ctx.sharding_contexts)
+        # a rank rejecting its batch joins the checks the others' all-to-alls run
+        with input_dist_checks(list(self._shardings), f"{type(self).__name__}.input_dist"):
+            if not isinstance(features, KeyedJaggedTensor):
+                raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
+            missing = [f for f in self._embedding_names if f not in features.index_per_key()]
+            if missing:
+                raise ValueError(f"features is missing keys {missing} (it has {features.keys()})")
+            if features.variable_stride_per_key():
+                raise ValueError(
+                    f"{type(self).__name__} needs one batch size for all keys (no variable batch per feature)"
+                )
+            if self._options.bounds_check == BoundsCheckMode.FATAL:
+                check_index_bounds(features, self._limits)
+            per_feature = features.to_dict()
+            ctx.input_features = {name: per_feature[name] for name in self._embedding_names}
+            if self._use_index_dedup:
+                features, ctx.inverse = dedup_indices(features, self._embedding_names)
+            ctx.sharding_contexts = [ShardingContext() for _ in self._shardings]
+            return run_input_dists(list(self._shardings), features, ctx.sharding_contexts)
 
     def compute(self, ctx: EmbeddingCollectionContext, dist_input: list[KeyedJaggedTensor]) -> list[Any]:
         return [s.compute(kjt, c) for s, kjt, c in zip(self._shardings, dist_input, ctx.sharding_contexts, strict=True)]

@@ -26,7 +26,7 @@ from torch import nn
 from tritonrec.data import KeyedJaggedTensor, KeyedTensor
 from tritonrec.dist.awaitable import Awaitable, LazyAwaitable
 from tritonrec.dist.qcomm_protocol import QuantizedCommCodecs
-from tritonrec.dist.sharded_tables import ShardedTablesMixin, run_input_dists
+from tritonrec.dist.sharded_tables import ShardedTablesMixin, input_dist_checks, run_input_dists
 from tritonrec.dist.sharding.common import ShardingContext
 from tritonrec.dist.types import (
     EmbeddingComputeKernel,
@@ -157,13 +157,15 @@ class ShardedEmbeddingBagCollection(
     def input_dist(
         self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor
     ) -> Awaitable[Awaitable[list[KeyedJaggedTensor]]]:
-        self._check_features(features)
-        ctx.variable_batch_per_feature = features.variable_stride_per_key()
-        ctx.inverse_indices = features.inverse_indices_or_none()
-        ctx.sharding_contexts = [ShardingContext() for _ in self._shardings]
-        for context in ctx.sharding_contexts:
-            context.extra["inverse_indices"] = ctx.inverse_indices
-        return run_input_dists(list(self._shardings), features, ctx.sharding_contexts)
+        # a rank rejecting its batch joins the checks the others' all-to-alls run
+        with input_dist_checks(list(self._shardings), f"{type(self).__name__}.input_dist"):
+            self._check_features(features)
+            ctx.variable_batch_per_feature = features.variable_stride_per_key()
+            ctx.inverse_indices = features.inverse_indices_or_none()
+            ctx.sharding_contexts = [ShardingContext() for _ in self._shardings]
+            for context in ctx.sharding_contexts:
+                context.extra["inverse_indices"] = ctx.inverse_indices
+            return run_input_dists(list(self._shardings), features, ctx.sharding_contexts)
 
     def compute(self, ctx: EmbeddingBagCollectionContext, dist_input: list[KeyedJaggedTensor]) -> list[torch.Tensor]:
         shardings, contexts = self._shardings, ctx.sharding_contexts

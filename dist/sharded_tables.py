@@ -14,8 +14,9 @@ shard, so only this rank's shards are ever materialised.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -271,6 +272,21 @@ class InputDistAwaitable(Awaitable[Awaitable[list[KeyedJaggedTensor]]]):
         return ListAwaitable([a.wait() for a in self._awaitables])
 
 
+@contextlib.contextmanager
+def input_dist_checks(shardings: Sequence[EmbeddingSharding], name: str) -> Iterator[None]:
+    """Open every sharding's KJT all-to-all metadata check around a collection's own input checks. When this rank
+    rejects its batch (a missing key, an id out of range), it still joins the checks the other ranks run for the
+    same call, so they raise with it instead of waiting for a rank that never comes (within the checked calls).
+
+    Opened last to first, so that a rank unwinding an error exchanges them first to last, the order in which the
+    other ranks' all-to-alls exchange them. ``name`` names the collection's step in the checks' messages."""
+    with contextlib.ExitStack() as stack:
+        for sharding in reversed(shardings):
+            if sharding.distributes_input:
+                stack.enter_context(sharding.input_dist_check.call(sharding.input_dist_pg, name))
+        yield
+
+
 def run_input_dists(
     shardings: list[EmbeddingSharding], features: KeyedJaggedTensor, contexts: list[ShardingContext]
 ) -> InputDistAwaitable:
@@ -284,6 +300,7 @@ __all__ = [
     "ShardedTablesMixin",
     "TableShards",
     "default_device",
+    "input_dist_checks",
     "run_input_dists",
     "shard_param_name",
 ]

@@ -21,6 +21,7 @@ from torch import nn
 from tritonrec.data import KeyedJaggedTensor
 from tritonrec.dist.awaitable import Awaitable, NoWait
 from tritonrec.dist.column_adagrad import ColumnShardKey
+from tritonrec.dist.comm_consistency import MetadataCheck
 from tritonrec.dist.dist_data import KJTAllToAll, KJTAllToAllTensorsAwaitable
 from tritonrec.dist.embedding_lookup import FusedConfig, GroupedEmbeddingLookup
 from tritonrec.dist.qcomm_protocol import CommOp, QuantizedCommCodecs
@@ -90,6 +91,9 @@ class EmbeddingSharding(nn.Module, abc.ABC):
         self._kjt_all_to_all: dict[tuple[tuple[int, ...], int], KJTAllToAll] = {}
         # input dists on a group of their own (side_groups): the pipelines launch them ahead of other batches' work
         self.input_dist_pg = same_ranks_group(self.pg, "input_dist")
+        # one metadata check for this sharding's KJT all-to-alls, which the collection opens around its own input
+        # checks (input_dist_checks): a rank whose batch it rejects still joins the check the others run
+        self.input_dist_check = MetadataCheck()
         if not pooled:
             widths = {s.spec.cols for shards in self.shards_per_rank for s in shards}
             if len(widths) > 1:
@@ -128,6 +132,8 @@ class EmbeddingSharding(nn.Module, abc.ABC):
     def codecs(self, op: CommOp) -> QuantizedCommCodecs | None:
         return self.codecs_registry.get(op.name)
 
+    distributes_input = True  # its input dist is a KJT all-to-all (data-parallel's is not)
+
     @property
     def input_dist_on_own_group(self) -> bool:
         """Whether this sharding's input dists run on a group of their own (see :mod:`tritonrec.dist.side_groups`)."""
@@ -165,7 +171,9 @@ class EmbeddingSharding(nn.Module, abc.ABC):
         key = (tuple(splits), stagger)
         module = self._kjt_all_to_all.get(key)
         if module is None:
-            module = self._kjt_all_to_all[key] = KJTAllToAll(self.input_dist_pg, splits, stagger)
+            module = self._kjt_all_to_all[key] = KJTAllToAll(
+                self.input_dist_pg, splits, stagger, metadata_check=self.input_dist_check
+            )
         splits_awaitable = module(features)
         return _RecordingSplits(splits_awaitable, ctx, then)
 

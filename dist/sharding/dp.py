@@ -35,6 +35,8 @@ class DpSharding(EmbeddingSharding):
             for table in self.tables
         ]
 
+    distributes_input = False
+
     @property
     def output_columns(self) -> OutputColumns:
         return self._columns

@@ -270,16 +270,13 @@ def error_cases(rank: int, world: int) -> dict[str, Any]:
 
     out["staged"] = _outcome(staged)
 
-    def missing_key(count: int) -> Iterator[Any]:
-        """Rank 1's batch 12 lacks feature f3, so its input dist raises inside start_sparse_data_dist. Batch 12: past
-        the input dists' first DEFAULT_CHECKED_CALLS (8), whose metadata checks are synchronous, so rank 0 launches
-        its input dist for batch 12 and goes on (within those calls it would wait for rank 1's check, on every
-        design: the collective checks' own limitation)."""
+    def missing_key(count: int, at: int) -> Iterator[Any]:
+        """Rank 1's batch ``at`` lacks feature f3, so its input dist raises inside start_sparse_data_dist."""
         from tritonrec.data import KeyedJaggedTensor
 
         for step in range(count):
             batch = make_batch(rank, step)
-            if rank == 1 and step == 12:
+            if rank == 1 and step == at:
                 kjt = batch.sparse_features
                 kept = 3 * BATCH
                 short = KeyedJaggedTensor(FEATURES[:3], kjt.values()[: int(kjt.lengths()[:kept].sum())],
@@ -287,10 +284,15 @@ def error_cases(rank: int, world: int) -> dict[str, Any]:
                 batch = type(batch)(batch.dense_features, short, batch.labels, batch.valid_mask)
             yield batch
 
-    def input_dist_failure() -> int:
-        return len(train(lambda m, o: TrainPipelineSparseDist(m, o, CPU), "tw", world, missing_key(16))["losses"])
+    def input_dist_failure(at: int) -> Callable[[], int]:
+        make = lambda m, o: TrainPipelineSparseDist(m, o, CPU)
+        return lambda: len(train(make, "tw", world, missing_key(at + 4, at))["losses"])
 
-    out["input_dist"] = _outcome(input_dist_failure)
+    # batch 4: within the input dist's first 8 (metadata-checked) calls, rank 1 joins rank 0's check with its error,
+    # so no rank issues the all-to-all and both raise at once
+    out["input_dist_checked"] = _outcome(input_dist_failure(4))
+    # batch 12: past them, rank 0 launches its all-to-all and learns of rank 1's failure from the agreement
+    out["input_dist"] = _outcome(input_dist_failure(12))
     # rank 0 launched batch 12's input dist and rank 1 did not; on their own group, that leaves the model's group
     # in step: a collective on it still pairs up
     probe = torch.tensor([float(rank + 1)])

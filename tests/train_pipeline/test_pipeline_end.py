@@ -49,6 +49,16 @@ def test_a_failure_on_one_rank_raises_on_every_rank(pipeline: str, failing_rank:
             assert f"'{stage}' failed on rank(s) [{failing_rank}]" in got["message"], got["message"]
 
 
+def test_an_input_dist_rejected_within_its_checked_calls_raises_on_every_rank_without_a_collective() -> None:
+    """Rank 1 rejects batch 4 inside its input dist, before the all-to-all whose metadata check rank 0 runs: rank 1
+    joins that check with its error (the collection opens the checks around its own input checks), so rank 0
+    raises naming rank 1's error instead of waiting for it."""
+    failed, other = (results["input_dist_checked"] for results in reversed(suite_results("errors")))
+    assert failed["type"] == "ValueError" and "missing keys ['f3']" in failed["message"], failed
+    assert other["type"] == "ValueError", other
+    assert "rank 1 rejected its input (ValueError: features is missing keys ['f3']" in other["message"], other
+
+
 def test_after_a_failed_input_dist_the_model_group_still_pairs_collectives() -> None:
     """Input dists run on a group of their own (dist/side_groups.py): rank 0 launched batch 12's, rank 1 failed
     before launching it, and an all-reduce on the model's group afterwards still adds both ranks' values (on the
