@@ -139,9 +139,7 @@ class GroupLoader:
             for index in segment.order:
                 while not self._slots.acquire(timeout=0.05):  # only this consumer's own batches hold slots now
                     self._raise_if_stalled()
-                with self._lock:
-                    self.alive += 1
-                    self.max_alive = max(self.max_alive, self.alive)
+                self._count_alive(making=False)
                 stored = group.read_batch(index)
                 assert stored is not None  # a stored batch stays stored
                 arrays, additional = stored
@@ -181,6 +179,13 @@ class GroupLoader:
             self._stop.set()
             self._thread.join()
 
+    def _count_alive(self, making: bool) -> None:
+        """A slot was taken for a batch (``making``: by the producer, for a batch it has not queued yet)."""
+        with self._lock:
+            self.alive += 1
+            self.max_alive = max(self.max_alive, self.alive)
+            self._making = making or self._making
+
     def _release_slot(self) -> None:
         with self._lock:
             self.alive -= 1
@@ -204,10 +209,7 @@ class GroupLoader:
                     if self._stop.is_set():
                         self._slots.release()
                         return
-                    with self._lock:
-                        self.alive += 1
-                        self.max_alive = max(self.max_alive, self.alive)
-                        self._making = True
+                    self._count_alive(making=True)
                     self._queue.put(self._make(group, index, epoch, is_validation))
                     with self._lock:
                         self._making = False

@@ -14,14 +14,15 @@ import torch.distributed as dist
 _GROUPS: dict[tuple[int, str], dist.ProcessGroup] = {}
 
 
-def same_ranks_group(group: dist.ProcessGroup, purpose: str) -> dist.ProcessGroup:
-    """A group over ``group``'s ranks with ``group``'s backend, one per ``(group, purpose)``, or ``group`` itself
-    when it does not span the world (``new_group`` must be entered by every rank with the same ranks, which only a
-    world-spanning group guarantees) or has one rank. Every rank must get here in the same order, as when building
-    a model."""
+def same_ranks_group(group: dist.ProcessGroup, purpose: str, backend: str | None = None) -> dist.ProcessGroup:
+    """A group over ``group``'s ranks with ``backend`` (default: ``group``'s), one per ``(group, purpose)``, or
+    ``group`` itself when it does not span the world (``new_group`` must be entered by every rank with the same
+    ranks, which only a world-spanning group guarantees) or has one rank. Every rank must get here in the same
+    order, as when building a model."""
     if not dist.is_initialized() or dist.get_world_size(group) != dist.get_world_size() or dist.get_world_size() == 1:
         return group  # a one-rank group has nothing to mispair
     key = (id(group), purpose)
     if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(ranks=dist.get_process_group_ranks(group), backend=dist.get_backend(group))
+        ranks = dist.get_process_group_ranks(group)
+        _GROUPS[key] = dist.new_group(ranks=ranks, backend=backend or dist.get_backend(group))
     return _GROUPS[key]

@@ -6,9 +6,10 @@ contributes its status (OK, EXHAUSTED or FAILED) to one tiny all-reduce; then al
 stop together at the first step some rank has no batch for, and raise together when some rank failed (the failing
 rank re-raises its own error, the others a :class:`PipelineStageError` naming it).
 
-The all-reduce runs on a side gloo group created once per default group, so it never interleaves with the model's
-collectives: a rank that failed before launching a collective the others launched leaves the main group's order
-unmatched, but the side group's order is always the same on every rank.
+The all-reduce runs on a side gloo group over the same ranks (:mod:`tritonrec.dist.side_groups`; a group that does
+not span the world is used itself), so it never interleaves with the model's collectives: a rank that failed before
+launching a collective the others launched leaves the main group's order unmatched, but the side group's order is
+always the same on every rank.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-_SIDE_GROUPS: dict[int, dist.ProcessGroup] = {}
+from tritonrec.dist.side_groups import same_ranks_group
 
 
 class PipelineStageError(RuntimeError):
@@ -38,15 +39,6 @@ class Status(enum.IntEnum):
     OK = 0
     EXHAUSTED = 1
     FAILED = 2
-
-
-def _side_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A gloo group over the same ranks as ``group`` (created on first use; every rank must get here together)."""
-    key = id(group)
-    if key not in _SIDE_GROUPS:
-        ranks = dist.get_process_group_ranks(group)
-        _SIDE_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo")
-    return _SIDE_GROUPS[key]
 
 
 class StepAgreement:
@@ -68,7 +60,7 @@ class StepAgreement:
         if group is None and dist.is_available() and dist.is_initialized():
             group = dist.group.WORLD
         if group is not None and dist.get_world_size(group) > 1:
-            self._group = _side_group(group)
+            self._group = same_ranks_group(group, "agreement", backend="gloo")
             self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
 
     def agree(self, status: Status, error: BaseException | None = None, failed_stage: str | None = None) -> bool:

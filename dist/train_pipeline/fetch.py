@@ -89,9 +89,6 @@ class BatchFetcher:
         self._iterator = None
 
 
-__all__ = ["NEXT_BATCH", "BatchFetcher", "check_host_prefetch"]
-
-
 class PendingBatch:
     """This rank's next batch (``local``, None at its end) with its agreement in flight (:meth:`BatchFetcher.start`)."""
 
@@ -105,3 +102,6 @@ class PendingBatch:
             self.fetcher.close_thread()
             return None
         return self.local
+
+
+__all__ = ["NEXT_BATCH", "BatchFetcher", "PendingBatch", "check_host_prefetch"]
