@@ -100,6 +100,30 @@ class DenseArch(nn.Module):
         return self.model(features)
 
 
+class _PairwiseDots(torch.autograd.Function):
+    """``vectors [B, N, D]`` -> ``[B, P]``: the dot products of the pairs at flat positions ``pairs`` (``i * N + j``)
+    of the ``[N, N]`` Gram matrix.
+
+    Autograd through ``bmm(C, C^T)`` and an index would run two batched matmuls in the backward and add them; with the
+    Gram matrix symmetric, ``dC = (G + G^T) C`` is one. On CPU a bmm of many tiny matrices costs about one BLAS call
+    per sample (~0.35 ms for 512 x 9 x 64), so the interaction's forward + backward drops from three to two."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, vectors: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(vectors, pairs)
+        gram = torch.bmm(vectors, vectors.transpose(1, 2))  # [B, N, N]
+        return gram.flatten(1).index_select(1, pairs)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        vectors, pairs = ctx.saved_tensors
+        batch, n = vectors.shape[0], vectors.shape[1]
+        # each pair sits in the upper triangle once, so G + G^T holds each pair's gradient at (i, j) and (j, i)
+        both = torch.cat((pairs, (pairs % n) * n + pairs // n))
+        sym = grad.new_zeros(batch, n * n).index_copy_(1, both, torch.cat((grad, grad), dim=1))
+        return torch.bmm(sym.view(batch, n, n), vectors), None
+
+
 class InteractionArch(nn.Module):
     """Dot-product interaction: ``[B, D]`` dense and ``[B, F, D]`` sparse -> ``[B, D + F + F choose 2]``: the
     dense vector followed by the pairwise dot products of all ``F + 1`` vectors (upper triangle, no diagonal)."""
@@ -110,14 +134,15 @@ class InteractionArch(nn.Module):
             raise ValueError(f"num_sparse_features must be a non-negative int, got {num_sparse_features!r}")
         self.F = num_sparse_features
         self.register_buffer("triu_indices", torch.triu_indices(self.F + 1, self.F + 1, offset=1), persistent=False)
+        # the same pairs as flat positions of the [F + 1, F + 1] Gram matrix, row by row
+        self.register_buffer("_pair_positions", self.triu_indices[0] * (self.F + 1) + self.triu_indices[1],
+                             persistent=False)  # fmt: skip
 
     def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
         if self.F <= 0:
             return dense_features
         combined = torch.cat((dense_features.unsqueeze(1), sparse_features), dim=1)  # [B, F + 1, D]
-        interactions = torch.bmm(combined, combined.transpose(1, 2))  # [B, F + 1, F + 1]
-        flat = interactions[:, self.triu_indices[0], self.triu_indices[1]]
-        return torch.cat((dense_features, flat), dim=1)
+        return torch.cat((dense_features, _PairwiseDots.apply(combined, self._pair_positions)), dim=1)
 
 
 class LowRankCrossNet(nn.Module):
