@@ -20,9 +20,13 @@ call is one whole pass over the file (every batch distinct); the train-step bar 
 machine may be shared: every case is timed once per round, round after round, in a new random order each round
 (interleaved, so load changes hit all cases alike, and no case always inherits the same predecessor's leftovers in the
 caches); wall-clock rates use the median pass, per-CPU-second rates the pass with the fewest CPU seconds of this
-process (blind to worker processes, so in-process rows only). torchrec's readers have no per-worker sharding of one
-file (its TSV pipe splits by file, its npy pipe not at all), so they are timed in-process and compared with our
-in-process rows; the worker rows show how ours scale.
+process (blind to worker processes, so in-process rows only).
+
+With workers, torchrec's readers are run the way its users parallelise them, in a ``DataLoader`` with as many workers
+as ours, which hands batches over through torch's default per-tensor shared memory: its TSV pipe gives each worker
+whole files (so the same rows are written as one file per worker for it), its npy pipe takes a ``(rank,
+world_size)`` that each worker sets to its own id and count. Our worker rows are compared with those
+(``*_vs_torchrec``, like for like) and with torchrec's in-process readers (``*_vs_torchrec_in_process``).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -118,27 +122,57 @@ def passes(make_batches: Callable[[], Iterable[Any]]) -> Callable[[], int]:
 
 
 # ----------------------------------------------------------------------------------------------- torchrec anchors
-def torchrec_tsv_pass(path: Path, batch_size: int) -> Callable[[], Iterable[Any]]:
-    import torch.utils.data.datapipes as dp
-    from torchrec.datasets.criteo import criteo_kaggle
+def torchrec_rows_to_batch(rows: list[dict[str, Any]]) -> Any:
+    """The user's part of torchrec's TSV path: dict rows -> dense + KJT (hashed, empty ids as empty bags)."""
     from torchrec.datasets.utils import Batch as TorchrecBatch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor as TorchrecKJT
 
-    def to_batch(rows: list[dict[str, Any]]) -> TorchrecBatch:
-        """The user's part of torchrec's TSV path: dict rows -> dense + KJT (hashed, empty ids as empty bags)."""
-        dense = torch.tensor([[row[f"int_{i}"] for i in range(13)] for row in rows], dtype=torch.float32)
-        values, lengths = [], []
-        for key in KEYS:
-            for row in rows:
-                text = row[key]
-                lengths.append(1 if text else 0)
-                if text:
-                    values.append(int(text, 16) % HASH)
-        sparse = TorchrecKJT.from_lengths_sync(KEYS, torch.tensor(values), torch.tensor(lengths, dtype=torch.int32))
-        labels = torch.tensor([row["label"] for row in rows], dtype=torch.float32)
-        return TorchrecBatch(torch.sign(dense) * torch.log1p(dense.abs()), sparse, labels)
+    dense = torch.tensor([[row[f"int_{i}"] for i in range(13)] for row in rows], dtype=torch.float32)
+    values, lengths = [], []
+    for key in KEYS:
+        for row in rows:
+            text = row[key]
+            lengths.append(1 if text else 0)
+            if text:
+                values.append(int(text, 16) % HASH)
+    sparse = TorchrecKJT.from_lengths_sync(KEYS, torch.tensor(values), torch.tensor(lengths, dtype=torch.int32))
+    labels = torch.tensor([row["label"] for row in rows], dtype=torch.float32)
+    return TorchrecBatch(torch.sign(dense) * torch.log1p(dense.abs()), sparse, labels)
 
-    return lambda: (to_batch(rows) for rows in dp.iter.Batcher(criteo_kaggle(str(path)), batch_size))
+
+class TorchrecTSVBatches(torch.utils.data.IterableDataset):
+    """torchrec's TSV pipe (``CriteoIterDataPipe``, which gives each DataLoader worker whole files) batched and turned
+    into torchrec Batches, in whichever process iterates it."""
+
+    def __init__(self, paths: list[Path], batch_size: int) -> None:
+        self.paths, self.batch_size = [str(p) for p in paths], batch_size
+
+    def __iter__(self) -> Iterator[Any]:
+        import torch.utils.data.datapipes as dp
+        from torchrec.datasets.criteo import CriteoIterDataPipe
+
+        for rows in dp.iter.Batcher(CriteoIterDataPipe(self.paths), self.batch_size):
+            yield torchrec_rows_to_batch(rows)
+
+
+def torchrec_tsv_pass(paths: list[Path], batch_size: int, workers: int = 0) -> Callable[[], Iterable[Any]]:
+    """In-process (``workers == 0``) or in a DataLoader with ``workers`` workers, one file each."""
+    batches = TorchrecTSVBatches(paths, batch_size)
+    if workers == 0:
+        return lambda: iter(batches)
+    loader = torch.utils.data.DataLoader(batches, batch_size=None, num_workers=workers, persistent_workers=True)
+    return lambda: loader
+
+
+def split_tsv(path: Path, parts: int) -> list[Path]:
+    """``path``'s lines as ``parts`` files of consecutive lines (torchrec's TSV pipe parallelises by file)."""
+    lines = path.read_text().splitlines(keepends=True)
+    size = -(-len(lines) // parts)
+    out = []
+    for part in range(parts):
+        out.append(path.with_suffix(f".part{part}of{parts}.tsv"))
+        out[-1].write_text("".join(lines[part * size : (part + 1) * size]))
+    return out
 
 
 def torchrec_npy_pass(
@@ -162,6 +196,33 @@ def torchrec_npy_pass(
 
 def _identity(batch: Any) -> Any:
     return batch
+
+
+class TorchrecNpyPerWorker(torch.utils.data.IterableDataset):
+    """torchrec's mmap npy pipe built inside each DataLoader worker with ``rank, world_size`` = the worker's id and
+    count, so the workers read disjoint row ranges (the pipe has no per-worker sharding of its own)."""
+
+    def __init__(self, prefix: Path, batch_size: int) -> None:
+        self.prefix, self.batch_size = prefix, batch_size
+
+    def __iter__(self) -> Iterator[Any]:
+        from torchrec.datasets.criteo import InMemoryBinaryCriteoIterDataPipe
+
+        info = torch.utils.data.get_worker_info()
+        rank, world = (0, 1) if info is None else (info.id, info.num_workers)
+        dense, sparse, labels = (str(p) for p in npy_paths(self.prefix))
+        yield from InMemoryBinaryCriteoIterDataPipe(
+            "train", [dense], [sparse], [labels], self.batch_size, rank=rank, world_size=world,
+            hashes=[HASH] * 26, mmap_mode=True,
+        )  # fmt: skip
+
+
+def torchrec_npy_workers_pass(prefix: Path, batch_size: int, workers: int) -> Callable[[], Iterable[Any]]:
+    loader = torch.utils.data.DataLoader(
+        TorchrecNpyPerWorker(prefix, batch_size), batch_size=None, num_workers=workers, collate_fn=_identity,
+        persistent_workers=True,
+    )  # fmt: skip
+    return lambda: loader
 
 
 def torchrec_npy_files(ours: Path, theirs: Path) -> None:
@@ -256,7 +317,13 @@ def bench_batch_size(tsv: Path, root: Path, B: int, rounds: int) -> list[dict[st
     anchor_notes: dict[str, str] = {}
     try:
         theirs = root / "torchrec" / "day_0"
-        cases.append(("anchor: torchrec criteo_kaggle datapipe + Batcher + KJT", "tsv", 0, torchrec_tsv_pass(tsv, B)))
+        cases.append(("anchor: torchrec criteo_kaggle datapipe + Batcher + KJT", "tsv", 0, torchrec_tsv_pass([tsv], B)))
+        for workers in (1, 2):
+            parts = [tsv] if workers == 1 else split_tsv(tsv, workers)
+            cases.append(("anchor: torchrec CriteoIterDataPipe + Batcher + KJT in a DataLoader (a file per worker)",
+                          "tsv", workers, torchrec_tsv_pass(parts, B, workers)))  # fmt: skip
+            cases.append(("anchor: torchrec InMemoryBinaryCriteoIterDataPipe (mmap_mode), DataLoader, rank = worker",
+                          "npy", workers, torchrec_npy_workers_pass(theirs, B, workers)))  # fmt: skip
         cases.append(("anchor: torchrec InMemoryBinaryCriteoIterDataPipe (mmap_mode) in a DataLoader", "npy", 0,
                       torchrec_npy_pass(theirs, B, mmap_mode=True, data_loader=True)))  # fmt: skip
         cases.append(("torchrec InMemoryBinaryCriteoIterDataPipe (mmap_mode), bare", "npy_bare", 0,
@@ -279,16 +346,18 @@ def bench_batch_size(tsv: Path, root: Path, B: int, rounds: int) -> list[dict[st
             **wall, "samples_per_s": samples / (wall["median_ms"] * 1e-3),
             "cpu_samples_per_s": samples / min(cpus) if workers == 0 else None, "load_1min": load,
         })  # fmt: skip
-    anchors = {r["format"]: r for r in rows_out if r["impl"].startswith("anchor")}
+    anchors = {(r["format"], r["workers"]): r for r in rows_out if r["impl"].startswith("anchor")}
     anchor_of = {"npy_rows": "npy", "npy_bare": "npy"}
     anchor_of |= {cached: "npy_mem" for cached in ("cache", "cache_key_major", "cache_one_id")}
     step = rows_out[-1]
     for row in rows_out:
         fmt = anchor_of.get(row["format"], row["format"])
-        anchor = anchors.get(fmt)
+        like, in_process = anchors.get((fmt, row["workers"])), anchors.get((fmt, 0))
         for column in ("samples_per_s", "cpu_samples_per_s"):
-            mine, theirs_rate, bar = row[column], anchor[column] if anchor else None, step[column]
-            row[f"{column}_vs_torchrec"] = mine / theirs_rate if mine and theirs_rate else None
+            mine, bar = row[column], step[column]
+            for suffix, anchor in (("vs_torchrec", like), ("vs_torchrec_in_process", in_process)):
+                theirs_rate = anchor[column] if anchor else None
+                row[f"{column}_{suffix}"] = mine / theirs_rate if mine and theirs_rate else None
             row[f"{column}_vs_train_step"] = mine / bar if mine and bar else None
         row["note"] = anchor_notes.get(fmt, "")
     return rows_out
@@ -322,7 +391,8 @@ def main() -> None:
         for B in args.batch_sizes:
             rows_out += bench_batch_size(tsv, root, B, args.rounds)
     print_table(rows_out, ["impl", "format", "workers", "batch_size", "samples_per_s", "cpu_samples_per_s",
-                           "samples_per_s_vs_torchrec", "cpu_samples_per_s_vs_torchrec",
+                           "samples_per_s_vs_torchrec", "samples_per_s_vs_torchrec_in_process",
+                           "cpu_samples_per_s_vs_torchrec",
                            "samples_per_s_vs_train_step", "cpu_samples_per_s_vs_train_step"])  # fmt: skip
     for B in args.batch_sizes:
         of_size = [r for r in rows_out if r["batch_size"] == B]
@@ -331,7 +401,9 @@ def main() -> None:
         if bare:
             print(f"B={B}: key-major npy vs torchrec's bare pipe: {ours['samples_per_s'] / bare['samples_per_s']:.2f}x "
                   f"wall, {ours['cpu_samples_per_s'] / bare['cpu_samples_per_s']:.2f}x per CPU second")  # fmt: skip
-        mmap_pipe = next((r for r in of_size if r["format"] == "npy" and r["impl"].startswith("anchor")), None)
+        mmap_pipe = next(
+            (r for r in of_size if r["format"] == "npy" and r["workers"] == 0 and r["impl"].startswith("anchor")), None
+        )
         for cached in (r for r in of_size if r["format"].startswith("cache") and mmap_pipe):
             print(
                 f"B={B}: {cached['format']} vs torchrec's mmap npy pipe in a DataLoader: "
