@@ -16,6 +16,7 @@ from tritonrec.data.batched_data_dict import (
     SlicedDataDict,
 )
 from tritonrec.data.batcher import Batcher, BatcherConfig, kjt_from_id_matrix
+from tritonrec.data.cache_layouts import KJTLayout
 from tritonrec.data.criteo import CriteoTSVSource, MalformedLineError
 from tritonrec.data.criteo_npy import CriteoNPYSource, criteo_tsv_to_npy
 from tritonrec.data.element_chunk import ChunkSource, ElementChunk
@@ -48,6 +49,7 @@ __all__ = [
     "ElementSpec",
     "GroupLoader",
     "JaggedTensor",
+    "KJTLayout",
     "KeyedJaggedTensor",
     "KeyedTensor",
     "MalformedLineError",

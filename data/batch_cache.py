@@ -3,13 +3,14 @@ outputs, hashed ids) are computed once, stored per batch, and read back in later
 
 A :class:`DataGroup` holds the items (any sequence of descriptors), the batch size and two array layouts, each
 ``{name: (per-item shape, dtype)}``: ``loader_layouts`` are the arrays the loader function fills item by item,
-``cache_layouts`` the arrays stored in the cache. The :class:`~tritonrec.data.group_loader.GroupLoader` yields
-:class:`Batch` es: an *uncached* batch holds loader arrays; the training code turns it into its cached form with
-:meth:`Batch.cache` (for example after running the frozen encoder), which also writes it to ``cache_location``
-unless the group is ``cache_readonly``, ``persist=False`` or the call says ``persist=False``. Later epochs read the
-stored batch instead of calling the loader: every cache array is one memory-mapped ``.npy`` for the whole group, so
-a stored batch is a slice of it, copied into fresh tensors (or, with ``cache_views=True``, handed out as views);
-see :mod:`tritonrec.data.batch_store` for the files.
+``cache_layouts`` the arrays stored in the cache, where a :class:`~tritonrec.data.cache_layouts.KJTLayout` entry
+holds a KeyedJaggedTensor (hashed ids stored as the KJT holds them, read back with no compaction). The
+:class:`~tritonrec.data.group_loader.GroupLoader` yields :class:`Batch` es: an *uncached* batch holds loader arrays;
+the training code turns it into its cached form with :meth:`Batch.cache` (for example after running the frozen
+encoder), which also writes it to ``cache_location`` unless the group is ``cache_readonly``, ``persist=False`` or
+the call says ``persist=False``. Later epochs read the stored batch instead of calling the loader: every cache array
+is one memory-mapped ``.npy`` for the whole group, so a stored batch is a slice of it, copied into fresh tensors
+(or, with ``cache_views=True``, handed out as views); see :mod:`tritonrec.data.batch_store` for the files.
 
 Batch ``b`` of a group always holds items ``[b * batch_size, (b + 1) * batch_size)`` (a partial last batch is not
 produced, as in hydrax), so a stored batch stays valid across epochs; shuffling reorders batches, not their items.
@@ -27,44 +28,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-import numpy as np
 import torch
 
 from tritonrec.data.batch_store import BatchStore
-
-Layouts = Mapping[str, tuple[tuple[int, ...], Any]]
-CheckedLayouts = dict[str, tuple[tuple[int, ...], torch.dtype]]
-
-
-def _torch_dtype(dtype: object, where: str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return torch.from_numpy(np.empty(0, dtype=np.dtype(dtype))).dtype  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise ValueError(f"{where}: dtype must be a torch or numpy dtype, got {dtype!r}") from None
-
-
-def _check_layouts(layouts: Layouts | None, name: str, storable: bool) -> CheckedLayouts:
-    if layouts is None:
-        return {}
-    if not isinstance(layouts, Mapping) or not layouts:
-        raise ValueError(f"{name} must be a non-empty mapping name -> (shape, dtype) or None, got {layouts!r}")
-    checked = {}
-    for key, layout in layouts.items():
-        where = f"{name}[{key!r}]"
-        if not isinstance(key, str) or not key or "/" in key:
-            raise ValueError(f"{name}: array names must be non-empty str without '/', got {key!r}")
-        if not isinstance(layout, (tuple, list)) or len(layout) != 2:
-            raise ValueError(f"{where} must be a (shape, dtype) pair, got {layout!r}")
-        shape, dtype = layout
-        if not isinstance(shape, (tuple, list)) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise ValueError(f"{where}: shape must be a tuple of non-negative ints, got {shape!r}")
-        dtype = _torch_dtype(dtype, where)
-        if storable and dtype == torch.bfloat16:
-            raise ValueError(f"{where}: dtype torch.bfloat16 cannot be stored as .npy; cache it as float32")
-        checked[key] = (tuple(shape), dtype)
-    return checked
+from tritonrec.data.cache_layouts import KJTLayout, Layout, Layouts, check_layouts
+from tritonrec.data.keyed_jagged_tensor import KeyedJaggedTensor
 
 
 class DataGroup:
@@ -75,7 +43,9 @@ class DataGroup:
         data: the item descriptors (a sequence, or an iterable that is materialised).
         loader_layouts: arrays the loader function fills, ``{name: (per-item shape, dtype)}``; ``None`` for a group
             read only from an existing cache.
-        cache_layouts: arrays of a cached batch; ``None``: batches are never cached.
+        cache_layouts: arrays of a cached batch, ``{name: (per-item shape, dtype)}`` or ``{name: KJTLayout(keys,
+            max_values_per_item, dtype, weighted)}`` for a KeyedJaggedTensor of stride ``batch_size``; ``None``:
+            batches are never cached.
         cache_location: directory of the cache (created unless ``cache_readonly``); ``None``: cached batches live
             only as long as the Batch object.
         cache_readonly: read an existing cache, never write to it.
@@ -110,8 +80,10 @@ class DataGroup:
         for name, flag in (("cache_readonly", cache_readonly), ("persist", persist)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {name}={flag!r}")
-        self._loader_layouts = _check_layouts(loader_layouts, "loader_layouts", storable=False)
-        self._cache_layouts = _check_layouts(cache_layouts, "cache_layouts", storable=cache_location is not None)
+        self._loader_layouts = check_layouts(loader_layouts, "loader_layouts", storable=False)
+        self._cache_layouts = check_layouts(
+            cache_layouts, "cache_layouts", storable=cache_location is not None, kjt_allowed=True
+        )
         if not self._loader_layouts and not self._cache_layouts:
             raise ValueError("loader_layouts and cache_layouts are both None: a group needs one of them")
         if not self._loader_layouts and cache_location is None:
@@ -122,11 +94,12 @@ class DataGroup:
         if not isinstance(cache_views, bool):
             raise TypeError(f"cache_views must be a bool, got cache_views={cache_views!r}")
         key_major = [cache_key_major] if isinstance(cache_key_major, str) else list(cache_key_major)
+        one_axis = [k for k, v in self._cache_layouts.items() if not isinstance(v, KJTLayout) and len(v[0]) == 1]
         for name in key_major:
-            if name not in self._cache_layouts or len(self._cache_layouts[name][0]) != 1:
+            if name not in one_axis:
                 raise ValueError(
-                    f"cache_key_major names {name!r}, which is not a cache array with one feature axis (per-item "
-                    f"shape (F,)); those are {[k for k, (s, _) in self._cache_layouts.items() if len(s) == 1]}"
+                    f"cache_key_major names {name!r}, which is not a dense cache array with one feature axis "
+                    f"(per-item shape (F,)); those are {one_axis}"
                 )
         self.cache_key_major = frozenset(key_major)
         self._store: BatchStore | None = None
@@ -155,20 +128,27 @@ class DataGroup:
         return MappingProxyType({k: ((self.batch_size, *s), d) for k, (s, d) in self._loader_layouts.items()})
 
     @property
-    def cache_layouts(self) -> MappingProxyType[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Cached arrays with the leading batch dimension (empty when the group does not cache)."""
-        return MappingProxyType({k: ((self.batch_size, *s), d) for k, (s, d) in self._cache_layouts.items()})
+    def cache_layouts(self) -> MappingProxyType[str, Layout]:
+        """Cached arrays with the leading batch dimension, KJTs as their :class:`KJTLayout` (empty when the group
+        does not cache)."""
+
+        def batched(layout: Layout) -> Layout:
+            return layout if isinstance(layout, KJTLayout) else ((self.batch_size, *layout[0]), layout[1])
+
+        return MappingProxyType({name: batched(layout) for name, layout in self._cache_layouts.items()})
 
     @property
     def store(self) -> BatchStore | None:
         """The stored batches (None without a cache location)."""
         return self._store
 
-    def read_batch(self, index: int) -> tuple[dict[str, torch.Tensor], dict[str, list[Any]]] | None:
+    def read_batch(self, index: int) -> tuple[dict[str, torch.Tensor | KeyedJaggedTensor], dict[str, list[Any]]] | None:
         """Stored batch ``index`` (its arrays and additional data), or None when it is not stored."""
         return None if self._store is None else self._store.read(index)
 
-    def write_batch(self, index: int, arrays: Mapping[str, torch.Tensor], additional: Mapping[str, list]) -> None:
+    def write_batch(
+        self, index: int, arrays: Mapping[str, torch.Tensor | KeyedJaggedTensor], additional: Mapping[str, list]
+    ) -> None:
         """Store batch ``index`` (its rows of the group's array files, then its mark)."""
         assert self._store is not None
         self._store.write(index, arrays, additional)
@@ -189,7 +169,7 @@ class Batch:
         group_index: int,
         epoch: int,
         is_validation: bool,
-        arrays: dict[str, torch.Tensor],
+        arrays: dict[str, torch.Tensor | KeyedJaggedTensor],
         additional: dict[str, list[Any]],
         uncached: bool,
         on_release: Callable[[], None] | None = None,
@@ -254,15 +234,16 @@ class Batch:
         return self._uncached
 
     @property
-    def layouts(self) -> MappingProxyType[str, tuple[tuple[int, ...], torch.dtype]]:
+    def layouts(self) -> MappingProxyType[str, Layout]:
         """The layouts of :attr:`arrays`: the group's loader layouts while uncached, its cache layouts after."""
         return self._group.loader_layouts if self._uncached else self._group.cache_layouts
 
     @property
-    def arrays(self) -> MappingProxyType[str, torch.Tensor]:
+    def arrays(self) -> MappingProxyType[str, torch.Tensor | KeyedJaggedTensor]:
         return MappingProxyType(self._arrays)
 
-    def get_array(self, name: str) -> torch.Tensor:
+    def get_array(self, name: str) -> torch.Tensor | KeyedJaggedTensor:
+        """Array ``name``: a tensor, or a KeyedJaggedTensor for a cache array with a :class:`KJTLayout`."""
         if name not in self._arrays:
             raise KeyError(f"this batch has no array {name!r}; it has {sorted(self._arrays)}")
         return self._arrays[name]
@@ -282,14 +263,16 @@ class Batch:
 
     def cache(
         self,
-        arrays: Mapping[str, torch.Tensor],
+        arrays: Mapping[str, torch.Tensor | KeyedJaggedTensor],
         additional: Mapping[str, Sequence[Any]] | None = None,
         persist: bool = True,
     ) -> None:
         """Turn this uncached batch into its cached form; store it unless the group or ``persist`` says not to.
 
-        ``arrays`` must match the group's cache layouts exactly (names, ``(batch_size, *shape)`` shapes, dtypes);
-        ``additional`` (one value per item for each key) replaces the loader's additional data when given.
+        ``arrays`` must match the group's cache layouts exactly (names, ``(batch_size, *shape)`` shapes, dtypes; a
+        :class:`KJTLayout` array a KJT of its keys, stride ``batch_size``, id dtype, weights and at most
+        ``max_values_per_item`` ids per item); ``additional`` (one value per item for each key) replaces the
+        loader's additional data when given.
         """
         if not self._uncached:
             raise RuntimeError(f"batch {self._group_index} is already cached")
@@ -301,7 +284,11 @@ class Batch:
         missing, extra = sorted(set(layouts) - set(arrays)), sorted(set(arrays) - set(layouts))
         if missing or extra:
             raise ValueError(f"arrays must match cache_layouts exactly: missing {missing}, unexpected {extra}")
-        for name, (shape, dtype) in layouts.items():
+        for name, layout in layouts.items():
+            if isinstance(layout, KJTLayout):
+                layout.check(name, arrays[name], len(self))
+                continue
+            shape, dtype = layout
             tensor = arrays[name]
             if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape or tensor.dtype != dtype:
                 got = f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor) else type(tensor)

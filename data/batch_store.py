@@ -6,6 +6,9 @@ Layout of ``cache_location``::
     cache.json          batch size, item count, cache layouts (written last: its presence means the files exist)
     <array>.npy         [batch_count * batch_size, *shape] per cache array (created sparse, filled batch by batch;
                         key-major arrays [batch_count, F, batch_size])
+    <kjt>.values.npy    per KJT array (KJTLayout): [batch_count, batch_size * max_values_per_item] ids, each batch's
+                        from the start of its slot; <kjt>.lengths.npy [batch_count, F, batch_size] int32;
+    <kjt>.length_per_key.npy  [batch_count, F] int64; <kjt>.weights.npy (weighted only) like the values, float32
     stored.bin          one byte per batch: 0 not stored, 1 stored, 2 stored with additional data
     additional/<b>.pkl  batch b's additional data (only when it has any)
 
@@ -16,6 +19,9 @@ the same new cache at once all end up with the same files.
 
 An array named in ``key_major`` (one feature axis) is stored ``[batch_count, F, batch_size]``: each batch's block
 feature by feature, as a KJT holds ids, handed out as the transposed view ``[batch_size, F]``.
+
+A KJT is read back as values (its batch's per-key totals say how many), lengths and totals: no compaction, no
+transposing copy.
 
 Reading maps every array once (copy-on-write, ``mmap_mode="c"``): after the first epoch its pages stay mapped, so a
 batch costs one copy of its rows into fresh tensors, or nothing with ``views=True`` (tensors that are views of the
@@ -33,6 +39,9 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from tritonrec.data.cache_layouts import KJTLayout, Layout
+from tritonrec.data.keyed_jagged_tensor import KeyedJaggedTensor
 
 FORMAT = "tritonrec-batch-cache-2"
 NOT_STORED, STORED, STORED_WITH_ADDITIONAL = 0, 1, 2
@@ -64,21 +73,25 @@ def _empty_npy(path: Path, shape: tuple[int, ...], dtype: torch.dtype) -> None:
 
 
 class BatchStore:
-    """Stored batches of one group (module docstring). ``layouts``: ``{name: ((batch_size, *shape), dtype)}``."""
+    """Stored batches of one group (module docstring). ``layouts``: ``{name: ((batch_size, *shape), dtype)}`` for
+    dense arrays, ``{name: KJTLayout}`` for KJTs."""
 
     def __init__(
         self,
         location: Path,
-        layouts: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+        layouts: Mapping[str, Layout],
         batch_size: int,
         num_items: int,
         readonly: bool,
         views: bool,
         key_major: frozenset[str] = frozenset(),
     ) -> None:
-        self.location, self.layouts, self.batch_size = location, dict(layouts), batch_size
+        self.location, self.batch_size = location, batch_size
+        self.layouts = {k: v for k, v in layouts.items() if not isinstance(v, KJTLayout)}
+        self.kjt_layouts = {k: v for k, v in layouts.items() if isinstance(v, KJTLayout)}
         self.num_items, self.batch_count = num_items, num_items // batch_size
         self.readonly, self.views, self.key_major = readonly, views, key_major
+        self._files = self._file_layouts()
         self._read_maps: dict[str, np.ndarray] | None = None
         self._write_maps: dict[str, np.ndarray] | None = None
         self._stored: np.ndarray | None = None
@@ -86,13 +99,36 @@ class BatchStore:
 
     # ------------------------------------------------------------------------------------------------ files
     def array_path(self, name: str) -> Path:
+        """The ``.npy`` of file ``name``: a dense array's name, or ``<kjt>.values`` / ``.lengths`` /
+        ``.length_per_key`` / ``.weights``."""
         return self.location / f"{name}.npy"
+
+    def _file_layouts(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Every ``.npy`` of the cache: ``{file name: (file shape, dtype)}``."""
+        files = {name: (self._file_shape(name), dtype) for name, (_, dtype) in self.layouts.items()}
+        for name, kjt in self.kjt_layouts.items():
+            slot, features = self.batch_size * kjt.max_values_per_item, len(kjt.keys)
+            parts = {
+                "values": ((self.batch_count, slot), kjt.dtype),
+                "lengths": ((self.batch_count, features, self.batch_size), torch.int32),
+                "length_per_key": ((self.batch_count, features), torch.int64),
+            }
+            if kjt.weighted:
+                parts["weights"] = ((self.batch_count, slot), torch.float32)
+            for part, layout in parts.items():
+                if f"{name}.{part}" in files:
+                    raise ValueError(f"cache array names collide: {name!r}'s {part} file is {name}.{part}.npy")
+                files[f"{name}.{part}"] = layout
+        return files
 
     def additional_path(self, index: int) -> Path:
         return self.location / "additional" / f"{index:08d}.pkl"
 
     def _descriptor(self) -> dict[str, Any]:
-        layouts = {k: [list(s[1:]), str(d).removeprefix("torch.")] for k, (s, d) in self.layouts.items()}
+        layouts: dict[str, list[Any]] = {
+            k: [list(s[1:]), str(d).removeprefix("torch.")] for k, (s, d) in self.layouts.items()
+        }
+        layouts |= {k: v.describe() for k, v in self.kjt_layouts.items()}
         return {
             "format": FORMAT, "batch_size": self.batch_size, "num_items": self.num_items, "cache_layouts": layouts,
             "key_major": sorted(self.key_major),
@@ -111,13 +147,12 @@ class BatchStore:
                         f"cache_location {str(location)!r} holds a cache with {key}={theirs.get(key)!r}, but this "
                         f"group has {key}={value!r}; use another location or delete the old cache"
                     )
-            for path in [self.array_path(name) for name in self.layouts] + [location / "stored.bin"]:
+            for path in [self.array_path(name) for name in self._files] + [location / "stored.bin"]:
                 if not path.is_file():
                     raise ValueError(f"cache_location {str(location)!r} has cache.json but lacks {path.name}")
             return
         (location / "additional").mkdir(parents=True, exist_ok=True)
-        for name, (_, dtype) in self.layouts.items():
-            shape = self._file_shape(name)
+        for name, (shape, dtype) in self._files.items():
             _create_exclusive(self.array_path(name), lambda p, s=shape, d=dtype: _empty_npy(p, s, d))
         _create_exclusive(location / "stored.bin", lambda p: p.write_bytes(bytes(self.batch_count)))
         _create_exclusive(descriptor_path, lambda p: p.write_text(json.dumps(mine, indent=1)))
@@ -154,28 +189,50 @@ class BatchStore:
         if mark == NOT_STORED:
             return None
         if self._read_maps is None:
-            self._read_maps = {name: np.load(self.array_path(name), mmap_mode="c") for name in self.layouts}
-        arrays = {}
-        for name, mapped in self._read_maps.items():
-            block = self._block(mapped, name, index)
-            if self.views:
-                tensor = torch.from_numpy(block)
-            else:  # a fresh tensor the consumer owns (torch's allocator reuses freed blocks: no page faults)
-                tensor = torch.empty(block.shape, dtype=self.layouts[name][1])
-                np.copyto(tensor.numpy(), block)
+            self._read_maps = {name: np.load(self.array_path(name), mmap_mode="c") for name in self._files}
+        arrays: dict[str, torch.Tensor | KeyedJaggedTensor] = {}
+        for name in self.layouts:
+            tensor = self._tensor(self._block(self._read_maps[name], name, index))
             arrays[name] = tensor.t() if name in self.key_major else tensor
+        for name, kjt in self.kjt_layouts.items():
+            arrays[name] = self._read_kjt(name, kjt, index)
         additional: dict[str, list[Any]] = {}
         if mark == STORED_WITH_ADDITIONAL:
             with self.additional_path(index).open("rb") as handle:
                 additional = pickle.load(handle)
         return arrays, additional
 
+    def _tensor(self, block: np.ndarray) -> torch.Tensor:
+        """A view of the mapped ``block`` or, by default, a fresh tensor the consumer owns (torch's allocator reuses
+        freed blocks: no page faults)."""
+        if self.views:
+            return torch.from_numpy(block)
+        tensor = torch.empty(block.shape, dtype=torch.from_numpy(block[:0]).dtype)
+        np.copyto(tensor.numpy(), block)
+        return tensor
+
+    def _read_kjt(self, name: str, kjt: KJTLayout, index: int) -> KeyedJaggedTensor:
+        """Batch ``index``'s KJT: the first ``sum(length_per_key)`` ids of its slot, its lengths and totals (stored
+        together by :meth:`write`, so consistent without a check beyond the slot's size)."""
+        maps = self._read_maps
+        length_per_key = maps[f"{name}.length_per_key"][index].tolist()
+        total = sum(length_per_key)
+        if not 0 <= total <= maps[f"{name}.values"].shape[1]:
+            raise ValueError(f"{self.array_path(name + '.length_per_key')} batch {index}: {total} ids do not fit "
+                             f"its slot of {maps[f'{name}.values'].shape[1]}; the cache file is damaged")  # fmt: skip
+        values = self._tensor(maps[f"{name}.values"][index, :total])
+        lengths = self._tensor(maps[f"{name}.lengths"][index]).view(-1)
+        weights = self._tensor(maps[f"{name}.weights"][index, :total]) if kjt.weighted else None
+        return KeyedJaggedTensor._trusted(
+            list(kjt.keys), values, weights, lengths, self.batch_size, None, length_per_key
+        )
+
     # ------------------------------------------------------------------------------------------------ writing
     def write(self, index: int, arrays: Mapping[str, torch.Tensor], additional: Mapping[str, list]) -> None:
         """Store batch ``index``: its additional data, its rows of every array, then its mark."""
         assert not self.readonly
         if self._write_maps is None:
-            self._write_maps = {name: np.load(self.array_path(name), mmap_mode="r+") for name in self.layouts}
+            self._write_maps = {name: np.load(self.array_path(name), mmap_mode="r+") for name in self._files}
             marks = np.memmap(self.location / "stored.bin", dtype=np.uint8, mode="r+")
             self._write_maps["stored.bin"] = marks
         mark = STORED
@@ -186,7 +243,17 @@ class BatchStore:
                 pickle.dump(dict(additional), handle)
             os.replace(partial, path)  # another writer of this batch wrote the same data
             mark = STORED_WITH_ADDITIONAL
+        maps = self._write_maps
         for name in self.layouts:
             values = arrays[name].detach().cpu().numpy()
-            self._block(self._write_maps[name], name, index)[...] = values.T if name in self.key_major else values
-        self._write_maps["stored.bin"][index] = mark
+            self._block(maps[name], name, index)[...] = values.T if name in self.key_major else values
+        for name, layout in self.kjt_layouts.items():
+            kjt = arrays[name]
+            lengths = kjt.lengths().detach().cpu().view(len(layout.keys), self.batch_size).numpy()
+            total = int(lengths.sum())
+            maps[f"{name}.values"][index, :total] = kjt.values().detach().cpu().numpy()
+            if layout.weighted:
+                maps[f"{name}.weights"][index, :total] = kjt.weights().detach().cpu().float().numpy()
+            maps[f"{name}.lengths"][index] = lengths
+            maps[f"{name}.length_per_key"][index] = lengths.sum(1)
+        maps["stored.bin"][index] = mark
