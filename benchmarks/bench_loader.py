@@ -49,9 +49,11 @@ from harness import append_csv, print_table
 from tritonrec.data.batch import Batch
 from tritonrec.data.batch_cache import DataGroup
 from tritonrec.data.batcher import kjt_from_id_matrix
+from tritonrec.data.cache_layouts import KJTLayout
 from tritonrec.data.criteo import CriteoTSVSource
 from tritonrec.data.criteo_npy import CriteoNPYSource, criteo_tsv_to_npy, npy_paths
 from tritonrec.data.group_loader import GroupLoader
+from tritonrec.data.keyed_jagged_tensor import KeyedJaggedTensor
 from tritonrec.data.loader import make_rank_loader
 from tritonrec.dist.train.builders import DataSources, build_dense_optimizer, build_model
 from tritonrec.dist.train.config import DLRMConfig, OptimConfig
@@ -234,14 +236,21 @@ def torchrec_npy_files(ours: Path, theirs: Path) -> None:
 
 # ------------------------------------------------------------------------------------------------ the batch cache
 def cached_group(
-    prefix: Path, location: Path, batch_size: int, tuned: bool = False, missing_as_zero: bool = False
+    prefix: Path,
+    location: Path,
+    batch_size: int,
+    tuned: bool = False,
+    missing_as_zero: bool = False,
+    kjt: bool = False,
 ) -> DataGroup:
     """A cache of model-ready arrays (hashed ids, dense, labels), filled once, untimed. A missing id is -1 (an empty
     bag, as our readers give it), or with ``missing_as_zero`` id 0 (torchrec's npy convention: every bag one id).
-    ``tuned``: ids stored key-major and batches read as views (``cache_key_major``, ``cache_views``)."""
+    ``tuned``: batches read as views (``cache_views``), ids stored key-major (``cache_key_major``); ``kjt``: the
+    ids cached as the KJT itself (a ``KJTLayout``, empty bags included)."""
     dense, sparse, labels = (np.load(p, mmap_mode="r") for p in npy_paths(prefix))
-    layouts = {"dense": ((13,), torch.float32), "ids": ((26,), torch.int64), "labels": ((), torch.float32)}
-    key_major = ["ids"] if tuned else []
+    ids_layout = KJTLayout(KEYS, max_values_per_item=26) if kjt else ((26,), torch.int64)
+    layouts = {"dense": ((13,), torch.float32), "ids": ids_layout, "labels": ((), torch.float32)}
+    key_major = ["ids"] if tuned and not kjt else []
     group = DataGroup(batch_size, range(len(labels)), {"row": ((), torch.int64)}, layouts, location,
                       cache_key_major=key_major)  # fmt: skip
 
@@ -251,8 +260,9 @@ def cached_group(
     for batch in GroupLoader(fill, group):
         if batch.uncached:
             rows = batch.get_array("row").numpy()
-            ids = np.where(sparse[rows] >= 0, sparse[rows] % HASH, 0 if missing_as_zero else -1)
-            batch.cache({"dense": torch.from_numpy(np.ascontiguousarray(dense[rows])), "ids": torch.from_numpy(ids),
+            ids = torch.from_numpy(np.where(sparse[rows] >= 0, sparse[rows] % HASH, 0 if missing_as_zero else -1))
+            batch.cache({"dense": torch.from_numpy(np.ascontiguousarray(dense[rows])),
+                         "ids": kjt_from_id_matrix(KEYS, ids) if kjt else ids,
                          "labels": torch.from_numpy(labels[rows].astype(np.float32))})  # fmt: skip
         batch.release()
     if tuned:  # the same files, read as views of the mapping instead of copies
@@ -262,13 +272,14 @@ def cached_group(
 
 
 def cached_pass(group: DataGroup) -> Callable[[], Iterable[Batch]]:
-    """Later epochs: cached batches -> model batches (the user's part: ids [B, 26] -> a KJT with empty bags)."""
+    """Later epochs: cached batches -> model batches (the user's part: ids [B, 26] -> a KJT with empty bags, unless
+    the cache holds the KJT itself)."""
 
     def batches() -> Iterable[Batch]:
         for cached in GroupLoader(lambda *_: None, group):
             with cached:
-                labels = cached.get_array("labels")
-                sparse = kjt_from_id_matrix(KEYS, cached.get_array("ids"))
+                labels, ids = cached.get_array("labels"), cached.get_array("ids")
+                sparse = ids if isinstance(ids, KeyedJaggedTensor) else kjt_from_id_matrix(KEYS, ids)
                 yield Batch(cached.get_array("dense"), sparse, labels, torch.ones(labels.shape[0], dtype=torch.bool))
 
     return batches
@@ -314,6 +325,11 @@ def bench_batch_size(tsv: Path, root: Path, B: int, rounds: int) -> list[dict[st
                   cached_pass(cached_group(rows_prefix, root / f"cache_km_{B}", B, tuned=True))))  # fmt: skip
     cases.append(("tritonrec batch cache (views, key-major; missing id = 0 as torchrec's files)", "cache_one_id", 0,
                   cached_pass(cached_group(rows_prefix, root / f"cache_zero_{B}", B, True, True))))  # fmt: skip
+    kjt_cache = root / f"cache_kjt_{B}"
+    cases.append(("tritonrec batch cache (defaults: copies; ids as a KJTLayout, empty bags)", "cache_kjt", 0,
+                  cached_pass(cached_group(rows_prefix, kjt_cache, B, kjt=True))))  # fmt: skip
+    cases.append(("tritonrec batch cache (cache_views; ids as a KJTLayout, empty bags)", "cache_kjt_views", 0,
+                  cached_pass(cached_group(rows_prefix, kjt_cache, B, tuned=True, kjt=True))))  # fmt: skip
     anchor_notes: dict[str, str] = {}
     try:
         theirs = root / "torchrec" / "day_0"
@@ -348,7 +364,9 @@ def bench_batch_size(tsv: Path, root: Path, B: int, rounds: int) -> list[dict[st
         })  # fmt: skip
     anchors = {(r["format"], r["workers"]): r for r in rows_out if r["impl"].startswith("anchor")}
     anchor_of = {"npy_rows": "npy", "npy_bare": "npy"}
-    anchor_of |= {cached: "npy_mem" for cached in ("cache", "cache_key_major", "cache_one_id")}
+    anchor_of |= {
+        cached: "npy_mem" for cached in ("cache", "cache_key_major", "cache_one_id", "cache_kjt", "cache_kjt_views")
+    }
     step = rows_out[-1]
     for row in rows_out:
         fmt = anchor_of.get(row["format"], row["format"])
@@ -404,11 +422,14 @@ def main() -> None:
         mmap_pipe = next(
             (r for r in of_size if r["format"] == "npy" and r["workers"] == 0 and r["impl"].startswith("anchor")), None
         )
-        for cached in (r for r in of_size if r["format"].startswith("cache") and mmap_pipe):
+        in_ram = next((r for r in of_size if r["format"] == "npy_mem"), None)
+        for cached in (r for r in of_size if r["format"].startswith("cache") and mmap_pipe and in_ram):
             print(
                 f"B={B}: {cached['format']} vs torchrec's mmap npy pipe in a DataLoader: "
-                f"{cached['samples_per_s'] / mmap_pipe['samples_per_s']:.2f}x wall, "
-                f"{cached['cpu_samples_per_s'] / mmap_pipe['cpu_samples_per_s']:.2f}x per CPU second"
+                f"{cached['samples_per_s'] / mmap_pipe['samples_per_s']:.2f}x wall "
+                f"({cached['cpu_samples_per_s'] / mmap_pipe['cpu_samples_per_s']:.2f}x per CPU second); "
+                f"vs its in-RAM pipe {cached['samples_per_s'] / in_ram['samples_per_s']:.2f}x "
+                f"({cached['cpu_samples_per_s'] / in_ram['cpu_samples_per_s']:.2f}x)"
             )
     print(f"opening (validating) the key-major day of {args.rows} rows: {open_ms:.1f} ms of CPU")
     path = append_csv(args.out, rows_out)
