@@ -172,7 +172,7 @@ def test_key_major_arrays_are_stored_feature_by_feature_and_read_as_transposed_v
             assert torch.equal(a.values(), b.values()) and torch.equal(a.lengths(), b.lengths())
     with pytest.raises(ValueError, match=r"holds a cache with key_major=\['ids'\], but this group has key_major=\[\]"):
         group(tmp_path / "keys")
-    with pytest.raises(ValueError, match="cache_key_major names 'none', which is not a dense cache array with one feature"):
+    with pytest.raises(ValueError, match="cache_key_major names 'none', which is not a dense cache array"):
         DataGroup(2, [1, 2], LOADER, {"none": ((1, 2), torch.float32)}, tmp_path / "other", cache_key_major=["none"])
     with pytest.raises(ValueError, match="cache_key_major names 'raw', which is not a dense cache array"):
         group(tmp_path / "third", cache_key_major=["raw"])
