@@ -3,7 +3,8 @@
 ``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes, gives each an initialised gloo process group,
 calls ``fn(rank, world_size, *args)`` and returns the per-rank results in rank order. A rank that raises makes the
 call raise with that rank's traceback; ranks that do not finish within ``timeout`` are killed and the call raises
-``TimeoutError`` naming them, so a hung collective fails a test instead of hanging the suite.
+``TimeoutError`` naming them, so a hung collective fails a test instead of hanging the suite (each such rank first
+prints every thread's stack to its stderr, which pytest shows with the failure).
 
 ``fn`` must be a module-level function: a spawned rank unpickles it by its module's name, which pytest's importlib
 mode makes ``tests.<folder>.<module>``, so ``run_ranks`` puts the repository root on ``sys.path`` before spawning
@@ -17,10 +18,14 @@ mode makes ``tests.<folder>.<module>``, so ``run_ranks`` puts the repository roo
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
+import pickle
 import queue
+import signal
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +52,7 @@ def _rank_main(
     # too late here (the spawned child has already imported torch), so set both.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a rank that overruns is asked for its stacks
     try:
         dist.init_process_group(
             "gloo",
@@ -55,9 +61,16 @@ def _rank_main(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout_s),
         )
-        results.put((rank, True, fn(rank, world_size, *args)))
+        # Pickled here, by value: the queue's own pickler would share tensors through handles that the parent
+        # fetches from this process later (gone once it exits), and its feeder thread drops an object it cannot
+        # pickle with only a printed error, so the parent would wait for a result that never comes.
+        payload = (rank, True, pickle.dumps(fn(rank, world_size, *args)))
     except BaseException:  # report everything, including assertion errors, to the parent
-        results.put((rank, False, traceback.format_exc()))
+        payload = (rank, False, traceback.format_exc())
+    try:
+        results.put(payload)
+        results.close()
+        results.join_thread()  # the result is in the pipe before this rank tears anything down
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -90,10 +103,19 @@ def run_ranks(
                 rank, ok, payload = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
                 continue
-            (outputs if ok else errors)[rank] = payload
+            if ok:
+                outputs[rank] = pickle.loads(payload)
+            else:
+                errors[rank] = payload
             if not ok:  # the other ranks may now block in a collective until the group timeout: do not wait for it
                 deadline = min(deadline, datetime.datetime.now() + datetime.timedelta(seconds=3))
     finally:
+        overran = [proc for rank, proc in enumerate(procs) if rank not in outputs and rank not in errors]
+        if overran and not errors:  # stacks of the ranks that did not finish, on their stderr, before the kill
+            for proc in overran:
+                if proc.is_alive():
+                    os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(2)
         for proc in procs:
             proc.join(timeout=1 if errors else 5)
             if proc.is_alive():

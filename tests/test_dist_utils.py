@@ -39,6 +39,18 @@ def test_rank_error_is_reported() -> None:
         run_ranks(_fail_on_rank_one, 2)
 
 
-def test_hung_rank_times_out() -> None:
+def test_hung_rank_times_out_and_prints_where_it_hangs(capfd: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(TimeoutError, match=r"ranks \[0\] of 2 did not finish"):
         run_ranks(_sleep_on_rank_zero, 2, timeout=15)  # generous: spawning is slow on a loaded machine
+    assert "in _sleep_on_rank_zero" in capfd.readouterr().err  # the hung rank's stack, from faulthandler
+
+
+def _tensors_by_rank(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    return {"ids": torch.arange(3) + rank, "big": torch.full((300_000,), float(rank))}
+
+
+def test_tensor_results_arrive_by_value() -> None:
+    """Results larger than a pipe's buffer, with tensors: pickled in the rank, so no handle outlives the rank."""
+    results = run_ranks(_tensors_by_rank, 2)
+    for rank, result in enumerate(results):
+        assert torch.equal(result["ids"], torch.arange(3) + rank) and bool((result["big"] == rank).all())
