@@ -242,13 +242,14 @@ def cached_group(
     tuned: bool = False,
     missing_as_zero: bool = False,
     kjt: bool = False,
+    ids_dtype: torch.dtype = torch.int64,
 ) -> DataGroup:
     """A cache of model-ready arrays (hashed ids, dense, labels), filled once, untimed. A missing id is -1 (an empty
     bag, as our readers give it), or with ``missing_as_zero`` id 0 (torchrec's npy convention: every bag one id).
     ``tuned``: batches read as views (``cache_views``), ids stored key-major (``cache_key_major``); ``kjt``: the
-    ids cached as the KJT itself (a ``KJTLayout``, empty bags included)."""
+    ids cached as the KJT itself (a ``KJTLayout`` of ``ids_dtype`` ids, empty bags included)."""
     dense, sparse, labels = (np.load(p, mmap_mode="r") for p in npy_paths(prefix))
-    ids_layout = KJTLayout(KEYS, max_values_per_item=26) if kjt else ((26,), torch.int64)
+    ids_layout = KJTLayout(KEYS, max_values_per_item=26, dtype=ids_dtype) if kjt else ((26,), torch.int64)
     layouts = {"dense": ((13,), torch.float32), "ids": ids_layout, "labels": ((), torch.float32)}
     key_major = ["ids"] if tuned and not kjt else []
     group = DataGroup(batch_size, range(len(labels)), {"row": ((), torch.int64)}, layouts, location,
@@ -262,13 +263,21 @@ def cached_group(
             rows = batch.get_array("row").numpy()
             ids = torch.from_numpy(np.where(sparse[rows] >= 0, sparse[rows] % HASH, 0 if missing_as_zero else -1))
             batch.cache({"dense": torch.from_numpy(np.ascontiguousarray(dense[rows])),
-                         "ids": kjt_from_id_matrix(KEYS, ids) if kjt else ids,
+                         "ids": _kjt_of(ids, ids_dtype) if kjt else ids,
                          "labels": torch.from_numpy(labels[rows].astype(np.float32))})  # fmt: skip
         batch.release()
     if tuned:  # the same files, read as views of the mapping instead of copies
         group = DataGroup(batch_size, range(len(labels)), None, layouts, location, cache_views=True,
                           cache_key_major=key_major)  # fmt: skip
     return group
+
+
+def _kjt_of(ids: torch.Tensor, dtype: torch.dtype) -> KeyedJaggedTensor:
+    """The KJT of an id matrix (a negative id: an empty bag), its ids in ``dtype``."""
+    kjt = kjt_from_id_matrix(KEYS, ids)
+    if dtype == kjt.values().dtype:
+        return kjt
+    return KeyedJaggedTensor.from_lengths_sync(KEYS, kjt.values().to(dtype), kjt.lengths(), stride=kjt.stride())
 
 
 def cached_pass(group: DataGroup) -> Callable[[], Iterable[Batch]]:
@@ -330,6 +339,9 @@ def bench_batch_size(tsv: Path, root: Path, B: int, rounds: int) -> list[dict[st
                   cached_pass(cached_group(rows_prefix, kjt_cache, B, kjt=True))))  # fmt: skip
     cases.append(("tritonrec batch cache (cache_views; ids as a KJTLayout, empty bags)", "cache_kjt_views", 0,
                   cached_pass(cached_group(rows_prefix, kjt_cache, B, tuned=True, kjt=True))))  # fmt: skip
+    cases.append(("tritonrec batch cache (defaults: copies; ids as an int32 KJTLayout, empty bags)", "cache_kjt32",
+                  0, cached_pass(cached_group(rows_prefix, root / f"cache_kjt32_{B}", B, kjt=True,
+                                              ids_dtype=torch.int32))))  # fmt: skip
     anchor_notes: dict[str, str] = {}
     try:
         theirs = root / "torchrec" / "day_0"
@@ -365,7 +377,8 @@ def bench_batch_size(tsv: Path, root: Path, B: int, rounds: int) -> list[dict[st
     anchors = {(r["format"], r["workers"]): r for r in rows_out if r["impl"].startswith("anchor")}
     anchor_of = {"npy_rows": "npy", "npy_bare": "npy"}
     anchor_of |= {
-        cached: "npy_mem" for cached in ("cache", "cache_key_major", "cache_one_id", "cache_kjt", "cache_kjt_views")
+        cached: "npy_mem"
+        for cached in ("cache", "cache_key_major", "cache_one_id", "cache_kjt", "cache_kjt_views", "cache_kjt32")
     }
     step = rows_out[-1]
     for row in rows_out:
