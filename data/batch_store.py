@@ -30,6 +30,7 @@ mapping: in-place writes to them stay in this process, and later epochs of this 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pickle
@@ -63,6 +64,11 @@ def _create_exclusive(path: Path, make: Any) -> None:
         pass
     finally:
         partial.unlink()
+
+
+@functools.cache
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
 
 
 def _plain(mapped: np.memmap) -> np.ndarray:
@@ -213,7 +219,7 @@ class BatchStore:
         freed blocks: no page faults)."""
         if self.views:
             return torch.from_numpy(block)
-        tensor = torch.empty(block.shape, dtype=torch.from_numpy(block[:0]).dtype)
+        tensor = torch.empty(block.shape, dtype=_torch_dtype(block.dtype))
         np.copyto(tensor.numpy(), block)
         return tensor
 
