@@ -261,11 +261,11 @@ class BatchStore:
             self._block(maps[name], name, index)[...] = values.T if name in self.key_major else values
         for name, layout in self.kjt_layouts.items():
             kjt = arrays[name]
-            lengths = kjt.lengths().detach().cpu().view(len(layout.keys), self.batch_size).numpy()
-            total = int(lengths.sum())
-            maps[f"{name}.values"][index, :total] = kjt.values().detach().cpu().numpy()
+            lengths = kjt.lengths().detach().cpu().reshape(len(layout.keys), self.batch_size).numpy()
+            total = int(lengths.sum())  # values past the last bag (a KJT may carry a slack tail) are not stored
+            maps[f"{name}.values"][index, :total] = kjt.values()[:total].detach().cpu().numpy()
             if layout.weighted:
-                maps[f"{name}.weights"][index, :total] = kjt.weights().detach().cpu().float().numpy()
+                maps[f"{name}.weights"][index, :total] = kjt.weights()[:total].detach().cpu().numpy()
             maps[f"{name}.lengths"][index] = lengths
             maps[f"{name}.length_per_key"][index] = lengths.sum(1)
         maps["stored.bin"][index] = mark

@@ -30,7 +30,8 @@ class KJTLayout:
         max_values_per_item: at most this many ids per item, over all keys (a bag of Criteo's 26 one-id features:
             26); an item holding more is refused when cached, naming the item.
         dtype: the ids' dtype, ``torch.int64`` or ``torch.int32``.
-        weighted: the KJT carries per-id float32 weights (stored beside the ids).
+        weighted: the KJT carries per-id float32 weights (stored beside the ids; other dtypes are refused, so a
+            round trip is exact).
     """
 
     keys: tuple[str, ...]
@@ -70,9 +71,12 @@ class KJTLayout:
             )
         if kjt.values().dtype != self.dtype:
             raise ValueError(f"array {name!r} must hold ids of dtype {self.dtype}, got {kjt.values().dtype}")
-        if (kjt.weights_or_none() is not None) != self.weighted:
+        weights = kjt.weights_or_none()
+        if (weights is not None) != self.weighted:
             state = "weighted" if self.weighted else "unweighted"
             raise ValueError(f"array {name!r} must be {state} (KJTLayout weighted={self.weighted})")
+        if weights is not None and weights.dtype != torch.float32:
+            raise ValueError(f"array {name!r} must have float32 weights (as stored), got {weights.dtype}")
         per_item = kjt.lengths().view(len(self.keys), batch_size).sum(0)
         if per_item.numel() and int(per_item.max()) > self.max_values_per_item:
             item = int(per_item.argmax())

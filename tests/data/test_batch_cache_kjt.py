@@ -109,6 +109,20 @@ def test_copies_are_the_callers_and_views_share_the_mapping(tmp_path: Path) -> N
         assert torch.equal(again.get_array("sparse").values(), expected + 1 if views else expected)
 
 
+def test_values_past_the_last_bag_are_not_stored(tmp_path: Path) -> None:
+    """A KJT may carry a slack tail of values past its last bag; the cache keeps only the bags' values."""
+    layout = KJTLayout(KEYS, max_values_per_item=9)
+    for batch in GroupLoader(fill, make_group(tmp_path, layout)):
+        with batch:
+            exact = expected_kjt(batch.indices, torch.int64, False)
+            slack = torch.cat([exact.values(), torch.full((5,), -7, dtype=torch.int64)])
+            padded = KeyedJaggedTensor(list(KEYS), slack, lengths=exact.lengths(), stride=B)
+            batch.cache({"sparse": padded, "label": torch.zeros(B)})
+    for batch in GroupLoader(fill, make_group(tmp_path, layout)):
+        with batch:
+            assert_same(batch.get_array("sparse"), expected_kjt(batch.indices, torch.int64, False))
+
+
 def test_without_a_location_the_kjt_lives_in_the_batch() -> None:
     layout = KJTLayout(KEYS, max_values_per_item=9)
     group = make_group(None, layout, persist=False)
@@ -139,6 +153,12 @@ def test_kjts_that_do_not_fit_the_layout_are_refused_by_name(tmp_path: Path) -> 
     refused(as_int32, "array 'sparse' must hold ids of dtype torch.int64, got torch.int32")
     weighted = expected_kjt(batch.indices, torch.int64, True)
     refused(weighted, r"array 'sparse' must be unweighted \(KJTLayout weighted=False\)")
+    batch64 = next(iter(GroupLoader(fill, make_group(tmp_path / "w", KJTLayout(KEYS, 9, weighted=True)))))
+    doubles = KeyedJaggedTensor.from_lengths_sync(
+        list(KEYS), good.values(), good.lengths(), torch.ones(good.values().numel(), dtype=torch.float64), stride=B
+    )
+    with pytest.raises(ValueError, match="array 'sparse' must have float32 weights \\(as stored\\), got torch.float64"):
+        batch64.cache({"sparse": doubles, "label": label})
     lengths = torch.zeros(3 * B, dtype=torch.int32)
     lengths[[2, 6, 10]] = torch.tensor([3, 4, 3], dtype=torch.int32)  # item 2 holds 10 ids, one more than allowed
     crowded = KeyedJaggedTensor.from_lengths_sync(list(KEYS), torch.zeros(10, dtype=torch.int64), lengths, stride=B)
