@@ -34,7 +34,7 @@ from tritonrec.dist.sharding.common import (
     order_for_lookup,
     select_features,
 )
-from tritonrec.dist.side_groups import same_ranks_group
+from tritonrec.dist.side_groups import renew_side_group, same_ranks_group
 from tritonrec.dist.types import ShardingEnv
 from tritonrec.kernels.backend import Backend
 from tritonrec.kernels.embedding import BoundsCheckMode
@@ -138,6 +138,15 @@ class EmbeddingSharding(nn.Module, abc.ABC):
     def input_dist_on_own_group(self) -> bool:
         """Whether this sharding's input dists run on a group of their own (see :mod:`tritonrec.dist.side_groups`)."""
         return self.input_dist_pg is not self.pg
+
+    def renew_input_dist_group(self) -> None:
+        """Move the input dists to a fresh group (collective: see :func:`~tritonrec.dist.side_groups.renew_side_group`)
+        after the ranks agreed that one failed to launch its part: the others' launches stay unmatched on the old
+        group. The all-to-alls are rebuilt on the new group, with fresh metadata checks."""
+        if self.input_dist_on_own_group:
+            self.input_dist_pg = renew_side_group(self.input_dist_pg)
+            self._kjt_all_to_all.clear()
+            self.input_dist_check = MetadataCheck()
 
     # ------------------------------------------------------------------------------------------------ the steps
     @abc.abstractmethod

@@ -15,6 +15,7 @@ always the same on every rank.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,6 +57,9 @@ class StepAgreement:
     def __init__(self, group: dist.ProcessGroup | None = None, stages: list[str] | None = None) -> None:
         self._group: dist.ProcessGroup | None = None
         self.stages = list(stages or ["next_batch"])
+        # called on every rank, in order, when the ranks agree that one failed (before raising): work that must be
+        # collective, as renewing the input dists' group
+        self.on_failure: list[Callable[[], None]] = []
         self.rank, self.world_size = 0, 1
         if group is None and dist.is_available() and dist.is_initialized():
             group = dist.group.WORLD
@@ -101,10 +105,14 @@ class PendingAgreement:
             codes = self._flags.tolist()
             failed = [r for r, c in enumerate(codes) if c >= Status.FAILED]
             if failed:
-                if self._error is not None:
-                    raise self._error
                 stage = self._agreement.stages[codes[failed[0]] - Status.FAILED]
-                raise PipelineStageError(stage, failed, self._agreement.rank)
+                error = self._error or PipelineStageError(stage, failed, self._agreement.rank)
+                for hook in self._agreement.on_failure:
+                    try:
+                        hook()
+                    except Exception as hook_error:  # the stage's failure stays the error raised
+                        error.add_note(f"after it, {hook!r} failed too: {type(hook_error).__name__}: {hook_error}")
+                raise error
             self._decided = all(c == Status.OK for c in codes)
         return self._decided
 

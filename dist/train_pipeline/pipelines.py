@@ -177,6 +177,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         self._memcpy_stream = new_stream(self._device)
         self._data_dist_stream = new_stream(self._device)
         self._fetcher = BatchFetcher(StepAgreement(group, [NEXT_BATCH, START_SPARSE_DATA_DIST]), host_prefetch)
+        self._fetcher.agreement.on_failure.append(self._renew_input_dist_groups)
         self.batches: deque[Any] = deque()
         self.contexts: deque[TrainPipelineContext] = deque()
         self._next_index = 0
@@ -190,6 +191,11 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
     @property
     def pipelined_modules(self) -> list[str]:
         return list(self._pipelined.forwards) if self._pipelined is not None else []
+
+    def _renew_input_dist_groups(self) -> None:
+        """Agreed failure: input dists some ranks launched for the next batch stay unmatched on their group."""
+        if self._pipelined is not None:
+            self._pipelined.renew_input_dist_groups()
 
     def _init_pipelined_modules(self, context: TrainPipelineContext) -> None:
         if self._pipelined is None:

@@ -233,6 +233,9 @@ def error_cases(rank: int, world: int) -> dict[str, Any]:
     )
 
     fail_at = 4 if rank == 1 else None
+    sparse_dist = lambda m, o: TrainPipelineSparseDist(m, o, CPU)
+    # a clean run before any failure: later models in these processes must train exactly like it
+    reference = train(sparse_dist, "tw", world, batches(rank, 14))["losses"]
 
     def steps(make: Callable[..., Any], kind: str) -> Callable[[], int]:
         return lambda: len(train(make, kind, world, batches(rank, 10, fail_at))["losses"])
@@ -298,4 +301,26 @@ def error_cases(rank: int, world: int) -> dict[str, Any]:
     probe = torch.tensor([float(rank + 1)])
     torch.distributed.all_reduce(probe)
     out["probe"] = probe.item()
+    # rank 0's unmatched input dist stays on the old input-dist group: the ranks renewed it when they agreed on the
+    # failure, so a new model's input dists pair up again (on the old group they paired with the stale launch)
+    out["after_input_dist"] = train(sparse_dist, "tw", world, batches(rank, 14))["losses"] == reference
+
+    def staged_input_dist_failure() -> int:
+        model, optimizer, _ = build_model("tw", world)
+        sdd = SparseDataDistUtil(model)
+        pipeline = StagedTrainPipeline([
+            PipelineStage("data_copy", lambda b: b),
+            PipelineStage("start_sparse_data_dist", sdd.start_sparse_data_dist,
+                          fill_callback=sdd.wait_sdd_fill_callback),
+        ])  # fmt: skip
+        steps, data = 0, missing_key(16, 12)
+        while (batch := pipeline.progress(data)) is not None:
+            optimizer.zero_grad()
+            model(batch)[0].backward()
+            optimizer.step()
+            steps += 1
+        return steps
+
+    out["staged_input_dist"] = _outcome(staged_input_dist_failure)
+    out["after_staged_input_dist"] = train(sparse_dist, "tw", world, batches(rank, 14))["losses"] == reference
     return out

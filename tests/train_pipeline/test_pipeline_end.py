@@ -64,3 +64,15 @@ def test_after_a_failed_input_dist_the_model_group_still_pairs_collectives() -> 
     before launching it, and an all-reduce on the model's group afterwards still adds both ranks' values (on the
     model's group, rank 0's unmatched input dist made that all-reduce time out)."""
     assert [results["probe"] for results in suite_results("errors")] == [3.0, 3.0]
+
+
+def test_after_a_failed_input_dist_a_new_model_trains_as_before() -> None:
+    """Rank 0's unmatched input dist (batch 12, sparse_dist; then the same in a staged pipeline) stays on the
+    input-dist group the ranks renew when they agree on the failure: a model built afterwards in the same processes
+    trains with losses equal to a clean run's before any failure."""
+    results = suite_results("errors")
+    failed, other = (r["staged_input_dist"] for r in reversed(results))
+    assert failed["type"] == "ValueError" and "missing keys ['f3']" in failed["message"], failed
+    assert other["type"] == "PipelineStageError" and "start_sparse_data_dist" in other["message"], other
+    assert [r["after_input_dist"] for r in results] == [True, True]
+    assert [r["after_staged_input_dist"] for r in results] == [True, True]
