@@ -5,6 +5,7 @@ batches, state round trip with stateful and plain loaders, bad input)."""
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import pytest
@@ -55,6 +56,30 @@ def test_workers_split_the_shard_and_resume_exactly(num_workers: int) -> None:
     assert all(same_batch(a, next(stream)) for a in uninterrupted)
 
 
+@pytest.mark.parametrize("snapshot_every_n_steps", [1, 4])
+def test_resume_is_exact_between_worker_snapshots(snapshot_every_n_steps: int) -> None:
+    """Workers send their state every ``snapshot_every_n_steps`` batches; a state taken between snapshots resumes at
+    the same next batch (torchdata replays the batches since the last snapshot), at every offset from one."""
+    source = _source(shuffle_buffer=24)
+
+    def loader() -> object:
+        return make_rank_loader(source, 8, num_workers=2, num_passes=None, multiprocessing_context="fork",
+                                snapshot_every_n_steps=snapshot_every_n_steps)  # fmt: skip
+
+    reference = list(itertools.islice(iter(loader()), 16))  # with 4: states taken 3, 1 and 2 batches past a snapshot
+    for taken_after in (3, 5, 6):
+        original = loader()
+        stream = iter(original)
+        for _ in range(taken_after):
+            next(stream)
+        state = original.state_dict()
+        del stream, original
+        resumed = loader()
+        resumed.load_state_dict(state)
+        again = list(itertools.islice(iter(resumed), 16 - taken_after))
+        assert all(same_batch(a, b) for a, b in zip(reference[taken_after:], again, strict=True)), taken_after
+
+
 def test_a_new_iteration_is_the_next_epoch_with_or_without_workers() -> None:
     source = _source(shuffle_buffer=32)
     first_epochs = []
@@ -78,6 +103,8 @@ def test_dataset_bad_input() -> None:
         ShardedBatchDataset(_source(), 4, num_passes=0)
     with pytest.raises(ValueError, match="num_workers must be a non-negative int, got num_workers=-1"):
         make_rank_loader(_source(), 4, num_workers=-1)
+    with pytest.raises(ValueError, match="snapshot_every_n_steps must be a positive int, got snapshot_every_n_steps=0"):
+        make_rank_loader(_source(), 4, num_workers=1, snapshot_every_n_steps=0)
     with pytest.raises(ValueError, match=r"state must be a ShardedBatchDataset.state_dict\(\)"):
         ShardedBatchDataset(_source(), 4).load_state_dict({"epoch": 1})
 
