@@ -118,10 +118,6 @@ class ShardedTablesMixin:
     def input_dist_on_own_group(self) -> bool:
         return len(self._shardings) > 0 and all(s.input_dist_on_own_group for s in self._shardings)
 
-    def renew_input_dist_groups(self) -> None:
-        for sharding in self._shardings:
-            sharding.renew_input_dist_group()
-
     def _build(
         self,
         module: nn.Module,

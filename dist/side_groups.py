@@ -6,24 +6,25 @@ batch ``i``'s own collectives; if one rank failed to launch it, every later coll
 wrongly. On a group of its own, a missing input dist can only stall that group, and the pipeline can let the
 ranks agree on failures while batch ``i``'s forward runs instead of before it.
 
-A side group whose ranks agreed that one of them failed to launch its part is renewed (:func:`renew_side_group`):
-the launches the others made stay unmatched on the old group, so the next collective there would pair with them.
+When the ranks agree that one of them failed to launch its part, the side groups of that purpose are renewed
+(:func:`renew_side_groups`): the launches the others made stay unmatched on the old group, so the next collective
+there would pair with them.
 """
 
 from __future__ import annotations
 
 import torch.distributed as dist
 
+INPUT_DIST = "input_dist"  # the purpose of the sparse input dists' side groups
 _GROUPS: dict[tuple[int, str], dist.ProcessGroup] = {}
-# a renewed group -> its successor, so every holder of the old group moves to the same new one
-_RENEWED: dict[int, dist.ProcessGroup] = {}
+_SUCCESSORS: dict[int, dist.ProcessGroup] = {}  # a renewed side group -> the group that replaced it
 
 
 def same_ranks_group(group: dist.ProcessGroup, purpose: str, backend: str | None = None) -> dist.ProcessGroup:
     """A group over ``group``'s ranks with ``backend`` (default: ``group``'s), one per ``(group, purpose)``, or
     ``group`` itself when it does not span the world (``new_group`` must be entered by every rank with the same
     ranks, which only a world-spanning group guarantees) or has one rank. Every rank must get here in the same
-    order, as when building a model."""
+    order, as when building a model. Holders that keep the result see renewals through :func:`current_group`."""
     if not dist.is_initialized() or dist.get_world_size(group) != dist.get_world_size() or dist.get_world_size() == 1:
         return group  # a one-rank group has nothing to mispair
     key = (id(group), purpose)
@@ -33,20 +34,20 @@ def same_ranks_group(group: dist.ProcessGroup, purpose: str, backend: str | None
     return _GROUPS[key]
 
 
-def renew_side_group(side_group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A fresh group replacing ``side_group`` (one :func:`same_ranks_group` made) for every later caller, for its
-    ``(group, purpose)`` and for holders of the old group that renew it too; ``side_group`` itself when it is not a
-    side group. Collective like ``new_group``: every rank renews the same groups in the same order, as it does after
-    the ranks agreed on a failure."""
-    while id(side_group) in _RENEWED:  # renewed already (another holder of it came first)
-        side_group = _RENEWED[id(side_group)]
-        if side_group in _GROUPS.values():
-            return side_group
-    keys = [key for key, group in _GROUPS.items() if group is side_group]
-    if not keys:
-        return side_group
-    fresh = dist.new_group(ranks=dist.get_process_group_ranks(side_group), backend=dist.get_backend(side_group))
-    for key in keys:
-        _GROUPS[key] = fresh
-    _RENEWED[id(side_group)] = fresh
-    return fresh
+def current_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """``group``, or the group that replaced it when it was renewed (a dict lookup: no collective)."""
+    while id(group) in _SUCCESSORS:
+        group = _SUCCESSORS[id(group)]
+    return group
+
+
+def renew_side_groups(purpose: str) -> None:
+    """Replace every side group made for ``purpose`` with a fresh one over the same ranks, for later callers of
+    :func:`same_ranks_group` and for holders reading :func:`current_group`. Collective like ``new_group``: every
+    rank calls it at the same point (after the ranks agreed on a failure), and renews its groups in the order they
+    were made, which is the same on every rank."""
+    for key, group in list(_GROUPS.items()):
+        if key[1] == purpose:
+            fresh = dist.new_group(ranks=dist.get_process_group_ranks(group), backend=dist.get_backend(group))
+            _GROUPS[key] = fresh
+            _SUCCESSORS[id(group)] = fresh

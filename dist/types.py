@@ -229,10 +229,6 @@ class ShardedModule(abc.ABC, nn.Module, Generic[CompIn, DistOut, Out, ShrdCtx]):
         The pipelines then let the ranks agree on a step's failures during the forward instead of before it."""
         return False
 
-    def renew_input_dist_groups(self) -> None:
-        """Move the input dists that run on groups of their own to fresh groups, after the ranks agreed that one of
-        them failed to launch an input dist (collective: every rank calls it at the same point)."""
-
     @abc.abstractmethod
     def create_context(self) -> ShrdCtx: ...
 

@@ -34,7 +34,7 @@ from tritonrec.dist.sharding.common import (
     order_for_lookup,
     select_features,
 )
-from tritonrec.dist.side_groups import renew_side_group, same_ranks_group
+from tritonrec.dist.side_groups import INPUT_DIST, current_group, same_ranks_group
 from tritonrec.dist.types import ShardingEnv
 from tritonrec.kernels.backend import Backend
 from tritonrec.kernels.embedding import BoundsCheckMode
@@ -90,10 +90,10 @@ class EmbeddingSharding(nn.Module, abc.ABC):
         # A plain dict, not submodules: the modules hold no state worth saving.
         self._kjt_all_to_all: dict[tuple[tuple[int, ...], int], KJTAllToAll] = {}
         # input dists on a group of their own (side_groups): the pipelines launch them ahead of other batches' work
-        self.input_dist_pg = same_ranks_group(self.pg, "input_dist")
+        self._input_dist_pg = same_ranks_group(self.pg, INPUT_DIST)
         # one metadata check for this sharding's KJT all-to-alls, which the collection opens around its own input
         # checks (input_dist_checks): a rank whose batch it rejects still joins the check the others run
-        self.input_dist_check = MetadataCheck()
+        self._input_dist_check = MetadataCheck()
         if not pooled:
             widths = {s.spec.cols for shards in self.shards_per_rank for s in shards}
             if len(widths) > 1:
@@ -137,16 +137,21 @@ class EmbeddingSharding(nn.Module, abc.ABC):
     @property
     def input_dist_on_own_group(self) -> bool:
         """Whether this sharding's input dists run on a group of their own (see :mod:`tritonrec.dist.side_groups`)."""
-        return self.input_dist_pg is not self.pg
+        return self._input_dist_pg is not self.pg
 
-    def renew_input_dist_group(self) -> None:
-        """Move the input dists to a fresh group (collective: see :func:`~tritonrec.dist.side_groups.renew_side_group`)
-        after the ranks agreed that one failed to launch its part: the others' launches stay unmatched on the old
-        group. The all-to-alls are rebuilt on the new group, with fresh metadata checks."""
-        if self.input_dist_on_own_group:
-            self.input_dist_pg = renew_side_group(self.input_dist_pg)
+    @property
+    def input_dist_pg(self) -> dist.ProcessGroup:
+        """The input dists' group: the side group, or the one that replaced it after an agreed failure."""
+        return current_group(self._input_dist_pg)
+
+    @property
+    def input_dist_check(self) -> MetadataCheck:
+        """The metadata check of the input dists; a renewed group gets a fresh one, and fresh all-to-alls."""
+        pg = self.input_dist_pg
+        if pg is not self._input_dist_pg:
+            self._input_dist_pg, self._input_dist_check = pg, MetadataCheck()
             self._kjt_all_to_all.clear()
-            self.input_dist_check = MetadataCheck()
+        return self._input_dist_check
 
     # ------------------------------------------------------------------------------------------------ the steps
     @abc.abstractmethod
@@ -177,12 +182,11 @@ class EmbeddingSharding(nn.Module, abc.ABC):
         then: Callable[[KeyedJaggedTensor], KeyedJaggedTensor] | None = None,
     ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         """``KJTAllToAll`` of ``features`` whose second round records batch sizes and splits into ``ctx``."""
+        check = self.input_dist_check  # first: after a renewal it drops the all-to-alls of the old group
         key = (tuple(splits), stagger)
         module = self._kjt_all_to_all.get(key)
         if module is None:
-            module = self._kjt_all_to_all[key] = KJTAllToAll(
-                self.input_dist_pg, splits, stagger, metadata_check=self.input_dist_check
-            )
+            module = self._kjt_all_to_all[key] = KJTAllToAll(self.input_dist_pg, splits, stagger, metadata_check=check)
         splits_awaitable = module(features)
         return _RecordingSplits(splits_awaitable, ctx, then)
 

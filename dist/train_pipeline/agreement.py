@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tritonrec.dist.side_groups import same_ranks_group
+from tritonrec.dist.side_groups import INPUT_DIST, renew_side_groups, same_ranks_group
 
 
 class PipelineStageError(RuntimeError):
@@ -117,4 +117,11 @@ class PendingAgreement:
         return self._decided
 
 
-__all__ = ["PendingAgreement", "PipelineStageError", "Status", "StepAgreement"]
+def renew_input_dist_groups() -> None:
+    """The pipelines' ``on_failure`` hook: when a rank failed to launch an input dist the others launched, theirs stay
+    unmatched on the input dists' side group, so every such group is replaced (collective, on every rank at the
+    agreement) and the shardings move to the new ones (``EmbeddingSharding.input_dist_pg``)."""
+    renew_side_groups(INPUT_DIST)
+
+
+__all__ = ["PendingAgreement", "PipelineStageError", "Status", "StepAgreement", "renew_input_dist_groups"]

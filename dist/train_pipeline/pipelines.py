@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from tritonrec.dist.train_pipeline.agreement import StepAgreement
+from tritonrec.dist.train_pipeline.agreement import StepAgreement, renew_input_dist_groups
 from tritonrec.dist.train_pipeline.fetch import NEXT_BATCH, BatchFetcher, PendingBatch
 from tritonrec.dist.train_pipeline.tracing import PipelinedModules, TrainPipelineContext, rewrite_model
 from tritonrec.dist.train_pipeline.utils import new_stream, stream_context, to_device, wait_for_batch
@@ -177,7 +177,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         self._memcpy_stream = new_stream(self._device)
         self._data_dist_stream = new_stream(self._device)
         self._fetcher = BatchFetcher(StepAgreement(group, [NEXT_BATCH, START_SPARSE_DATA_DIST]), host_prefetch)
-        self._fetcher.agreement.on_failure.append(self._renew_input_dist_groups)
+        self._fetcher.agreement.on_failure.append(renew_input_dist_groups)
         self.batches: deque[Any] = deque()
         self.contexts: deque[TrainPipelineContext] = deque()
         self._next_index = 0
@@ -191,11 +191,6 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
     @property
     def pipelined_modules(self) -> list[str]:
         return list(self._pipelined.forwards) if self._pipelined is not None else []
-
-    def _renew_input_dist_groups(self) -> None:
-        """Agreed failure: input dists some ranks launched for the next batch stay unmatched on their group."""
-        if self._pipelined is not None:
-            self._pipelined.renew_input_dist_groups()
 
     def _init_pipelined_modules(self, context: TrainPipelineContext) -> None:
         if self._pipelined is None:

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from tritonrec.dist.train_pipeline.agreement import Status, StepAgreement
+from tritonrec.dist.train_pipeline.agreement import Status, StepAgreement, renew_input_dist_groups
 from tritonrec.dist.train_pipeline.fetch import NEXT_BATCH, BatchFetcher
 from tritonrec.dist.train_pipeline.pipelines import TrainPipeline
 from tritonrec.dist.train_pipeline.tracing import PipelinedModules, TrainPipelineContext, rewrite_model
@@ -113,7 +113,7 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
         if len(set(names)) != len(names) or NEXT_BATCH in names:
             raise ValueError(f"stage names must be distinct and not {NEXT_BATCH!r}, got {names}")
         self._fetcher = BatchFetcher(StepAgreement(group, [NEXT_BATCH, *names]), host_prefetch)
-        self._fetcher.agreement.on_failure.append(self._renew_input_dist_groups)
+        self._fetcher.agreement.on_failure.append(renew_input_dist_groups)
         self._error: BaseException | None = None  # this rank's stage failure, not yet reported to the others
         self._failed_stage = ""
         streams = [s.stream for s in pipeline_stages if s.stream is not None]
@@ -185,13 +185,6 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
         self._outputs = [*self._outputs[1:], None]
         return out
 
-    def _renew_input_dist_groups(self) -> None:
-        """Agreed failure: the input dists of the stages' SparseDataDistUtils move to fresh groups (some ranks
-        launched input dists the others never matched), in stage order on every rank."""
-        owners = [getattr(stage.runnable, "__self__", None) for stage in self._stages]
-        for owner in dict.fromkeys(o for o in owners if isinstance(o, SparseDataDistUtil)):
-            owner.renew_input_dist_groups()
-
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         """The next batch through every stage (for the model's forward), or None when the data is over."""
         if not self._initialized:
@@ -251,12 +244,6 @@ class SparseDataDistUtil:
     @property
     def pipelined_modules(self) -> list[str]:
         return list(self._pipelined.forwards) if self._pipelined is not None else []
-
-    def renew_input_dist_groups(self) -> None:
-        """After the ranks agreed on a failure: move the pipelined modules' input dists to fresh groups (collective;
-        see :meth:`PipelinedModules.renew_input_dist_groups`)."""
-        if self._pipelined is not None:
-            self._pipelined.renew_input_dist_groups()
 
     def _initialize(self, context: TrainPipelineContext) -> None:
         self._pipelined, self.fallback_reason = rewrite_model(self.model, context, self.data_dist_stream)

@@ -226,13 +226,6 @@ class PipelinedModules:
         """Every pipelined module's input dists run on a group of their own (``input_dist_on_own_group``)."""
         return bool(self.forwards) and all(f.module.input_dist_on_own_group for f in self.forwards.values())
 
-    def renew_input_dist_groups(self) -> None:
-        """After the ranks agreed on a failure: every pipelined module's own input-dist groups are replaced by fresh
-        ones (collective, in the modules' traced order, the same on every rank), so the input dists some ranks
-        launched for a batch the others never sent cannot pair with this model's, or a later model's, next ones."""
-        for forward in self.forwards.values():
-            forward.module.renew_input_dist_groups()
-
     def start_input_dist(self, batch: Any, context: TrainPipelineContext, stream: torch.cuda.Stream | None) -> None:
         """Launch every pipelined module's input dist for ``batch`` (first round: split sizes)."""
         with stream_context(stream):

@@ -236,6 +236,8 @@ def error_cases(rank: int, world: int) -> dict[str, Any]:
     sparse_dist = lambda m, o: TrainPipelineSparseDist(m, o, CPU)
     # a clean run before any failure: later models in these processes must train exactly like it
     reference = train(sparse_dist, "tw", world, batches(rank, 14))["losses"]
+    _, _, kept = build_model("tw", world)  # built before the failures: its shardings must follow the renewals
+    first_group = kept._shardings[0].input_dist_pg
 
     def steps(make: Callable[..., Any], kind: str) -> Callable[[], int]:
         return lambda: len(train(make, kind, world, batches(rank, 10, fail_at))["losses"])
@@ -253,17 +255,17 @@ def error_cases(rank: int, world: int) -> dict[str, Any]:
 
     broken.calls = 0  # type: ignore[attr-defined]
 
-    def staged() -> int:
+    def staged(stages: list[PipelineStage], data: Iterator[Any], wrapped: bool = False) -> int:
+        """Steps of a staged pipeline: ``stages``, then the sparse data dist's (``wrapped``: its runnable a lambda
+        around the util's method); raises as the pipeline does."""
         model, optimizer, _ = build_model("tw", world)
         sdd = SparseDataDistUtil(model)
+        start = (lambda b: sdd.start_sparse_data_dist(b)) if wrapped else sdd.start_sparse_data_dist
         pipeline = StagedTrainPipeline([
-            PipelineStage("data_copy", lambda b: b),
-            PipelineStage("process", broken),
-            PipelineStage("start_sparse_data_dist", sdd.start_sparse_data_dist,
-                          fill_callback=sdd.wait_sdd_fill_callback),
+            *stages,
+            PipelineStage("start_sparse_data_dist", start, fill_callback=sdd.wait_sdd_fill_callback),
         ])  # fmt: skip
         steps = 0
-        data = batches(rank, 10)
         while (batch := pipeline.progress(data)) is not None:
             optimizer.zero_grad()
             model(batch)[0].backward()
@@ -271,7 +273,8 @@ def error_cases(rank: int, world: int) -> dict[str, Any]:
             steps += 1
         return steps
 
-    out["staged"] = _outcome(staged)
+    copy_stage = PipelineStage("data_copy", lambda b: b)
+    out["staged"] = _outcome(lambda: staged([copy_stage, PipelineStage("process", broken)], batches(rank, 10)))
 
     def missing_key(count: int, at: int) -> Iterator[Any]:
         """Rank 1's batch ``at`` lacks feature f3, so its input dist raises inside start_sparse_data_dist."""
@@ -305,22 +308,16 @@ def error_cases(rank: int, world: int) -> dict[str, Any]:
     # failure, so a new model's input dists pair up again (on the old group they paired with the stale launch)
     out["after_input_dist"] = train(sparse_dist, "tw", world, batches(rank, 14))["losses"] == reference
 
-    def staged_input_dist_failure() -> int:
-        model, optimizer, _ = build_model("tw", world)
-        sdd = SparseDataDistUtil(model)
-        pipeline = StagedTrainPipeline([
-            PipelineStage("data_copy", lambda b: b),
-            PipelineStage("start_sparse_data_dist", sdd.start_sparse_data_dist,
-                          fill_callback=sdd.wait_sdd_fill_callback),
-        ])  # fmt: skip
-        steps, data = 0, missing_key(16, 12)
-        while (batch := pipeline.progress(data)) is not None:
-            optimizer.zero_grad()
-            model(batch)[0].backward()
-            optimizer.step()
-            steps += 1
-        return steps
-
-    out["staged_input_dist"] = _outcome(staged_input_dist_failure)
+    # the same in a staged pipeline whose input-dist stage wraps the util's method in a lambda: the renewal is of the
+    # input dists' side groups themselves, so it does not depend on finding the util among the stages
+    out["staged_input_dist"] = _outcome(lambda: staged([copy_stage], missing_key(16, 12), wrapped=True))
     out["after_staged_input_dist"] = train(sparse_dist, "tw", world, batches(rank, 14))["losses"] == reference
+    from tritonrec.dist.side_groups import INPUT_DIST, same_ranks_group
+
+    group = kept._shardings[0].input_dist_pg
+    total = torch.tensor([float(rank + 1)])
+    torch.distributed.all_reduce(total, group=group)
+    renewed = same_ranks_group(kept._shardings[0].pg, INPUT_DIST)
+    out["kept_sharding_follows"] = group is not first_group and group is renewed
+    out["kept_group_sum"] = total.item()
     return out

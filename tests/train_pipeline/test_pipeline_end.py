@@ -67,12 +67,15 @@ def test_after_a_failed_input_dist_the_model_group_still_pairs_collectives() -> 
 
 
 def test_after_a_failed_input_dist_a_new_model_trains_as_before() -> None:
-    """Rank 0's unmatched input dist (batch 12, sparse_dist; then the same in a staged pipeline) stays on the
-    input-dist group the ranks renew when they agree on the failure: a model built afterwards in the same processes
-    trains with losses equal to a clean run's before any failure."""
+    """Rank 0's unmatched input dist (batch 12, sparse_dist; then the same in a staged pipeline whose input-dist
+    stage is a lambda) stays on the input-dist group the ranks renew when they agree on the failure: a model built
+    afterwards in the same processes trains with losses equal to a clean run's before any failure, and a model built
+    before it has moved to the new group."""
     results = suite_results("errors")
     failed, other = (r["staged_input_dist"] for r in reversed(results))
     assert failed["type"] == "ValueError" and "missing keys ['f3']" in failed["message"], failed
     assert other["type"] == "PipelineStageError" and "start_sparse_data_dist" in other["message"], other
     assert [r["after_input_dist"] for r in results] == [True, True]
     assert [r["after_staged_input_dist"] for r in results] == [True, True]
+    # a sharding built before the failures now sends on the renewed group, which pairs collectives
+    assert [(r["kept_sharding_follows"], r["kept_group_sum"]) for r in results] == [(True, 3.0), (True, 3.0)]
