@@ -8,6 +8,7 @@ Batches are deterministic per (rank, step): ``B = 8`` rows, 4 features with 0-4 
 
 from __future__ import annotations
 
+import itertools
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -320,4 +321,47 @@ def error_cases(rank: int, world: int) -> dict[str, Any]:
     renewed = same_ranks_group(kept._shardings[0].pg, INPUT_DIST)
     out["kept_sharding_follows"] = group is not first_group and group is renewed
     out["kept_group_sum"] = total.item()
+    out["recovery"] = {
+        "input_dist": recovery_cases(rank, world, lambda: missing_key(16, 12)),
+        "data": recovery_cases(rank, world, lambda: batches(rank, 10, fail_at)),
+    }
+    return out
+
+
+def recovery_cases(rank: int, world: int, failing: Callable[[], Iterator[Any]]) -> dict[str, Any]:
+    """Training the failed pipeline's own model on after rank 1's ``failing()`` stream failed: the same pipeline
+    after ``reset()``, and a new pipeline on the model. Each must train like TrainPipelineBase on a fresh model given
+    the batches whose ``progress`` returned, then new data: a failed ``progress`` applies no update."""
+    from tritonrec.dist.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
+
+    out: dict[str, Any] = {}
+    for how in ("reset", "new_pipeline"):
+        model, optimizer, sharded = build_model("tw", world)
+        pipeline = TrainPipelineSparseDist(model, optimizer, CPU)
+        data, done = failing(), 0
+        try:
+            while True:
+                pipeline.progress(data)
+                done += 1
+        except Exception as error:
+            out[f"{how}_error"] = type(error).__name__
+        out[f"{how}_done"] = done
+        if how == "reset":
+            pipeline.reset()
+        else:
+            pipeline.close()
+            pipeline = TrainPipelineSparseDist(model, optimizer, CPU)
+        after = batches(rank, 6)
+        losses = []
+        while True:
+            try:
+                loss, _, _ = pipeline.progress(after)
+            except StopIteration:
+                break
+            losses.append(loss.item())
+        pipeline.close()
+        trained = itertools.chain(itertools.islice(failing(), done), batches(rank, 6))
+        reference = train(lambda m, o: TrainPipelineBase(m, o, CPU), "tw", world, trained)
+        out[f"{how}_equal"] = reference["losses"][done:] == losses
+        out[f"{how}_differ"] = _differ({"weights": snapshot(model, sharded)}, reference)
     return out

@@ -2,8 +2,8 @@
 rank 1), execute_all_batches drains the pipeline (or stops 2 batches early without it), the eval pipeline runs every
 batch with the unpipelined model's outputs, and a data loader or stage that raises on one rank makes every rank
 raise (the failing one its own error, the others PipelineStageError naming it) instead of hanging, also when it is
-an input dist launched ahead (which leaves the model's own process group in step). Rank-side code:
-pipeline_cases.py.
+an input dist launched ahead (which leaves the model's own process group in step); after such a failure the same
+model trains on. Rank-side code: pipeline_cases.py.
 """
 
 from __future__ import annotations
@@ -79,3 +79,17 @@ def test_after_a_failed_input_dist_a_new_model_trains_as_before() -> None:
     assert [r["after_staged_input_dist"] for r in results] == [True, True]
     # a sharding built before the failures now sends on the renewed group, which pairs collectives
     assert [(r["kept_sharding_follows"], r["kept_group_sum"]) for r in results] == [(True, 3.0), (True, 3.0)]
+
+
+@pytest.mark.parametrize("failure", ["data", "input_dist"])
+@pytest.mark.parametrize("how", ["reset", "new_pipeline"])
+def test_the_failed_pipelines_model_trains_on_after_a_failure(failure: str, how: str) -> None:
+    """After rank 1's loader raised (batch 4) or its input dist did (batch 12), the same model trains on, through
+    the same pipeline after ``reset()`` or a new one: losses and every weight equal TrainPipelineBase on a fresh model
+    given the batches whose ``progress`` returned (11 and 2), then the new ones: a failed step applies no update."""
+    for rank, results in enumerate(suite_results("errors")):
+        got = results["recovery"][failure]
+        assert got[f"{how}_error"] == ("ValueError" if rank == 1 else "PipelineStageError"), got
+        assert got[f"{how}_done"] == {"data": 2, "input_dist": 11}[failure], got
+        assert got[f"{how}_equal"], f"rank {rank}: losses after the failure differ from the reference"
+        assert got[f"{how}_differ"] == [], f"rank {rank}: weights differ: {got[f'{how}_differ']}"
