@@ -52,10 +52,10 @@ def main(cfg: DictConfig) -> None:
         raise
     if metrics is None:  # a rank other than 0 of a torchrun job: rank 0 reports
         return
-    held_out = metrics["eval_auroc"]
+    held_out, window = metrics["eval_auroc"], metrics.get("loss_window", 20)
     print(
-        f"{metrics['name']}: loss {metrics['first_loss']:.4f} (first 20 steps) -> {metrics['final_loss']:.4f} "
-        f"(last 20), held-out AUROC {held_out if held_out is None else round(held_out, 4)}, "
+        f"{metrics['name']}: loss {metrics['first_loss']:.4f} (first {window} steps) -> {metrics['final_loss']:.4f} "
+        f"(last {window}), held-out AUROC {held_out if held_out is None else round(held_out, 4)}, "
         f"{metrics['samples_per_s']:,.0f} samples/s over {metrics['world_size']} rank(s); results in {cfg.output_dir}"
     )
     if metrics.get("stopped_by"):

@@ -87,14 +87,15 @@ def final_metrics(history: TrainHistory, name: str, steps: int, extra: dict[str,
     """The summary written to metrics.json and returned by ``run``."""
     history.flush()
     losses = history.losses
-    head = losses[: max(1, min(20, len(losses)))]
-    tail = losses[-max(1, min(20, len(losses))) :]
+    window = max(1, min(20, len(losses)))
+    head, tail = losses[:window], losses[-window:]
     evals = history.eval_points
     return {
         "name": name,
         "steps": steps,
         "first_loss": sum(head) / len(head) if head else math.nan,  # mean of the first (up to) 20 steps
         "final_loss": sum(tail) / len(tail) if tail else math.nan,  # mean of the last (up to) 20 steps
+        "loss_window": len(head),  # how many steps first_loss and final_loss each average
         "train_auroc": history.train_auroc.compute(),
         "eval_auroc": evals["auroc"][-1] if evals["auroc"] else None,
         "eval_logloss": evals["logloss"][-1] if evals["logloss"] else None,

@@ -91,6 +91,9 @@ def test_every_experiment_runs_three_steps(experiment: str, criteo_files: dict[s
     assert metrics["name"] == experiment and metrics["steps"] == 3
     assert metrics["history"]["step"] == [1, 2, 3] and all(np.isfinite(metrics["history"]["loss"]))
     assert metrics["eval_history"]["step"] == [2, 3] and metrics["samples_per_s"] > 0
+    # the summary line's window: 3 steps trained, so "first 3 steps" and "last 3", each the mean of all of them
+    assert metrics["loss_window"] == 3
+    assert metrics["first_loss"] == metrics["final_loss"] == pytest.approx(np.mean(metrics["history"]["loss"]))
     checkpoint = Path(metrics["checkpoint"])  # step_000003.pt (one process) or step_00000003/ (ranks)
     assert checkpoint.parent == tmp_path / "checkpoints" and checkpoint.name.startswith("step_") and checkpoint.exists()
     assert json.loads((tmp_path / "metrics.json").read_text())["history"] == metrics["history"]
@@ -134,6 +137,8 @@ def test_default_model_learns_and_writes_its_results(tmp_path: Path) -> None:
     metrics = train_script.run(cfg)
     assert torch.get_num_threads() == threads  # num_threads=1 held only while the job ran
     assert metrics["final_loss"] < metrics["first_loss"] - 0.03
+    assert metrics["loss_window"] == 20
+    assert metrics["final_loss"] == pytest.approx(np.mean(metrics["history"]["loss"][-20:]))
     assert metrics["eval_auroc"] > 0.7
     assert (tmp_path / "curves.png").stat().st_size > 10_000
     on_disk = json.loads((tmp_path / "metrics.json").read_text())
