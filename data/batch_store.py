@@ -195,6 +195,10 @@ class BatchStore:
     def is_stored(self, index: int) -> bool:
         return bool(self._marks()[index])
 
+    def all_stored(self) -> bool:
+        """Every batch is stored (one vectorised pass over the marks)."""
+        return bool(self._marks().all())
+
     def read(self, index: int) -> tuple[dict[str, torch.Tensor | KeyedJaggedTensor], dict[str, list[Any]]] | None:
         """Batch ``index``'s arrays and additional data, or None when it is not stored."""
         mark = int(self._marks()[index])

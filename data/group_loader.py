@@ -17,7 +17,9 @@ epoch and ``depth=3``, epoch 1 still loads; from epoch 2 on everything comes fro
 A segment (one group's pass in one epoch) whose batches are all stored when the producer reaches it is read by the
 consumer itself, batch by batch as it asks: a cached read is a copy of mapped rows (~45 us for 2048 Criteo rows),
 and handing each batch over from another thread would cost more than that (wake-ups and GIL hand-offs). The
-producer waits until the consumer is through such a segment, so the depth limit and the order hold as before.
+producer waits until the consumer is through such a segment, so the depth limit and the order hold as before. When
+every batch of the schedule is stored as iteration starts (the later epochs of a filled cache), no producer thread is
+started at all.
 """
 
 from __future__ import annotations
@@ -115,9 +117,23 @@ class GroupLoader:
         self._queue: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._making = False  # the producer holds a slot for a batch it has not queued yet
+        if self._everything_stored():
+            self._thread = None  # later epochs of a filled cache: the consumer reads every segment itself
+            return self._consume_stored()
         self._thread = threading.Thread(target=self._produce, name="GroupLoader", daemon=True)
         self._thread.start()
         return self._consume()
+
+    def _everything_stored(self) -> bool:
+        """Every batch of every group is stored now (and so stays: a stored batch is never unmarked)."""
+        groups = [group for group in (self.training, self.validation) if group is not None]
+        return all(group.store is not None and group.store.all_stored() for group in groups)
+
+    def _consume_stored(self) -> Iterator[Batch]:
+        """The schedule of a wholly stored cache, read in the consumer's thread: no producer thread to start, hand a
+        segment over and join (~0.5 ms an epoch)."""
+        for group, order, epoch, is_validation in self.segments():
+            yield from self._read_segment(_StoredSegment(group, order, epoch, is_validation))
 
     def _consume(self) -> Iterator[Batch]:
         try:

@@ -134,7 +134,8 @@ def test_mismatched_files_are_refused_by_name(tmp_path: Path) -> None:
 
 def test_stored_segments_keep_the_order_and_the_depth_limit(tmp_path: Path) -> None:
     """A wholly stored pass is read in the consumer's thread: same order as the schedule, never more than ``depth``
-    alive, a consumer that keeps every batch is told so, and leaving early stops the waiting producer."""
+    alive, a consumer that keeps every batch is told so, and leaving early stops the waiting producer. A wholly
+    stored schedule starts no producer thread at all, with the same order and limit."""
     fill_cache(tmp_path)
     valid = DataGroup(1, [10, 11], loader_layouts=LOADER)  # never stored: made by the producer between passes
     loader = GroupLoader(fill, group(tmp_path), validation=valid, epochs=2, depth=2, shuffle=True, seed=3)
@@ -147,7 +148,12 @@ def test_stored_segments_keep_the_order_and_the_depth_limit(tmp_path: Path) -> N
     assert seen[3:5] == [(0, True, 0, True), (0, True, 1, True)] and loader.max_alive <= 2
     with pytest.raises(RuntimeError, match="all depth=2 batches are still alive"):
         kept = list(GroupLoader(fill, group(tmp_path), depth=2))  # noqa: F841 - holds every batch
-    early = GroupLoader(fill, group(tmp_path), epochs=50, depth=1)
+    # a wholly stored schedule is read without a producer thread: the same shuffled order, the same depth limit
+    stored = GroupLoader(fill, group(tmp_path), epochs=2, depth=2, shuffle=True, seed=3)
+    order = [(batch.epoch, batch.group_index) for batch in stored if batch.release() is None]
+    assert order == [(s[0], s[2]) for s in expected] and stored._thread is None
+    assert stored.loaded_batches == 0 and stored.max_alive == 1
+    early = GroupLoader(fill, group(tmp_path), validation=valid, epochs=50, depth=1)
     for batch in early:
         batch.release()
         break
