@@ -93,6 +93,7 @@ class GroupLoader:
         self.max_alive = 0
         self.loaded_batches = 0  # batches made by loader_fn (the rest came from the cache)
         self._thread: threading.Thread | None = None
+        self._iterating = False  # an iteration started and not finished or closed (either path)
 
     def segments(self) -> Iterator[tuple[DataGroup, list[int], int, bool]]:
         """``(group, batch indices in order, epoch, is_validation)``: one group's pass of one epoch at a time."""
@@ -111,8 +112,9 @@ class GroupLoader:
                 yield group, index, epoch, is_validation
 
     def __iter__(self) -> Iterator[Batch]:
-        if self._thread is not None and self._thread.is_alive():
+        if self._iterating or (self._thread is not None and self._thread.is_alive()):
             raise RuntimeError("this GroupLoader is already being iterated; finish or close() that iteration first")
+        self._iterating = True
         self._slots = threading.Semaphore(self.depth)
         self._queue: queue.Queue = queue.Queue()
         self._stop = threading.Event()
@@ -132,8 +134,11 @@ class GroupLoader:
     def _consume_stored(self) -> Iterator[Batch]:
         """The schedule of a wholly stored cache, read in the consumer's thread: no producer thread to start, hand a
         segment over and join (~0.5 ms an epoch)."""
-        for group, order, epoch, is_validation in self.segments():
-            yield from self._read_segment(_StoredSegment(group, order, epoch, is_validation))
+        try:
+            for group, order, epoch, is_validation in self.segments():
+                yield from self._read_segment(_StoredSegment(group, order, epoch, is_validation))
+        finally:
+            self._iterating = False
 
     def _consume(self) -> Iterator[Batch]:
         try:
@@ -194,6 +199,7 @@ class GroupLoader:
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
+        self._iterating = False
 
     def _count_alive(self, making: bool) -> None:
         """A slot was taken for a batch (``making``: by the producer, for a batch it has not queued yet)."""

@@ -161,6 +161,24 @@ def test_stored_segments_keep_the_order_and_the_depth_limit(tmp_path: Path) -> N
     assert not early._thread.is_alive()
 
 
+def test_a_second_iteration_while_one_runs_is_refused_on_either_path(tmp_path: Path) -> None:
+    """One iteration at a time: with a producer thread (a group still to load) and without one (a wholly stored
+    cache), a second ``iter()`` while the first runs raises; after the first finishes or is closed, a new one runs."""
+    fill_cache(tmp_path / "stored")
+    for loader in (GroupLoader(fill, DataGroup(1, [10, 11, 12], loader_layouts=LOADER)),
+                   GroupLoader(fill, group(tmp_path / "stored"))):  # fmt: skip
+        first = iter(loader)
+        next(first).release()
+        with pytest.raises(RuntimeError, match="already being iterated; finish or close"):
+            iter(loader)
+        assert sum(1 for batch in first if batch.release() is None) == 2  # the first finishes: 3 batches in all
+        assert sum(1 for batch in loader if batch.release() is None) == 3
+        again = iter(loader)
+        next(again).release()
+        loader.close()
+        assert sum(1 for batch in loader if batch.release() is None) == 3
+
+
 def test_key_major_arrays_are_stored_feature_by_feature_and_read_as_transposed_views(tmp_path: Path) -> None:
     from tritonrec.data import kjt_from_id_matrix
 
