@@ -18,7 +18,8 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import torch
-from torch.autograd.profiler import record_function
+
+from tritonrec.dist.record import record
 
 W = TypeVar("W")
 
@@ -34,7 +35,7 @@ class Awaitable(abc.ABC, Generic[W]):
         """Block until the result exists and return it (without callbacks)."""
 
     def wait(self) -> W:
-        with record_function(f"## {type(self).__name__} wait() ##"):
+        with record(f"## {type(self).__name__} wait() ##"):
             result: W = self._wait_impl()
             for callback in self.callbacks:
                 result = callback(result)

@@ -15,7 +15,6 @@ import itertools
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.profiler import record_function
 
 from tritonrec.data import KeyedJaggedTensor
 from tritonrec.dist.all_to_one import EmbeddingsAllToOne, EmbeddingsAllToOneReduce, SeqEmbeddingsAllToOne
@@ -34,6 +33,7 @@ from tritonrec.dist.embedding_dist import (
     VariableBatchPooledEmbeddingsReduceScatter,
 )
 from tritonrec.dist.kjt_dist import dist_init, dist_labels, dist_splits, dist_tensors, get_recat
+from tritonrec.dist.record import record
 
 
 class SplitsAllToAllAwaitable(Awaitable[list[list[int]]]):
@@ -44,7 +44,7 @@ class SplitsAllToAllAwaitable(Awaitable[list[list[int]]]):
         super().__init__()
         self._pg = pg
         self._num_workers = pg.size()
-        with record_function("## all2all_data:kjt splits ##"):
+        with record("## all2all_data:kjt splits ##"):
             self._send = torch.stack(input_tensors, dim=1).flatten()  # [rank, input]: one row per destination
             self._received = torch.empty_like(self._send)
             self._work = dist.all_to_all_single(self._received, self._send, group=pg, async_op=True)
@@ -90,7 +90,7 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
             labels, input_tensors, input_splits, output_splits, strict=True
         ):
             received = torch.empty((sum(recv_splits), *send.shape[1:]), dtype=send.dtype, device=device)
-            with record_function(f"## all2all_data:kjt {label} ##"):
+            with record(f"## all2all_data:kjt {label} ##"):
                 work = dist.all_to_all_single(received, send, recv_splits, send_splits, group=pg, async_op=True)
             self._output_tensors.append(received)
             self._works.append(work)

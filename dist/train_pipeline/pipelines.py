@@ -36,8 +36,8 @@ from typing import Any, Generic, TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.profiler import record_function
 
+from tritonrec.dist.record import record
 from tritonrec.dist.train_pipeline.agreement import StepAgreement, renew_input_dist_groups
 from tritonrec.dist.train_pipeline.fetch import NEXT_BATCH, BatchFetcher, PendingBatch
 from tritonrec.dist.train_pipeline.tracing import PipelinedModules, TrainPipelineContext, rewrite_model
@@ -69,7 +69,7 @@ def _check_bool(value: object, name: str) -> bool:
 
 def backward(losses: torch.Tensor) -> None:
     """Backward of the step's loss (summed first when the model returns one per task, as torchrec)."""
-    with record_function("## backward ##"):
+    with record("## backward ##"):
         (losses if losses.dim() == 0 else torch.sum(losses, dim=0)).backward()
 
 
@@ -111,7 +111,7 @@ class TrainPipelineBase(TrainPipeline[In, Out]):
         self._connected = False
 
     def _copy(self, batch: Any) -> Any:
-        with record_function("## copy_batch_to_device ##"), stream_context(self._memcpy_stream):
+        with record("## copy_batch_to_device ##"), stream_context(self._memcpy_stream):
             return to_device(batch, self._device, non_blocking=True)
 
     def progress(self, dataloader_iter: Iterator[In]) -> Out:
@@ -126,13 +126,13 @@ class TrainPipelineBase(TrainPipeline[In, Out]):
         if self._model.training:
             self._optimizer.zero_grad()
         wait_for_batch(cur_batch, self._memcpy_stream)
-        with record_function("## forward ##"):
+        with record("## forward ##"):
             losses, output = self._model(cur_batch)
         if self._model.training:
             backward(losses)
         self._cur_batch = None if next_batch is None else self._copy(next_batch)
         if self._model.training:
-            with record_function("## optimizer ##"):
+            with record("## optimizer ##"):
                 self._optimizer.step()
         return output
 
@@ -228,7 +228,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         """Stage 1, first half: read this rank's next batch, start its copy, launch the ranks' agreement on it."""
         pending = self._fetcher.start(dataloader_iter, error, START_SPARSE_DATA_DIST)
         if pending.local is not None:  # copied now, to overlap what runs until the agreement is read (dropped if
-            with record_function("## copy_batch_to_device ##"), stream_context(self._memcpy_stream):  # ranks stop)
+            with record("## copy_batch_to_device ##"), stream_context(self._memcpy_stream):  # ranks stop)
                 pending.local = to_device(pending.local, self._device, non_blocking=True)
         return pending
 
@@ -248,7 +248,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         """Stage 2a: once ``batch`` is on the device, launch its input dists (split sizes first)."""
         if self._pipelined is None or not self._pipelined.forwards:
             return
-        with record_function(f"## start_sparse_data_dist {context.index} ##"):
+        with record(f"## start_sparse_data_dist {context.index} ##"):
             with stream_context(self._data_dist_stream):
                 wait_for_batch(batch, self._memcpy_stream)
             self._pipelined.start_input_dist(batch, context, self._data_dist_stream)
@@ -257,7 +257,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         """Stage 2b: split sizes arrived -> launch the tensors' all-to-alls."""
         if self._pipelined is None or not self._pipelined.forwards:
             return
-        with record_function(f"## wait_sparse_data_dist {context.index} ##"):
+        with record(f"## wait_sparse_data_dist {context.index} ##"):
             self._pipelined.wait_splits(context, self._data_dist_stream)
 
     def _fill_pipeline(self, dataloader_iter: Iterator[In]) -> None:
@@ -308,7 +308,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         pending = self._start_enqueue(dataloader_iter, error)
         if not deferred:
             self._finish_enqueue(pending)
-        with record_function(f"## forward {self.contexts[0].index} ##"):
+        with record(f"## forward {self.contexts[0].index} ##"):
             if training:
                 losses, output = self._model(self.batches[0])
             else:
@@ -320,7 +320,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
             self._wait_sparse_data_dist(self.contexts[1])
         if training:
             backward(losses)
-            with record_function(f"## optimizer {self.contexts[0].index} ##"):
+            with record(f"## optimizer {self.contexts[0].index} ##"):
                 self._optimizer.step()  # type: ignore[union-attr]
         self._dequeue_batch()
         return output

@@ -38,8 +38,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.profiler import record_function
 
+from tritonrec.dist.record import record
 from tritonrec.dist.train_pipeline.agreement import Status, StepAgreement, renew_input_dist_groups
 from tritonrec.dist.train_pipeline.fetch import NEXT_BATCH, BatchFetcher
 from tritonrec.dist.train_pipeline.pipelines import TrainPipeline
@@ -158,7 +158,7 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
         else:
             batch, event = self._outputs[batch_offset] or (None, None)
         result: StageResult = (None, None)
-        with record_function(f"## pipeline stage {stage_idx}: {stage.name} ##"):
+        with record(f"## pipeline stage {stage_idx}: {stage.name} ##"):
             if batch is not None and self._error is None:
                 if self._debug_mode:
                     logger.info("stage %d (%s), batch %d", stage_idx, stage.name, batch_offset + self._num_steps)
@@ -257,7 +257,7 @@ class SparseDataDistUtil:
             self._initialize(context)
         assert self._pipelined is not None
         if self._pipelined.forwards:
-            with record_function(f"## start_sparse_data_dist {context.index} ##"):
+            with record(f"## start_sparse_data_dist {context.index} ##"):
                 self._pipelined.start_input_dist(batch, context, self.data_dist_stream)
         self._waiting.append(context)
         return batch
@@ -268,7 +268,7 @@ class SparseDataDistUtil:
             return
         context = self._waiting.popleft()
         if self._pipelined is not None and self._pipelined.forwards:
-            with record_function(f"## wait_sparse_data_dist {context.index} ##"):
+            with record(f"## wait_sparse_data_dist {context.index} ##"):
                 self._pipelined.wait_splits(context, self.data_dist_stream)
         self._ready.append(context)
         if self._pipelined is not None:

@@ -83,6 +83,27 @@ def test_sparse_dist_equals_base_and_prefetches() -> None:
     assert model.sharded.events[:4] == ["input_dist", "input_dist", "compute", "input_dist"]
 
 
+def test_profiler_ranges_appear_only_while_a_profiler_runs() -> None:
+    """The pipeline's ranges (``## forward k ##`` ...) are recorded under torch.profiler, including one started
+    mid-run; with no profiler, ``record`` hands back the shared no-op context instead of a record_function."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tritonrec.dist.record import _NO_RANGE, record
+
+    assert record("## idle ##") is _NO_RANGE
+    model = ToyModel()
+    pipeline = TrainPipelineSparseDist(model, torch.optim.SGD(model.parameters(), lr=0.1), CPU)
+    data = toy_batches(6)
+    pipeline.progress(data)  # no profiler yet
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        assert record("## profiled ##") is not _NO_RANGE
+        pipeline.progress(data)
+    pipeline.close()
+    names = {event.name for event in prof.events()}
+    assert {"## forward 1 ##", "## optimizer 1 ##", "## backward ##"} <= names, sorted(names)
+    assert "## forward 0 ##" not in names
+
+
 def test_untraceable_model_falls_back_with_a_logged_reason(caplog: pytest.LogCaptureFixture) -> None:
     base_losses, base_weights, _ = _train(
         ComputedInputModel(), lambda m, o: TrainPipelineBase(m, o, CPU), toy_batches(6)
