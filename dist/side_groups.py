@@ -17,7 +17,9 @@ import torch.distributed as dist
 
 INPUT_DIST = "input_dist"  # the purpose of the sparse input dists' side groups
 _GROUPS: dict[tuple[int, str], dist.ProcessGroup] = {}
-_SUCCESSORS: dict[int, dist.ProcessGroup] = {}  # a renewed side group -> the group that replaced it
+# id(renewed side group) -> (that group, the group that replaced it). The renewed group is held here so that its id
+# cannot be reused by a later group while the entry stands (which would redirect that group to a stranger).
+_SUCCESSORS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 
 
 def same_ranks_group(group: dist.ProcessGroup, purpose: str, backend: str | None = None) -> dist.ProcessGroup:
@@ -37,7 +39,7 @@ def same_ranks_group(group: dist.ProcessGroup, purpose: str, backend: str | None
 def current_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     """``group``, or the group that replaced it when it was renewed (a dict lookup: no collective)."""
     while id(group) in _SUCCESSORS:
-        group = _SUCCESSORS[id(group)]
+        group = _SUCCESSORS[id(group)][1]
     return group
 
 
@@ -50,4 +52,4 @@ def renew_side_groups(purpose: str) -> None:
         if key[1] == purpose:
             fresh = dist.new_group(ranks=dist.get_process_group_ranks(group), backend=dist.get_backend(group))
             _GROUPS[key] = fresh
-            _SUCCESSORS[id(group)] = fresh
+            _SUCCESSORS[id(group)] = (group, fresh)

@@ -107,6 +107,12 @@ def train(make: Callable[..., Any], kind: str, world: int, data: Iterator[Any]) 
     model, optimizer, sharded = build_model(kind, world)
     events = record_order(sharded)
     pipeline = make(model, optimizer)
+    losses = run_to_end(pipeline, data)
+    return {"losses": losses, "weights": snapshot(model, sharded), "events": events, "pipeline": pipeline}
+
+
+def run_to_end(pipeline: Any, data: Iterator[Any]) -> list[float]:
+    """``pipeline.progress(data)`` until StopIteration, then close it: the losses."""
     losses = []
     while True:
         try:
@@ -115,7 +121,7 @@ def train(make: Callable[..., Any], kind: str, world: int, data: Iterator[Any]) 
             break
         losses.append(loss.item())
     pipeline.close()
-    return {"losses": losses, "weights": snapshot(model, sharded), "events": events, "pipeline": pipeline}
+    return losses
 
 
 def train_staged(kind: str, world: int, data: Iterator[Any], extra_stage: bool = False) -> dict[str, Any]:
@@ -351,15 +357,7 @@ def recovery_cases(rank: int, world: int, failing: Callable[[], Iterator[Any]]) 
         else:
             pipeline.close()
             pipeline = TrainPipelineSparseDist(model, optimizer, CPU)
-        after = batches(rank, 6)
-        losses = []
-        while True:
-            try:
-                loss, _, _ = pipeline.progress(after)
-            except StopIteration:
-                break
-            losses.append(loss.item())
-        pipeline.close()
+        losses = run_to_end(pipeline, batches(rank, 6))
         trained = itertools.chain(itertools.islice(failing(), done), batches(rank, 6))
         reference = train(lambda m, o: TrainPipelineBase(m, o, CPU), "tw", world, trained)
         out[f"{how}_equal"] = reference["losses"][done:] == losses
