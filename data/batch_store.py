@@ -30,7 +30,6 @@ mapping: in-place writes to them stay in this process, and later epochs of this 
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import pickle
@@ -41,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tritonrec.data.cache_layouts import KJTLayout, Layout
+from tritonrec.data.cache_layouts import KJTLayout, Layout, numpy_torch_dtype
 from tritonrec.data.keyed_jagged_tensor import KeyedJaggedTensor
 
 FORMAT = "tritonrec-batch-cache-2"
@@ -64,11 +63,6 @@ def _create_exclusive(path: Path, make: Any) -> None:
         pass
     finally:
         partial.unlink()
-
-
-@functools.cache
-def _torch_dtype(dtype: np.dtype) -> torch.dtype:
-    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
 
 
 def _plain(mapped: np.memmap) -> np.ndarray:
@@ -223,7 +217,7 @@ class BatchStore:
         freed blocks: no page faults)."""
         if self.views:
             return torch.from_numpy(block)
-        tensor = torch.empty(block.shape, dtype=_torch_dtype(block.dtype))
+        tensor = torch.empty(block.shape, dtype=numpy_torch_dtype(block.dtype))
         np.copyto(tensor.numpy(), block)
         return tensor
 

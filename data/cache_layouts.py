@@ -9,6 +9,7 @@ lengths, its ``[F]`` per-key totals and, when weighted, a slot of float32 weight
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -91,11 +92,18 @@ Layouts = Mapping[str, Any]
 CheckedLayouts = dict[str, Layout]
 
 
+@functools.cache
+def numpy_torch_dtype(dtype: np.dtype) -> torch.dtype:
+    """The torch dtype of a numpy dtype (cached: the batch store asks once per array read)."""
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+
+
 def torch_dtype(dtype: object, where: str) -> torch.dtype:
+    """A user's torch or numpy dtype as a torch dtype, or a ValueError naming ``where``."""
     if isinstance(dtype, torch.dtype):
         return dtype
     try:
-        return torch.from_numpy(np.empty(0, dtype=np.dtype(dtype))).dtype  # type: ignore[arg-type]
+        return numpy_torch_dtype(np.dtype(dtype))  # type: ignore[arg-type]
     except (TypeError, ValueError):
         raise ValueError(f"{where}: dtype must be a torch or numpy dtype, got {dtype!r}") from None
 

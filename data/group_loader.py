@@ -206,7 +206,8 @@ class GroupLoader:
         with self._lock:
             self.alive += 1
             self.max_alive = max(self.max_alive, self.alive)
-            self._making = making or self._making
+            if making:
+                self._making = True
 
     def _release_slot(self) -> None:
         with self._lock:

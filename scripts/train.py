@@ -52,7 +52,7 @@ def main(cfg: DictConfig) -> None:
         raise
     if metrics is None:  # a rank other than 0 of a torchrun job: rank 0 reports
         return
-    held_out, window = metrics["eval_auroc"], metrics.get("loss_window", 20)
+    held_out, window = metrics["eval_auroc"], metrics["loss_window"]
     print(
         f"{metrics['name']}: loss {metrics['first_loss']:.4f} (first {window} steps) -> {metrics['final_loss']:.4f} "
         f"(last {window}), held-out AUROC {held_out if held_out is None else round(held_out, 4)}, "
