@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 from harness import append_csv, measure, print_table, spawn_ranks
 
+from tritonrec.dist.tensor_collectives import all_gather_tensor
+
 ROWS_PER_RANK, DIM = 64, 16
-_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # newer torch's name
 
 
 def _time(fn: Any, repeats: int) -> dict[str, float]:
@@ -48,7 +49,7 @@ def _rank(rank: int, world: int, port: int, repeats: int, results: Any) -> None:
         embs = inputs[next(step) % len(inputs)]
         alltoall_pooled(embs, [ROWS_PER_RANK] * world, [DIM] * world).wait()
 
-    timings = {"all_gather int64[2 + 2W]": _time(lambda: _all_gather_tensor(gathered, local), repeats)}
+    timings = {"all_gather int64[2 + 2W]": _time(lambda: all_gather_tensor(gathered, local), repeats)}
     os.environ["TRITONREC_DIST_CHECKS"] = "0"
     timings["alltoall_pooled, checks off (anchor)"] = _time(a2a, repeats)
     os.environ["TRITONREC_DIST_CHECKS"] = "1"

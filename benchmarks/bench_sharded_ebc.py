@@ -58,7 +58,8 @@ class WireCounter:
     # its op IS dist.isend, so isend itself stays unwrapped)
     SENT: ClassVar[dict[str, str]] = {
         "all_to_all_single": "input", "all_reduce": "tensor", "reduce_scatter_tensor": "input",
-        "all_gather_into_tensor": "input_tensor", "_reduce_scatter_base": "input", "_all_gather_base": "input_tensor",
+        "reduce_scatter_single": "input", "all_gather_into_tensor": "input_tensor", "all_gather_single": "input_tensor",
+        "_reduce_scatter_base": "input", "_all_gather_base": "input_tensor",
         "all_gather": "tensor", "reduce_scatter": "input_list", "all_to_all": "input_tensor_list",
         "batch_isend_irecv": "p2p_op_list",
     }  # fmt: skip

@@ -38,12 +38,10 @@ import torch
 import torch.distributed as dist
 
 from tritonrec.dist.comm_timeout import wait_for_work
+from tritonrec.dist.tensor_collectives import all_gather_tensor
 
 ENV_VAR = "TRITONREC_DIST_CHECKS"
 DEFAULT_CHECKED_CALLS = 8
-
-# Newer torch renames the tensor all-gather (the old name warns); both take (output, input, group, async_op).
-_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def checks_setting() -> bool | None:
@@ -214,7 +212,7 @@ def _gather(local: torch.Tensor, group: dist.ProcessGroup, collective: str) -> t
     if dist.get_backend(group) == "nccl":  # NCCL moves device memory only
         local = local.to(torch.device("cuda", torch.cuda.current_device()))
     gathered = local.new_empty(group.size() * local.numel())  # gloo wants the flat output
-    work = _all_gather_tensor(gathered, local, group=group, async_op=True)
+    work = all_gather_tensor(gathered, local, group=group, async_op=True)
     wait_for_work(work, f"{collective} (metadata check)", group)
     return gathered.view(group.size(), -1).cpu()
 

@@ -34,16 +34,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tritonrec.dist.comm_timeout import wait_for_work
+from tritonrec.dist.tensor_collectives import all_gather_tensor, reduce_scatter_tensor
 
 if TYPE_CHECKING:
     from tritonrec.dist.qcomm_protocol import QuantizedCommCodec
 
 R = TypeVar("R")
 S = TypeVar("S")
-
-# Newer torch renames the tensor collectives (the old names warn); both take (output, input, group, async_op).
-_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)
@@ -270,7 +267,7 @@ def reduce_scatter(
     if codec is None and all(tuple(b.shape) == recv_shape for b in send_blocks):
         source = whole if whole is not None and whole.is_contiguous() else torch.cat(list(send_blocks))
         output = source.new_empty(recv_shape)
-        work = _reduce_scatter_tensor(output, source, group=group, async_op=True)
+        work = reduce_scatter_tensor(output, source, group=group, async_op=True)
         splits = [output.numel()] * group.size()
         traffic = WireTraffic(collective, source.dtype, splits, splits)
         return InFlight(collective, group, work, traffic, lambda: output, send=source)
@@ -293,7 +290,7 @@ def all_gather(
     recv_splits = wire_splits(codec, ctx, [matrix_shape(s) for s in recv_shapes], wire)
     received = wire.new_empty(sum(recv_splits))
     if all(split == send_split for split in recv_splits):
-        work = _all_gather_tensor(received, wire, group=group, async_op=True)
+        work = all_gather_tensor(received, wire, group=group, async_op=True)
     else:
         # gloo's all_gather rejects tensors of different sizes, so the uneven case sends this rank's (encoded)
         # block to every peer through all_to_all_single: the same bytes per peer, one extra local copy.

@@ -25,6 +25,7 @@ from tritonrec.dist.fused_spans import (
     width_spans,
 )
 from tritonrec.dist.grad_sync import all_reduce_
+from tritonrec.dist.tensor_collectives import all_gather_tensor
 from tritonrec.kernels.embedding.optim_state import begin_step
 
 
@@ -131,7 +132,7 @@ class DataParallelFusedUpdate:
         ids = [t.rows.to(torch.int32).view(torch.float32) for t in local]
         torch.cat(ids, out=send[ids_offset : ids_offset + sum(i.numel() for i in ids)])
         gathered = torch.empty(self.pg.size() * size, device=device)
-        work = dist.all_gather_into_tensor(gathered, send, group=self.pg, async_op=True)
+        work = all_gather_tensor(gathered, send, group=self.pg, async_op=True)
         wait_for_work(work, "data-parallel rows", self.pg)
         out = []
         for i, dim in enumerate(dims):
