@@ -62,6 +62,7 @@ __all__ = [
     "gather_unsharded_state_dict",
     "load_checkpoint",
     "load_unsharded_checkpoint",
+    "read_extra_entry",
     "save_checkpoint",
     "verify_checkpoint",
 ]
@@ -301,6 +302,15 @@ def load_checkpoint(
         raise CheckpointError(f"checkpoint {str(path)!r} does not fit this model / optimizers: {_reason(err)}") from err
     extra = apply_loaded_state(state, model, optimizers, extra_state)
     return LoadedCheckpoint(manifest.get("step"), extra, manifest)
+
+
+def read_extra_entry(path: str | Path, name: str) -> bytes:
+    """One entry of a checkpoint's extra state (``extra_state[name]`` at save), read alone in this process: no
+    process group and no model (a job reads its step and data fingerprint before building either)."""
+    state: dict[str, Any] = {"extra": {name: b""}}
+    with _dcp_quietly():
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    return state["extra"][name]  # type: ignore[no-any-return]
 
 
 def load_unsharded_checkpoint(path: str | Path) -> dict[str, Any]:

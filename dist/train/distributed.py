@@ -18,10 +18,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from tritonrec.data.batcher import Batcher
-from tritonrec.dist.checkpoint import CheckpointManager, load_checkpoint
+from tritonrec.dist.checkpoint import CheckpointManager, load_checkpoint, read_extra_entry
 from tritonrec.dist.train.builders import build_data, build_model
 from tritonrec.dist.train.config import SyntheticDataConfig, TrainConfig, check_device
 from tritonrec.dist.train.dist_builders import StepRunner, build_sharded_dense_optimizer, build_sharded_model
@@ -155,9 +154,7 @@ def _read_job_state(path: Path) -> dict[str, Any]:
         raise ValueError(
             f"resume: no distributed checkpoint (a checkpoints/step_<n>/ folder with a manifest.json) at {str(path)!r}"
         )
-    state: dict[str, Any] = {"extra": {"job": b""}}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
-    return torch.load(io.BytesIO(state["extra"]["job"]), weights_only=False)  # type: ignore[no-any-return]
+    return torch.load(io.BytesIO(read_extra_entry(path, "job")), weights_only=False)  # type: ignore[no-any-return]
 
 
 __all__ = ["train_distributed"]
