@@ -21,10 +21,14 @@ Example (every rank; the input-dist stage last, as the model's forward consumes 
         loss.backward()
         optimizer.step()
 
-After every stage the ranks agree (:mod:`.agreement`) on whether one of them failed, before any runs the next
-stage (which may wait on its peers, e.g. the input dist's collectives): a stage that raises on one rank makes every
-rank raise instead of one of them hanging. A failure inside a stage after it entered a collective its peers are in
-is left to the collective timeout.
+Once per step, after the stages, the ranks agree (:mod:`.agreement`) on whether a stage failed on any of them and
+whether every one has a next batch, which each reads then for the next step's first stage: one tiny all-reduce a
+step, as in the other pipelines, and nothing that may wait on a peer (the model's forward, the next stage) runs
+before it. A stage that raises on one rank loses only its own batch: the step's later stages still run there, each
+on another batch, so their collectives pair with their peers'; then the agreement makes every rank raise instead of
+one of them hanging. While the pipeline fills, the ranks agree after every stage instead, since a fill callback
+waits on its peers. A failure inside a stage after it entered a collective its peers are in is left to the
+collective timeout.
 """
 
 from __future__ import annotations
@@ -116,6 +120,7 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
         self._fetcher.agreement.on_failure.append(renew_input_dist_groups)
         self._error: BaseException | None = None  # this rank's stage failure, not yet reported to the others
         self._failed_stage = ""
+        self._read_ahead: Any = None  # the next step's first batch, read and agreed at the end of this step
         streams = [s.stream for s in pipeline_stages if s.stream is not None]
         self._compute_stream = compute_stream or (current_stream(streams[0].device) if streams else None)
 
@@ -151,33 +156,54 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
                 new_event.record(stage.stream)
             return output, new_event
 
+    def _stage_input(self, batch_offset: int, stage_idx: int, dataloader_iter: Iterator[Any], fill: bool) -> Any:
+        """``(batch, event)`` for stage ``stage_idx``: the first stage takes the batch read ahead (agreed at the end of
+        the last step), or reads and agrees on one while filling; the others take the previous stage's output."""
+        if stage_idx != 0:
+            return self._outputs[batch_offset] or (None, None)
+        batch, self._read_ahead = self._read_ahead, None
+        if batch is None and fill:
+            batch = self._next_batch(dataloader_iter)
+        return batch, None
+
     def _run_stage(self, batch_offset: int, stage_idx: int, dataloader_iter: Iterator[Any], fill: bool) -> None:
         stage = self._stages[stage_idx]
-        if stage_idx == 0:
-            batch, event = self._next_batch(dataloader_iter), None
-        else:
-            batch, event = self._outputs[batch_offset] or (None, None)
+        batch, event = self._stage_input(batch_offset, stage_idx, dataloader_iter, fill)
         result: StageResult = (None, None)
         with record(f"## pipeline stage {stage_idx}: {stage.name} ##"):
-            if batch is not None and self._error is None:
+            if batch is not None:
                 if self._debug_mode:
                     logger.info("stage %d (%s), batch %d", stage_idx, stage.name, batch_offset + self._num_steps)
                 try:
                     result = self._run_with_event(stage, event, batch)
-                except Exception as error:  # reported at the end of the step (or before a fill callback)
-                    self._error, self._failed_stage = error, stage.name
-            elif batch is None and stage.data_exhausted_callback is not None:
+                except Exception as error:  # reported at the step's agreement (or before a fill callback)
+                    if self._error is None:
+                        self._error, self._failed_stage = error, stage.name
+                    else:
+                        self._error.add_note(f"then stage {stage.name!r} failed too: {type(error).__name__}: {error}")
+            elif stage.data_exhausted_callback is not None:
                 stage.data_exhausted_callback()
-        self._outputs[batch_offset] = result
-        self._settle()  # before any rank runs the next stage, which may wait on this one's peers
-        if fill and stage.fill_callback is not None:
-            stage.fill_callback()
+        self._outputs[batch_offset] = result  # a failed stage's batch is dropped here: no later stage gets it
+        if fill:
+            self._settle()  # the fill callback may wait on this stage's peers
+            if stage.fill_callback is not None:
+                stage.fill_callback()
+
+    def _end_step(self, dataloader_iter: Iterator[Any]) -> None:
+        """The step's one agreement: any rank's stage failure (raised on every rank), and whether every rank has the
+        next step's first batch, read now (none while flushing: only the failures are agreed)."""
+        if self._flushing:
+            self._settle()
+        else:
+            self._read_ahead = self._next_batch(dataloader_iter)
 
     def _fill_pipeline(self, dataloader_iter: Iterator[Any]) -> None:
-        """Batch ``k`` (``k < N``) runs stages ``0 .. N-1-k``: after filling, batch 0 is ready for the model."""
+        """Batch ``k`` (``k < N``) runs stages ``0 .. N-1-k``: after filling, batch 0 is ready for the model (and
+        the first stage's next batch is read ahead)."""
         for batch_offset in range(self.num_stages):
             for stage_idx in range(self.num_stages - batch_offset):
                 self._run_stage(batch_offset, stage_idx, dataloader_iter, fill=True)
+        self._end_step(dataloader_iter)
         self._initialized = True
 
     def _advance(self) -> StageResult | None:
@@ -198,6 +224,7 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
         self._num_steps += 1
         for stage_idx in range(self.num_stages):
             self._run_stage(self.num_stages - 1 - stage_idx, stage_idx, dataloader_iter, fill=False)
+        self._end_step(dataloader_iter)  # before the caller's forward, which may wait on peers
         out, event = ready
         if event is not None and self._compute_stream is not None:
             event.wait(self._compute_stream)

@@ -1,0 +1,112 @@
+"""StagedTrainPipeline in one process, on what the other suites do not reach: one agreement per step once filled,
+a failing stage losing only its own batch (the step's later stages still run on theirs) before the step raises,
+and a flush that trains every batch once, in order."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.train_pipeline.toy import ToyModel, toy_batches
+from tritonrec.dist.train_pipeline import PipelineStage, SparseDataDistUtil, StagedTrainPipeline, TrainPipelineBase
+from tritonrec.dist.train_pipeline.agreement import StepAgreement
+
+CPU = torch.device("cpu")
+
+
+def _recorder(name: str, seen: dict[str, list[int]], fail_on: int | None = None):
+    def run(batch: int) -> int:
+        if batch == fail_on:
+            raise RuntimeError(f"{name} failed on batch {batch}")
+        seen.setdefault(name, []).append(batch)
+        return batch
+
+    return run
+
+
+def test_one_agreement_per_step_once_filled(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    original = StepAgreement.start
+    monkeypatch.setattr(StepAgreement, "start", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    seen: dict[str, list[int]] = {}
+    pipeline = StagedTrainPipeline([PipelineStage(n, _recorder(n, seen)) for n in ("copy", "process", "dist")])
+    data = iter(range(8))
+    per_call = []
+    while True:
+        before = len(calls)
+        batch = pipeline.progress(data)
+        per_call.append(len(calls) - before)
+        if batch is None:
+            break
+    # the first call fills (an agreement after each of the 3 + 2 + 1 stage runs, one per batch read: 3, and the
+    # read-ahead), then runs its step (1); every later call is one step: one agreement (none in the call that finds
+    # the pipeline drained)
+    assert per_call == [6 + 3 + 1 + 1] + [1] * 7 + [0]
+    assert seen == {name: list(range(8)) for name in ("copy", "process", "dist")}
+
+
+def test_a_failing_stage_loses_its_batch_and_the_step_raises_after_its_other_stages() -> None:
+    seen: dict[str, list[int]] = {}
+    pipeline = StagedTrainPipeline([
+        PipelineStage("copy", _recorder("copy", seen)),
+        PipelineStage("process", _recorder("process", seen, fail_on=3)),
+        PipelineStage("dist", _recorder("dist", seen)),
+    ])  # fmt: skip
+    data = iter(range(8))
+    assert pipeline.progress(data) == 0
+    with pytest.raises(RuntimeError, match="process failed on batch 3") as raised:
+        pipeline.progress(data)
+    # in the failing step, "dist" still ran on batch 2 (its collectives pair with the other ranks'), never on 3
+    assert seen["dist"] == [0, 1, 2] and seen["process"] == [0, 1, 2] and seen["copy"] == [0, 1, 2, 3, 4]
+    assert not getattr(raised.value, "__notes__", None)
+
+
+def test_a_second_failure_in_the_same_step_is_a_note_on_the_first() -> None:
+    seen: dict[str, list[int]] = {}
+    pipeline = StagedTrainPipeline([
+        PipelineStage("copy", _recorder("copy", seen)),
+        PipelineStage("process", _recorder("process", seen, fail_on=3)),
+        PipelineStage("dist", _recorder("dist", seen, fail_on=2)),
+    ])  # fmt: skip
+    data = iter(range(8))
+    pipeline.progress(data)
+    with pytest.raises(RuntimeError, match="process failed on batch 3") as raised:
+        pipeline.progress(data)
+    assert raised.value.__notes__ == ["then stage 'dist' failed too: RuntimeError: dist failed on batch 2"]
+
+
+def test_a_flush_trains_every_batch_once_in_order() -> None:
+    optimizer_of = lambda model: torch.optim.SGD(model.parameters(), lr=0.1)
+    base_model = ToyModel()
+    base = TrainPipelineBase(base_model, optimizer_of(base_model), CPU)
+    data, base_losses = toy_batches(9), []
+    while True:
+        try:
+            base_losses.append(base.progress(data)[0].item())
+        except StopIteration:
+            break
+    model = ToyModel()
+    optimizer = optimizer_of(model)
+    sdd = SparseDataDistUtil(model)
+    flushes: list[int] = []
+    losses: list[float] = []
+    pipeline = StagedTrainPipeline([
+        PipelineStage("data_copy", lambda b: b),
+        PipelineStage("start_sparse_data_dist", sdd.start_sparse_data_dist, fill_callback=sdd.wait_sdd_fill_callback),
+    ], on_flush_end=lambda: flushes.append(len(losses)), host_prefetch=1)  # fmt: skip
+    data = toy_batches(9)
+    while (batch := pipeline.progress(data)) is not None:
+        optimizer.zero_grad()
+        loss: Any = model(batch)[0]
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        if len(losses) == 3:
+            pipeline.set_flush(True)
+    pipeline.close()
+    # the batches in flight at the request (two in the stages, one read ahead) trained before the refill
+    assert flushes == [6]
+    assert losses == base_losses and len(losses) == 9
+    assert torch.equal(model.sharded.weight, base_model.sharded.weight)
