@@ -1,5 +1,6 @@
 """Rank-side cases of the distributed training job (2 gloo ranks, one spawn for all): a tiny DLRM job under several
-sharding x pipeline x codec combinations, an exact resume at the same world size, and SIGTERM on one rank."""
+sharding x pipeline x codec combinations, an exact resume at the same world size (through the checkpoint's pipeline
+and through the staged one), and SIGTERM on one rank."""
 
 from __future__ import annotations
 
@@ -54,6 +55,9 @@ def run_suite(rank: int, world: int, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {"smoke": run_rank(tiny_config(base / "smoke"))}
     checkpoint = base / "smoke" / "checkpoints" / "step_00000003"
     out["resumed"] = run_rank(tiny_config(base / "resumed", resume=str(checkpoint)))
+    # the staged pipeline reads a batch ahead of its stages: resuming through it must train the same batches
+    staged = PipelineConfig(kind="staged")
+    out["resumed_staged"] = run_rank(tiny_config(base / "resumed_staged", resume=str(checkpoint), pipeline=staged))
     for name, (sharding, pipeline, qcomm) in VARIANTS.items():
         cfg = tiny_config(base / name, steps=3, eval_every=0, checkpoint_every=0)
         cfg.sharding, cfg.pipeline = ShardingConfig(kind=sharding), PipelineConfig(kind=pipeline)

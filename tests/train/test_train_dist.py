@@ -91,8 +91,13 @@ def test_every_sharding_pipeline_and_codec_trains(ranks: list[dict[str, Any]], v
     assert metrics["pipelined_modules"] == expected
 
 
-def test_resume_at_the_same_world_size_is_exact(ranks: list[dict[str, Any]]) -> None:
-    full, resumed = ranks[0]["smoke"], ranks[0]["resumed"]
+@pytest.mark.parametrize("case", ["resumed", "resumed_staged"])
+def test_resume_at_the_same_world_size_is_exact(ranks: list[dict[str, Any]], case: str) -> None:
+    full, resumed = ranks[0]["smoke"], ranks[0][case]
+    assert (full["pipeline"], resumed["pipeline"]) == (
+        "sparse_dist",
+        "staged" if case == "resumed_staged" else "sparse_dist",
+    )
     assert resumed["history"]["step"] == [1, 2, 3, 4, 5, 6]
     assert resumed["history"]["loss"] == full["history"]["loss"]  # exact: steps 4-6 retrained after the resume
     assert resumed["train_auroc"] == full["train_auroc"] and resumed["eval_auroc"] == full["eval_auroc"]
