@@ -156,7 +156,9 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
                 new_event.record(stage.stream)
             return output, new_event
 
-    def _stage_input(self, batch_offset: int, stage_idx: int, dataloader_iter: Iterator[Any], fill: bool) -> Any:
+    def _stage_input(
+        self, batch_offset: int, stage_idx: int, dataloader_iter: Iterator[Any], fill: bool
+    ) -> StageResult:
         """``(batch, event)`` for stage ``stage_idx``: the first stage takes the batch read ahead (agreed at the end of
         the last step), or reads and agrees on one while filling; the others take the previous stage's output."""
         if stage_idx != 0:

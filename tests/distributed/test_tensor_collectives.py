@@ -46,7 +46,7 @@ def test_aliases_call_what_torch_distributed_holds_now(monkeypatch) -> None:
 
 def test_package_calls_no_deprecated_collective_name_directly() -> None:
     old_names = "all_gather_into_tensor|reduce_scatter_tensor|_all_gather_base|_reduce_scatter_base"
-    pattern = re.compile(rf"\bdist\.({old_names})\b")
+    pattern = re.compile(rf"\b(dist|distributed|c10d)\.({old_names})\b")
     offenders = []
     for folder in ("dist", "data", "modules", "kernels", "scripts"):
         for path in (ROOT / folder).rglob("*.py"):
