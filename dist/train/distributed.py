@@ -105,6 +105,7 @@ def train_distributed(
                 report.train_point(step, history.log_point(step))
             if sources.eval is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or last):
                 runner.pause()
+                metrics_sync.sync()  # the eval line's training loss covers the steps since the last log line too
                 result = evaluate_over_ranks(dmp, sources.eval, cfg.eval_batch_size, device, side)
                 history.record_eval(step, result)
                 report.eval_point(step, history.recent_loss(), result)

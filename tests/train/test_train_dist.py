@@ -78,6 +78,9 @@ def test_metrics_cover_every_rank(ranks: list[dict[str, Any]], root: Path) -> No
                                                       ("eval", "6")]  # fmt: skip
     log = (smoke / "train.log").read_text()
     assert "step 6: loss" in log and "held-out AUROC" in log
+    # the eval line at step 3 (between log lines) reports the mean loss of steps 1-3, not a stale or NaN one
+    eval_line = next(line for line in log.splitlines() if "step 3: loss" in line)
+    assert f"step 3: loss {np.mean(metrics['history']['loss'][:3]):.4f}, held-out AUROC" in eval_line
     assert sorted(p.name for p in (smoke / "checkpoints").iterdir()) == ["step_00000003", "step_00000006"]
 
 
