@@ -18,12 +18,22 @@ COLUMNS = ("job", "overrides", "name", "steps", "world_size", "first_loss", "fin
            "eval_logloss", "samples_per_s")  # fmt: skip
 
 
-def _cell(value: Any) -> str:
+def _csv_cell(value: Any) -> str:
+    """A number as Python writes it (full precision, no thousands separator: the CSV is for programs)."""
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return ""
-    if isinstance(value, float):
-        return f"{value:.4f}" if abs(value) < 100 else f"{value:,.0f}"
-    return str(value)
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def _md_cell(value: str) -> str:
+    """A CSV cell rounded for reading: 4 decimals, or whole numbers with separators from 100 up."""
+    try:
+        number = float(value)
+    except ValueError:
+        return value.replace("|", "\\|")
+    if value.lstrip("-").isdigit():
+        return value
+    return f"{number:.4f}" if abs(number) < 100 else f"{number:,.0f}"
 
 
 def _overrides(job_dir: Path) -> str:
@@ -36,21 +46,21 @@ def _overrides(job_dir: Path) -> str:
 
 def summarize_sweep(sweep_dir: Path) -> list[dict[str, str]]:
     """One row per job folder of ``sweep_dir`` (a job without metrics.json, e.g. one that failed, shows no metrics);
-    writes summary.csv and summary.md; returns the rows."""
+    writes summary.csv (numbers at full precision) and summary.md (rounded for reading); returns the CSV rows."""
     rows = []
     for job_dir in sorted((p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith(".")),
                           key=lambda p: (len(p.name.split("_")[0]), p.name)):  # fmt: skip
         metrics_path = job_dir / "metrics.json"
         metrics: dict[str, Any] = json.loads(metrics_path.read_text()) if metrics_path.is_file() else {}
         row = {"job": job_dir.name, "overrides": _overrides(job_dir)}
-        row.update({c: _cell(metrics.get(c)) for c in COLUMNS[2:]})
+        row.update({c: _csv_cell(metrics.get(c)) for c in COLUMNS[2:]})
         rows.append(row)
     with (sweep_dir / "summary.csv").open("w", newline="") as file:
         writer = csv.DictWriter(file, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
     table = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    table += ["| " + " | ".join(row[c] for c in COLUMNS) + " |" for row in rows]
+    table += ["| " + " | ".join(_md_cell(row[c]) for c in COLUMNS) + " |" for row in rows]
     (sweep_dir / "summary.md").write_text("\n".join(table) + "\n")
     return rows
 

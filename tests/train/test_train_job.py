@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -121,6 +122,12 @@ def test_multirun_sweep_lands_in_one_folder_with_a_summary(tmp_path: Path) -> No
     rows = list(csv.DictReader((sweep / "summary.csv").open()))
     assert [r["name"] for r in rows] == ["synthetic_dlrm", "synthetic_dcn"]
     assert all(float(r["final_loss"]) > 0 and r["steps"] == "3" for r in rows)
+    for row in rows:  # the CSV holds the jobs' own numbers, unrounded and without thousands separators
+        metrics = json.loads((sweep / row["job"] / "metrics.json").read_text())
+        assert (
+            float(row["samples_per_s"]) == metrics["samples_per_s"]
+            and float(row["final_loss"]) == metrics["final_loss"]
+        )
     assert "experiment=synthetic_dcn" in rows[1]["overrides"]
     assert (sweep / "summary.md").read_text().count("\n") == 4  # header, rule, two jobs
     assert "sweep summary" in done.stdout
