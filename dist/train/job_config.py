@@ -89,6 +89,23 @@ def check_job_configs(dist: DistConfig, sharding: ShardingConfig, pipeline: Pipe
     _one_of(logger.kind, LOGGER_KINDS, "logger.kind")
 
 
+def distributed_only_choices(
+    dist: DistConfig, sharding: ShardingConfig, pipeline: PipelineConfig, qcomm: QCommConfig
+) -> list[str]:
+    """The settings, changed from their defaults, that only the distributed job reads (e.g. ``["sharding=rw",
+    "qcomm=int8/int8"]``), for the one-process job to say it does not apply them. Empty with ``dist.nproc > 1``."""
+    if dist.nproc > 1:
+        return []
+    chosen = []
+    if sharding.kind != ShardingConfig.kind:
+        chosen.append(f"sharding={sharding.kind}")
+    if pipeline.kind != PipelineConfig.kind or pipeline.host_prefetch != PipelineConfig.host_prefetch:
+        chosen.append(f"pipeline={pipeline.kind}")
+    if (qcomm.forward, qcomm.backward) != (QCommConfig.forward, QCommConfig.backward):
+        chosen.append(f"qcomm={qcomm.forward}/{qcomm.backward}")
+    return chosen
+
+
 __all__ = [
     "DistConfig",
     "LoggerConfig",
@@ -96,5 +113,6 @@ __all__ = [
     "QCommConfig",
     "ShardingConfig",
     "check_job_configs",
+    "distributed_only_choices",
     "register_job_configs",
 ]

@@ -13,6 +13,7 @@ from tritonrec.data.batcher import Batcher
 from tritonrec.dist.train.builders import build_data, build_dense_optimizer, build_model
 from tritonrec.dist.train.checkpoint import load_checkpoint, save_checkpoint
 from tritonrec.dist.train.config import TrainConfig, check_device
+from tritonrec.dist.train.job_config import distributed_only_choices
 from tritonrec.dist.train.job_report import JobReporter
 from tritonrec.dist.train.job_state import data_fingerprint
 from tritonrec.dist.train.launch import StopRequest
@@ -36,6 +37,13 @@ def train_single(cfg: TrainConfig, out_dir: Path, stop: StopRequest) -> dict[str
     batches = iterate_batches(batcher, sources.train, cfg.batch_size, cfg.drop_remainder)
     checkpoint = None
     report = JobReporter(cfg.name, out_dir, start, cfg.steps, cfg.progress, cfg.logger.kind)
+    ignored = distributed_only_choices(cfg.dist, cfg.sharding, cfg.pipeline, cfg.qcomm)
+    if ignored:
+        report.message(
+            f"{cfg.name}: {', '.join(ignored)} ignored: one process (dist.nproc=1) has no embedding collectives to "
+            "shard, pipeline or compress; the distributed job applies them (dist.nproc=N, or torchrun "
+            "--nproc_per_node N)"
+        )
     step = start
     try:
         for step in range(start + 1, cfg.steps + 1):

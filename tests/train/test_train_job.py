@@ -19,7 +19,7 @@ from hydra import compose, initialize_config_dir
 
 from tests.train.dist_job_cases import tiny_config
 from tritonrec.dist.train import as_train_config, register_configs, run
-from tritonrec.dist.train.job_config import LoggerConfig
+from tritonrec.dist.train.job_config import LoggerConfig, PipelineConfig, QCommConfig, ShardingConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
@@ -69,10 +69,31 @@ def test_bad_job_config_names_the_field(tmp_path: Path, field: str, value: Any, 
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(("changes", "note"), [
+    ({}, None),
+    ({"pipeline": PipelineConfig(kind="staged"), "qcomm": QCommConfig("int8", "int8")},
+     "pipeline=staged, qcomm=int8/int8 ignored: one process (dist.nproc=1)"),
+])  # fmt: skip
+def test_single_process_says_which_distributed_settings_it_ignores(
+    tmp_path: Path, changes: dict[str, Any], note: str | None
+) -> None:
+    cfg = tiny_config(tmp_path, steps=2, eval_every=0, **changes)
+    cfg.sharding = ShardingConfig()  # the default, auto: nothing to say about it
+    run(cfg)
+    lines = [line for line in (tmp_path / "train.log").read_text().splitlines() if "ignored" in line]
+    if note is None:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and note in lines[0]
+
+
 def test_single_process_log_and_csv_series(tmp_path: Path) -> None:
     metrics = run(tiny_config(tmp_path, steps=4, eval_every=2))
     assert metrics["world_size"] == 1 and metrics["eval_history"]["samples"] == [64.0, 64.0]
     log = (tmp_path / "train.log").read_text().splitlines()
+    # tiny_config asks for sharding=tw, which one process cannot apply: the job says so first
+    assert "] tiny_dist: sharding=tw ignored: one process (dist.nproc=1) has no embedding collectives" in log[0]
+    log = log[1:]
     assert [line.split("] ")[1].split(":")[0] for line in log] == ["step 2", "step 2", "step 4", "step 4"]
     assert "held-out AUROC" in log[1] and "samples/s" in log[0]
     rows = list(csv.DictReader((tmp_path / "series.csv").open()))
