@@ -87,6 +87,15 @@ def build_sharded_model(model: nn.Module, cfg: TrainConfig, device: torch.device
     return DistributedModelParallel(model, env=env, device=device, plan=plan, sharders=[sharder])
 
 
+def qcomm_unused(cfg: TrainConfig, plan: ShardingPlan) -> bool:
+    """True when ``cfg.qcomm`` asks for a wire precision but no embedding collective would carry it: every table
+    of ``plan`` is data-parallel (its lookups stay on the rank; its gradients are all-reduced in fp32)."""
+    if (cfg.qcomm.forward, cfg.qcomm.backward) == ("fp32", "fp32"):
+        return False
+    shardings = [p for module in plan.plan.values() if isinstance(module, dict) for p in module.values()]
+    return bool(shardings) and all(p.sharding_type == "data_parallel" for p in shardings)
+
+
 def build_sharded_dense_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     """The torch optimizer of every parameter not updated inside the backward (the fused tables are)."""
     params = [p for _, p in in_backward_optimizer_filter(model.named_parameters())]
@@ -154,4 +163,11 @@ class StepRunner:
         self._pipeline.close()
 
 
-__all__ = ["EBC_PATH", "StepRunner", "build_plan", "build_sharded_dense_optimizer", "build_sharded_model"]
+__all__ = [
+    "EBC_PATH",
+    "StepRunner",
+    "build_plan",
+    "build_sharded_dense_optimizer",
+    "build_sharded_model",
+    "qcomm_unused",
+]

@@ -23,7 +23,12 @@ from tritonrec.data.batcher import Batcher
 from tritonrec.dist.checkpoint import CheckpointManager, load_checkpoint, read_extra_entry
 from tritonrec.dist.train.builders import build_data, build_model
 from tritonrec.dist.train.config import SyntheticDataConfig, TrainConfig, check_device
-from tritonrec.dist.train.dist_builders import StepRunner, build_sharded_dense_optimizer, build_sharded_model
+from tritonrec.dist.train.dist_builders import (
+    StepRunner,
+    build_sharded_dense_optimizer,
+    build_sharded_model,
+    qcomm_unused,
+)
 from tritonrec.dist.train.dist_metrics import BatchFeed, RankMetrics, evaluate_over_ranks
 from tritonrec.dist.train.job_report import JobReporter
 from tritonrec.dist.train.job_state import JobState, check_resume, data_fingerprint
@@ -90,6 +95,11 @@ def train_distributed(
         f"{cfg.name}: {world} ranks ({dist.get_backend()}), sharding={cfg.sharding.kind}, pipeline="
         f"{cfg.pipeline.kind}, qcomm={cfg.qcomm.forward}/{cfg.qcomm.backward}, batch {cfg.batch_size} per rank"
     )
+    if qcomm_unused(cfg, dmp.plan):
+        report.message(
+            f"{cfg.name}: qcomm={cfg.qcomm.forward}/{cfg.qcomm.backward} ignored: every table is data-parallel "
+            f"(sharding={cfg.sharding.kind}), so no embedding collective runs; DDP all-reduces their gradients in fp32"
+        )
     checkpoint, step, stopped = None, start, False
     try:
         for step in range(start + 1, cfg.steps + 1):
