@@ -69,7 +69,16 @@ def build_plan(model: nn.Module, cfg: TrainConfig, sharder: EmbeddingBagCollecti
         if env.process_group is None:
             return planner.plan(model, [sharder])
         return planner.collective_plan(model, [sharder], env.process_group)
-    tables = [c.name for c in ebc.embedding_bag_configs()]
+    configs = ebc.embedding_bag_configs()
+    if cfg.sharding.kind == "cw":
+        uneven = sorted({c.embedding_dim for c in configs if c.embedding_dim % world})
+        if uneven:
+            raise ValueError(
+                f"sharding=cw gives every one of the {world} ranks an equal column block of each table, but "
+                f"embedding_dim {uneven} is not divisible by {world}: use a world size dividing it, a "
+                "model.embedding_dim divisible by the world size, or sharding=auto"
+            )
+    tables = [c.name for c in configs]
     generators = _table_generators(cfg.sharding.kind, tables, world, local)
     module_plan = construct_module_sharding_plan(ebc, generators, sharder, local, world, device.type)
     return ShardingPlan({EBC_PATH: module_plan})
