@@ -21,6 +21,7 @@ a job killed mid-write leaves no half batch behind.
 
 from __future__ import annotations
 
+import numbers
 import os
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -226,7 +227,15 @@ class Batch:
         return [self._group[i] for i in self.indices]
 
     def get_data(self, index: int) -> Any:
-        return self._group[self.indices[index]]
+        """Item ``index``'s descriptor (``-len(self) <= index < len(self)``, as for a list)."""
+        return self._group[self.indices[self._check_index(index)]]
+
+    def _check_index(self, index: object) -> int:
+        if not isinstance(index, numbers.Integral) or isinstance(index, bool):  # numpy ints are Integral too
+            raise TypeError(f"index must be an int, got index={index!r}")
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"index {index} is out of range for a batch of {len(self)} items")
+        return int(index)
 
     @property
     def uncached(self) -> bool:
@@ -257,8 +266,7 @@ class Batch:
         values = self._additional.get(key, [None] * len(self))
         if index is None:
             return [default if v is None else v for v in values]
-        if not -len(self) <= index < len(self):
-            raise IndexError(f"index {index} is out of range for a batch of {len(self)} items")
+        index = self._check_index(index)
         return default if values[index] is None else values[index]
 
     def cache(

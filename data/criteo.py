@@ -169,18 +169,31 @@ class CriteoTSVSource:
         """The rows of :meth:`iter_from` as chunks."""
         check_position(position, epoch)
         if self.shuffle_buffer > 1:
+            # The shuffle reads from the start of position's block, but the end check (made once the files are
+            # read, as only parsing counts the valid rows) is against position itself, as without shuffling.
             return block_shuffled(
-                self._file_chunks, position, self.shuffle_buffer, self.shuffle_seed, epoch, self.shard
+                lambda start: self._file_chunks(start, position),
+                position,
+                self.shuffle_buffer,
+                self.shuffle_seed,
+                epoch,
+                self.shard,
             )
-        return self._file_chunks(position)
+        return self._file_chunks(position, position)
 
-    def _file_chunks(self, position: int) -> Iterator[ElementChunk]:
-        for dense, raw_ids, labels in self.iter_parsed_chunks(position):
+    def _file_chunks(self, start: int, position: int) -> Iterator[ElementChunk]:
+        for dense, raw_ids, labels in self._parsed_chunks(start, position):
             yield ElementChunk.from_id_matrix(dense, hash_id_matrix(raw_ids, self._hash_sizes), labels)
 
     def iter_parsed_chunks(self, position: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """``(dense [n, 13] float32, raw_ids [n, 26] int64 (-1 = empty), labels [n] float32)`` blocks of this shard's
         valid rows, in file order, from the ``position``-th on."""
+        check_position(position, 0)
+        return self._parsed_chunks(position, position)
+
+    def _parsed_chunks(self, start: int, position: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Rows from the ``start``-th on; once the files are read, a ``ValueError`` if the shard holds fewer than
+        ``position`` (the caller's position: ``start`` is rounded down to a shuffle block)."""
         self.num_skipped, self.skipped_examples = 0, []
         index = 0
         for path in self.paths:
@@ -190,9 +203,13 @@ class CriteoTSVSource:
                     parsed = parse_criteo_block(block)
                     malformed = parsed.bad_rows.size > 0
                     rows = self._handle_malformed(parsed, lines, first, step) if malformed else len(parsed.labels)
-                    if index + rows > position:
-                        start = max(position - index, 0)
-                        yield parsed.dense[start:rows], parsed.raw_ids[start:rows], parsed.labels[start:rows]
+                    if index + rows > start:
+                        first_row = max(start - index, 0)
+                        yield (
+                            parsed.dense[first_row:rows],
+                            parsed.raw_ids[first_row:rows],
+                            parsed.labels[first_row:rows],
+                        )
                     index += rows
                     if malformed and self.malformed == "error":  # after the valid rows before the bad line
                         self._raise_first(parsed, lines, first, step)

@@ -10,11 +10,12 @@ position, batches), exposed as ``state_dict`` / ``load_state_dict``: the Statefu
 tracking which worker produced which prefetched batch ourselves.
 
 The batch order depends on ``num_workers`` (the loader takes one batch from each worker in turn, each worker reading
-its own part), so resume with the ``num_workers`` the state was taken with. ``num_passes`` passes over the shard make
-one iteration of the loader (``None``: endless, for training streams); each pass after the first is the next epoch
-(reshuffled when the source shuffles). As with any torch loader, a new iteration starts a new pass: the next epoch
-(an interrupted pass is abandoned), except right after ``load_state_dict``, which resumes the interrupted pass.
-Workers are persistent, so their epochs advance across iterations as a single-process loader's do.
+its own part), so resume with the ``num_workers`` the state was taken with (``load_state_dict`` refuses another).
+``num_passes`` passes over the shard make one iteration of the loader (``None``: endless, for training streams);
+each pass after the first is the next epoch (reshuffled when the source shuffles). As with any torch loader, a new
+iteration starts a new pass: the next epoch (an interrupted pass is abandoned), except right after
+``load_state_dict``, which resumes the interrupted pass. Workers are persistent, so their epochs advance across
+iterations as a single-process loader's do.
 """
 
 from __future__ import annotations
@@ -124,6 +125,35 @@ class RankLoader(StatefulDataLoader):
     def __iter__(self) -> Iterator[Batch]:
         iterator = super().__iter__()
         return UnpackingIterator(iterator) if self.num_workers > 0 else iterator
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """torchdata's, after checking that ``state_dict`` was taken with this loader's ``num_workers`` (torchdata
+        itself only fails at the next ``iter()``, with a bare AssertionError about a missing key)."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a mapping from state_dict(), got {type(state_dict).__name__}")
+        if state_dict:  # {} (the state of a loader never iterated) restores nothing, as in torchdata
+            saved = _saved_num_workers(state_dict)
+            if saved != self.num_workers:
+                raise ValueError(
+                    f"state_dict was taken with num_workers={saved}, but this loader has num_workers="
+                    f"{self.num_workers}: the batch order depends on it, so resume with num_workers={saved}"
+                )
+        super().load_state_dict(dict(state_dict))
+
+
+def _saved_num_workers(state: Mapping[str, Any]) -> int:
+    """The ``num_workers`` a StatefulDataLoader state was taken with: a loader with workers keeps it in its
+    snapshot; a single-process loader's state has ``_num_yielded`` at the top instead."""
+    snapshot = state.get("_snapshot")
+    if isinstance(snapshot, Mapping) and isinstance(snapshot.get("_main_snapshot"), Mapping):
+        saved = snapshot["_main_snapshot"].get("_num_workers")
+        if isinstance(saved, int) and not isinstance(saved, bool):
+            return saved
+    elif "_num_yielded" in state:
+        return 0
+    raise ValueError(
+        f"state_dict is not a StatefulDataLoader state_dict() (no worker count in it), got keys {sorted(state)}"
+    )
 
 
 def _no_collate(batch: Batch) -> Batch:

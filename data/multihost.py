@@ -19,12 +19,16 @@ batch in hand keeps it for its next epoch (unless the loader is reset).
 * ``get_state()`` / ``set_state(state)``: the step, ``iterator_length``, the world size, the loader's state
   (``state_dict()`` of a ``StatefulDataLoader`` or any Stateful loader, ``get_state()`` of a Batcher-like one; for
   a plain iterable, the number of batches it has yielded this pass, replayed on restore) and a batch kept in hand.
-  Restoring under another ``iterator_length`` or world size is a ``ValueError`` saying which.
+  The next ``iter()`` after ``set_state`` continues the saved epoch, or starts the next one when the state was taken
+  after the epoch ended (``step == iterator_length``), just as the saved iterator would have. Restoring under another
+  ``iterator_length`` or world size, or a step or replay count that is not an int in range, is a ``ValueError``
+  naming the key.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import copy
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -43,6 +47,14 @@ def _optional_count(value: object, name: str, minimum: int) -> int | None:
     return value
 
 
+def _state_count(value: object, name: str, maximum: int | None = None) -> int:
+    """A count read from a saved state: an int (not a bool) in ``[0, maximum]``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or (maximum is not None and value > maximum):
+        bound = f"in [0, iterator_length={maximum}]" if maximum is not None else ">= 0"
+        raise ValueError(f"{name} must be an int {bound}, got {name}={value!r}")
+    return value
+
+
 def dense_shapes(batch: Any, path: str = "batch") -> Shapes:
     """``(path, shape)`` of every dense tensor in ``batch`` (a Batch, or nested dicts / lists / tuples); KJTs and
     non-tensor leaves are skipped."""
@@ -56,6 +68,24 @@ def dense_shapes(batch: Any, path: str = "batch") -> Shapes:
     if isinstance(batch, (list, tuple)):
         return [s for i, value in enumerate(batch) for s in dense_shapes(value, f"{path}[{i}]")]
     return []
+
+
+def _batch_paths(batch: Any, path: str = "batch") -> list[str]:
+    """The paths of every :class:`Batch` in ``batch`` (same walk and paths as :func:`dense_shapes`)."""
+    if isinstance(batch, Batch):
+        return [path]
+    if isinstance(batch, Mapping):
+        return [p for key, value in batch.items() for p in _batch_paths(value, f"{path}[{key!r}]")]
+    if isinstance(batch, (list, tuple)):
+        return [p for i, value in enumerate(batch) for p in _batch_paths(value, f"{path}[{i}]")]
+    return []
+
+
+def _rebuilt(container: Any, items: list[Any]) -> Any:
+    """``container`` (a list, tuple or namedtuple) of the same type holding ``items``."""
+    if isinstance(container, tuple) and hasattr(container, "_fields"):  # a namedtuple takes its fields positionally
+        return type(container)(*items)
+    return type(container)(items)
 
 
 def _pad(tensor: torch.Tensor, shape: Sequence[int], value: float | bool) -> torch.Tensor:
@@ -84,9 +114,14 @@ def pad_batch(batch: Any, targets: Mapping[str, Sequence[int]], pad_value: float
             )
         return padded
     if isinstance(batch, Mapping):
-        return type(batch)({k: pad_batch(v, targets, pad_value, f"{path}[{k!r}]") for k, v in batch.items()})
+        padded_items = {k: pad_batch(v, targets, pad_value, f"{path}[{k!r}]") for k, v in batch.items()}
+        if isinstance(batch, MutableMapping):  # a copy keeps what the constructor would need (defaultdict's factory)
+            out = copy.copy(batch)
+            out.update(padded_items)
+            return out
+        return type(batch)(padded_items)
     if isinstance(batch, (list, tuple)):
-        return type(batch)(pad_batch(v, targets, pad_value, f"{path}[{i}]") for i, v in enumerate(batch))
+        return _rebuilt(batch, [pad_batch(v, targets, pad_value, f"{path}[{i}]") for i, v in enumerate(batch)])
     return batch
 
 
@@ -154,10 +189,12 @@ class MultiHostDataLoadIterator:
             self._local, self._pending, self._replay = None, None, 0
 
     def __iter__(self) -> MultiHostDataLoadIterator:
-        if self._restored:  # the epoch restored by set_state continues
-            self._restored = False
-        else:
+        # The epoch restored by set_state continues, unless the state was taken after it ended (step ==
+        # iterator_length, as xlstm-jax checks): then, as without the restore, iter() starts the next epoch.
+        unfinished = self.iterator_length is None or self.step < self.iterator_length
+        if not (self._restored and unfinished):
             self.reset()
+        self._restored = False
         return self
 
     def __next__(self) -> Any:
@@ -238,6 +275,17 @@ class MultiHostDataLoadIterator:
                         f"rank {self.rank}; only sizes may differ across ranks"
                     )
                 targets[path] = [max(a, b) for a, b in zip(targets[path], shape, strict=True)]
+        # A Batch's size cannot be padded (its KJT passes through). Checked here, on the gathered shapes, so that
+        # every rank raises the same error at the same step: a check on the smaller rank alone would leave the
+        # others waiting in their next collective.
+        for path in _batch_paths(batch):
+            sizes = [dict(theirs)[f"{path}.labels"][0] for _, theirs in gathered]
+            if len(set(sizes)) > 1:
+                raise ValueError(
+                    f"pad_shapes: {path} has batch sizes {sizes} on ranks 0..{self.world_size - 1}; a Batch's KJT "
+                    "cannot be padded (KJTs pass through), so give every rank the same batch_size (the Batcher pads "
+                    "short batches itself)"
+                )
         return True, {path: tuple(shape) for path, shape in targets.items()}
 
     # ------------------------------------------------------------------------------------------------------ state
@@ -272,14 +320,16 @@ class MultiHostDataLoadIterator:
                 f"state was taken on world_size={state['world_size']} ranks, but this iterator runs on "
                 f"world_size={self.world_size}"
             )
-        loader_state = state["loader"]
+        # Up to iterator_length inclusive: a state taken after an epoch's StopIteration has step == iterator_length.
+        step = _state_count(state["step"], "state['step']", self.iterator_length)
+        loader_state, replay = state["loader"], 0
         if callable(getattr(self.dataloader, "load_state_dict", None)):
             self.dataloader.load_state_dict(loader_state)  # type: ignore[attr-defined]
         elif callable(getattr(self.dataloader, "set_state", None)):
             self.dataloader.set_state(loader_state)  # type: ignore[attr-defined]
         elif isinstance(loader_state, Mapping) and set(loader_state) == {"replay"}:
-            self._replay = int(loader_state["replay"])
+            replay = _state_count(loader_state["replay"], "state['loader']['replay']")
         else:
             raise ValueError(f"state['loader'] does not fit a {type(self.dataloader).__name__}: {loader_state!r}")
-        self.step, self._pending = int(state["step"]), state["pending"]
+        self.step, self._pending, self._replay = step, state["pending"], replay
         self._local, self._restored = None, True

@@ -9,9 +9,18 @@ offset, the KJT's other fields as its pytree context) and travels as a slot numb
 slot into a buffer of its own, hands out views of it, and marks the slot free. ``make_rank_loader`` packs in its
 workers and unpacks on the consumer's side.
 
-Slots are reclaimed when the worker starts a new iteration (the main process copies every slot it receives before
-asking for more, and drops the rest when it resets the iterator). A batch larger than a slot, or one made while
-every slot is taken, travels as a :class:`PackedBatch`: one shared buffer of its own.
+The main process frees a slot when it is done with the :class:`RingBatch` naming it: when it copies the slot out,
+or when it drops the RingBatch unread. Batches are dropped unread in more places than our own code: torchdata's
+``StatefulDataLoader`` replays and discards the batches since its last snapshot when it resumes, and a reset
+iterator discards its prefetched ones. Freeing in ``RingBatch.__del__`` covers them all without reaching into the
+loader's internals.
+
+Each word of shared state has one writer, so no check-then-write can race: the worker stamps each packed slot with
+a fresh token (``packed[slot]``), the main process frees it by writing that token back (``freed[slot]``), and a slot
+is free while the two agree. A new iteration frees every slot on the worker side alone, by moving a floor (every
+token at or below it counts as returned), so a batch of the old iteration dropped late writes back an old token,
+which frees nothing the worker has packed since. A batch larger than a slot, or one made while every slot is taken,
+travels as a :class:`PackedBatch`: one shared buffer of its own.
 """
 
 from __future__ import annotations
@@ -118,7 +127,7 @@ class UnpackingIterator:
 
 _SLOTS = 4  # >= the loader's default prefetch of 2 per worker, plus the one being made and one being copied
 _WAIT_S = 1.0  # longest wait for a free slot before a batch travels as its own PackedBatch
-_RINGS: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}  # main process: ring id -> (slots, busy, worker pid)
+_RINGS: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}  # main process: ring id -> (slots, tokens, pid)
 
 
 def _alive(pid: int) -> bool:
@@ -141,32 +150,43 @@ def _register(ring_id: str, ring: tuple[torch.Tensor, torch.Tensor, int]) -> Non
 
 
 class _Ring:
-    """A worker's slots: ``slots [count, slot_bytes] uint8`` and ``busy [count] int32`` (1 from packing until the
-    main process has copied the slot), both in shared memory. The ring travels with every batch until the worker
-    sees the main process free a slot (proof that it holds the ring); after that, batches carry only slot numbers."""
+    """A worker's slots: ``slots [count, slot_bytes] uint8`` and ``tokens [2, count] int64`` (row 0 ``packed``,
+    written by the worker; row 1 ``freed``, written by the main process), both in shared memory; see the module
+    docstring. The ring travels with every batch until the worker sees the main process free a slot (proof that it
+    holds the ring); after that, batches carry only slot numbers."""
 
     def __init__(self, slot_bytes: int, count: int = _SLOTS) -> None:
         self.id = uuid.uuid4().hex
         storage = torch.UntypedStorage._new_shared(count * slot_bytes)
         self.slots = torch.empty(0, dtype=torch.uint8).set_(storage).view(count, slot_bytes)
-        self.busy = torch.zeros(count, dtype=torch.int32).share_memory_()
+        self.tokens = torch.zeros(2, count, dtype=torch.int64).share_memory_()
         self.sent = False
-        self._outstanding: set[int] = set()  # slots this worker marked busy and has not seen freed
+        self._outstanding: set[int] = set()  # slots packed in this iteration and not yet seen freed
+        self._last_token = 0  # tokens start at 1: a slot with packed == freed == 0 has never been used
+        self._floor = 0  # tokens up to here belong to finished iterations: their slots are free
+
+    def next_token(self) -> int:
+        self._last_token += 1
+        return self._last_token
 
     def reclaim(self) -> None:
         """A new iteration: the main process has copied or dropped every slot it was sent."""
-        self.busy.zero_()
+        self._floor = self._last_token
         self._outstanding.clear()
 
+    def free_slots(self) -> list[bool]:
+        packed, freed = self.tokens.tolist()
+        return [p == f or p <= self._floor for p, f in zip(packed, freed, strict=True)]
+
     def take(self) -> int | None:
-        """A free slot, marked busy; None when none frees up within ``_WAIT_S``."""
+        """A free slot (the caller stamps it); None when none frees up within ``_WAIT_S``."""
         deadline = None
         while True:
-            flags = self.busy.tolist()
-            if not self.sent and any(flags[s] == 0 for s in self._outstanding):
+            free = self.free_slots()
+            if not self.sent and any(free[s] for s in self._outstanding):
                 self.sent = True
-            if 0 in flags:
-                slot = flags.index(0)
+            if True in free:
+                slot = free.index(True)
                 self._outstanding.add(slot)
                 return slot
             deadline = deadline or time.monotonic() + _WAIT_S
@@ -175,24 +195,70 @@ class _Ring:
             time.sleep(50e-6)
 
 
+def _free_slot(ring_id: str, slot: int, token: int, ring: Any) -> None:
+    """Main process: hand ``slot`` back by writing its ``token`` to ``freed`` (see the module docstring). Skipped
+    when the worker has packed the slot again since (a late drop): the old token would free nothing, but writing it
+    could overwrite the newer batch's own release."""
+    if ring is not None:
+        _register(ring_id, ring)  # the worker stops sending the ring once it sees a slot freed
+    entry = _RINGS.get(ring_id)
+    if entry is None:  # we never saw this ring, or its worker has exited: nothing waits for the slot
+        return
+    tokens = entry[1]
+    if int(tokens[0, slot]) == token:
+        tokens[1, slot] = token
+
+
+def _received_ring_batch(*fields: Any) -> RingBatch:
+    """Unpickling a :class:`RingBatch` (in the main process, or its pin-memory thread)."""
+    batch = RingBatch(*fields)
+    batch._owner = True
+    return batch
+
+
 class RingBatch:
-    """A batch in slot ``slot`` of ring ``ring_id`` (and the ring itself until the main process has it)."""
+    """A batch in slot ``slot`` of ring ``ring_id``, stamped ``token`` (and the ring itself until the main process
+    has it). The copy the main process receives owns the slot: it frees it once copied out, or when it is dropped
+    unread (see the module docstring); the worker's own copy never frees anything."""
 
-    __slots__ = ("kjt_context", "layout", "ring", "ring_id", "size", "slot")
+    __slots__ = ("_owner", "kjt_context", "layout", "ring", "ring_id", "size", "slot", "token")
 
-    def __init__(self, ring_id: str, slot: int, size: int, layout: Layout, kjt_context: tuple, ring: Any) -> None:
-        self.ring_id, self.slot, self.size, self.layout, self.kjt_context = ring_id, slot, size, layout, kjt_context
-        self.ring = ring
+    def __init__(
+        self, ring_id: str, slot: int, token: int, size: int, layout: Layout, kjt_context: tuple, ring: Any
+    ) -> None:
+        self.ring_id, self.slot, self.token, self.size = ring_id, slot, token, size
+        self.layout, self.kjt_context, self.ring = layout, kjt_context, ring
+        self._owner = False
+
+    def __reduce__(self) -> tuple[Any, tuple]:
+        fields = (self.ring_id, self.slot, self.token, self.size, self.layout, self.kjt_context, self.ring)
+        return _received_ring_batch, fields
 
     def copy_out(self) -> PackedBatch:
         """Main process: the slot's bytes in a buffer of our own, and the slot marked free."""
         if self.ring is not None:
             _register(self.ring_id, self.ring)
-        slots, busy, _ = _RINGS[self.ring_id]
+        slots, tokens, _ = _RINGS[self.ring_id]
+        if int(tokens[0, self.slot]) != self.token:
+            raise RuntimeError(
+                f"ring slot {self.slot} no longer holds this batch (token {self.token}, slot holds "
+                f"{int(tokens[0, self.slot])}): its worker packed it again (a new iteration began before this "
+                "batch of the last one was read)"
+            )
         buffer = torch.empty(max(self.size, 1), dtype=torch.uint8)
         buffer.copy_(slots[self.slot, : buffer.numel()])
-        busy[self.slot] = 0
+        self._release()
         return PackedBatch(buffer, self.layout, self.kjt_context)
+
+    def _release(self) -> None:
+        _free_slot(self.ring_id, self.slot, self.token, self.ring)
+        self._owner = False  # once only: the slot may be packed again right after
+
+    def __del__(self) -> None:
+        # Dropped unread (e.g. replayed by a resuming StatefulDataLoader): free the slot. (_RINGS is None only at
+        # interpreter exit, when module globals are cleared and no worker waits any more.)
+        if self._owner and _RINGS is not None:
+            self._release()
 
     def unpack(self) -> Batch:
         return self.copy_out().unpack()
@@ -225,6 +291,7 @@ class WorkerPacker:
         for tensor, (offset, dtype, shape) in zip(tensors, layout, strict=True):
             nbytes = tensor.numel() * tensor.element_size()
             region[offset : offset + nbytes].view(dtype).view(shape).copy_(tensor)
-        ring.busy[slot] = 1  # after the data: the main process reads the slot only once the batch arrives
-        payload = None if ring.sent else (ring.slots, ring.busy, os.getpid())
-        return RingBatch(ring.id, slot, size, layout, kjt_context, payload)
+        token = ring.next_token()
+        ring.tokens[0, slot] = token  # after the data: the main process reads the slot only once the batch arrives
+        payload = None if ring.sent else (ring.slots, ring.tokens, os.getpid())
+        return RingBatch(ring.id, slot, token, size, layout, kjt_context, payload)

@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -151,6 +152,20 @@ def test_batch_accessors(tmp_path: Path) -> None:
         batch.get_array("encoded")
     with pytest.raises(IndexError, match="index 4 is out of range for a batch of 4 items"):
         batch.get_additional("name", 4)
+
+
+def test_get_data_names_a_bad_index_and_the_batch_size(tmp_path: Path) -> None:
+    """get_data indexes like a list (negatives from the end) and refuses what get_additional refuses, naming both."""
+    batch = next(iter(GroupLoader(CountingLoader(), _group(tmp_path))))
+    assert batch.get_data(-1) == 3 and batch.get_data(np.int64(1)) == 1
+    for index in (4, -5):
+        with pytest.raises(IndexError, match=f"index {index} is out of range for a batch of 4 items"):
+            batch.get_data(index)
+    for index in (1.0, True, "1"):
+        with pytest.raises(TypeError, match=f"index must be an int, got index={index!r}"):
+            batch.get_data(index)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="index must be an int, got index='0'"):
+        batch.get_additional("name", "0")  # type: ignore[arg-type]
 
 
 def test_cache_errors(tmp_path: Path) -> None:

@@ -6,14 +6,14 @@ batches, state round trip with stateful and plain loaders, bad input)."""
 from __future__ import annotations
 
 import itertools
-from collections import Counter
+from collections import Counter, OrderedDict, defaultdict, namedtuple
 
 import pytest
 import torch
 
 from tritonrec.data.batch import Batch
 from tritonrec.data.loader import ShardedBatchDataset, make_rank_loader
-from tritonrec.data.multihost import MultiHostDataLoadIterator
+from tritonrec.data.multihost import MultiHostDataLoadIterator, dense_shapes, pad_batch
 from tritonrec.data.synthetic import SyntheticRecSource
 
 
@@ -152,6 +152,77 @@ def test_state_round_trip(kind: str) -> None:
     assert all(check(a, b) for a, b in zip(rest, again, strict=True))
 
 
+@pytest.mark.parametrize("kind", ["stateful", "plain"])
+def test_a_state_taken_after_an_epoch_ended_resumes_at_the_next_epoch(kind: str) -> None:
+    """A state saved after StopIteration (step == iterator_length) restores to "that epoch is over": the next iter()
+    starts the next epoch, as it would have on the saved iterator (not an empty epoch that shifts every later one)."""
+
+    def make() -> MultiHostDataLoadIterator:
+        loader = make_rank_loader(_source(), 6, num_passes=None) if kind == "stateful" else list(range(10))
+        return MultiHostDataLoadIterator(loader, iterator_length=3)
+
+    iterator = make()
+    for _ in range(2):
+        list(iterator)
+    state = iterator.get_state()
+    assert state["step"] == 3
+    uninterrupted = [list(iterator) for _ in range(2)]
+    restored = make()
+    restored.set_state(state)
+    resumed = [list(restored) for _ in range(2)]
+    assert [len(epoch) for epoch in resumed] == [3, 3]
+    check = same_batch if kind == "stateful" else (lambda a, b: a == b)
+    assert all(check(a, b) for x, y in zip(uninterrupted, resumed, strict=True) for a, b in zip(x, y, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("patch", "pattern"),
+    [
+        ({"step": -5}, r"state\['step'\] must be an int in \[0, iterator_length=3\], got state\['step'\]=-5"),
+        ({"step": 4}, r"state\['step'\] must be an int in \[0, iterator_length=3\], got state\['step'\]=4"),
+        ({"step": 1.7}, r"got state\['step'\]=1.7"),
+        ({"step": "2"}, r"got state\['step'\]='2'"),
+        ({"step": True}, r"got state\['step'\]=True"),
+        ({"loader": {"replay": -4}}, r"state\['loader'\]\['replay'\] must be an int >= 0, got .*=-4"),
+        ({"loader": {"replay": 2.9}}, r"state\['loader'\]\['replay'\] must be an int >= 0, got .*=2.9"),
+        ({"loader": {"replay": "x"}}, r"state\['loader'\]\['replay'\] must be an int >= 0, got .*='x'"),
+    ],
+)
+def test_set_state_refuses_a_bad_step_or_replay_count(patch: dict, pattern: str) -> None:
+    good = MultiHostDataLoadIterator(list(range(10)), iterator_length=3).get_state()
+    iterator = MultiHostDataLoadIterator(list(range(10)), iterator_length=3)
+    with pytest.raises(ValueError, match=pattern):
+        iterator.set_state({**good, **patch})
+    assert [list(iterator) for _ in range(2)] == [[0, 1, 2], [3, 4, 5]]  # a refused state changes nothing
+    endless = MultiHostDataLoadIterator(list(range(10)))  # no iterator_length: any step >= 0
+    endless.set_state({**endless.get_state(), "step": 99})
+    assert endless.step == 99
+
+
+def test_loader_state_from_another_num_workers_is_refused() -> None:
+    """torchdata fails only at the next iter(), with a bare AssertionError about a missing key."""
+
+    def loader(num_workers: int) -> object:
+        return make_rank_loader(_source(), 8, num_workers=num_workers, multiprocessing_context="fork")
+
+    states = {}
+    for num_workers in (0, 2):
+        stream = iter(source := loader(num_workers))
+        next(stream)
+        states[num_workers] = source.state_dict()
+    for saved, now in ((2, 0), (0, 2), (2, 1)):
+        with pytest.raises(ValueError, match=f"state_dict was taken with num_workers={saved}, but this loader has "
+                           f"num_workers={now}"):  # fmt: skip
+            loader(now).load_state_dict(states[saved])
+    with pytest.raises(ValueError, match="state_dict is not a StatefulDataLoader state_dict"):
+        loader(0).load_state_dict({"epoch": 1})
+    with pytest.raises(TypeError, match="state_dict must be a mapping from state_dict\\(\\), got list"):
+        loader(0).load_state_dict([])  # type: ignore[arg-type]
+    resumed = loader(2)
+    resumed.load_state_dict(states[2])  # the same num_workers: accepted
+    assert len(list(resumed)) == 13  # 2 workers: 7 + 7 batches of 8 from 101 rows, one already read
+
+
 def test_set_state_refuses_another_length_or_world_size() -> None:
     state = MultiHostDataLoadIterator(list(range(4)), iterator_length=2).get_state()
     with pytest.raises(ValueError, match="state was taken with iterator_length=2, but this iterator has "
@@ -162,6 +233,30 @@ def test_set_state_refuses_another_length_or_world_size() -> None:
         MultiHostDataLoadIterator(list(range(4)), iterator_length=2).set_state({**state, "world_size": 4})
     with pytest.raises(ValueError, match="state must be a get_state"):
         MultiHostDataLoadIterator(list(range(4))).set_state({"step": 1})
+
+
+Pair = namedtuple("Pair", "x y")
+
+
+def test_pad_batch_rebuilds_namedtuples_and_mappings_as_their_own_type() -> None:
+    """Containers are rebuilt as what they were: a namedtuple from its fields, a defaultdict with its factory."""
+    batch = {
+        "pair": Pair(torch.ones(2), torch.zeros(1, 2)),
+        "by_key": defaultdict(list, {"z": torch.ones(1)}),
+        "ordered": OrderedDict([("b", torch.ones(1)), ("a", (torch.ones(2),))]),
+        "plain": [torch.ones(1), 7],
+    }
+    targets = {path: tuple(n + 1 for n in shape) for path, shape in dense_shapes(batch)}
+    padded = pad_batch(batch, targets, -1)
+    assert type(padded["pair"]) is Pair and padded["pair"].x.tolist() == [1, 1, -1]
+    assert padded["pair"].y.shape == (2, 3)
+    assert type(padded["by_key"]) is defaultdict and padded["by_key"].default_factory is list
+    assert padded["by_key"]["z"].tolist() == [1, -1] and padded["by_key"]["new"] == []
+    assert type(padded["ordered"]) is OrderedDict and list(padded["ordered"]) == ["b", "a"]
+    assert padded["ordered"]["a"][0].tolist() == [1, 1, -1] and padded["plain"][1] == 7
+    assert list(batch["by_key"]) == ["z"] and batch["pair"].x.shape == (2,)  # the input is left as it was
+    one_rank = MultiHostDataLoadIterator([Pair(torch.ones(2), torch.ones(1))], pad_shapes=True)
+    assert [type(b) for b in one_rank] == [Pair]
 
 
 @pytest.mark.parametrize(

@@ -127,6 +127,21 @@ def test_shuffle_is_bounded_deterministic_and_resumable(kind: str, files: dict[s
         assert _keys(shuffled, position, epoch=1) == epoch1[position:]
 
 
+@pytest.mark.parametrize("shuffle_buffer", [0, 16, 1000])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_position_past_the_end_is_refused_with_or_without_shuffling(
+    kind: str, shuffle_buffer: int, files: dict[str, Path]
+) -> None:
+    """The same check in every mode, naming the caller's position: shuffled TSV used to yield nothing for a position
+    inside the last, partial block and to name the block-rounded position otherwise."""
+    source = _make(kind, files)(rank=1, world_size=2, shuffle_buffer=shuffle_buffer, shuffle_seed=3)
+    rows = len(_keys(source))
+    assert _keys(source, rows) == []  # the end itself is a valid (empty) position
+    for position in (rows + 1, rows + 3, rows + 17, 10 * rows):
+        with pytest.raises(ValueError, match=rf"position={position} is past the end of the (data|stream) \("):
+            _keys(source, position)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_chunk_collation_equals_element_collation(kind: str, files: dict[str, Path]) -> None:
     source = _make(kind, files)(rank=0, world_size=2, shuffle_buffer=8)

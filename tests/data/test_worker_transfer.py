@@ -1,9 +1,12 @@
 """Worker batches through shared-memory rings: a packed batch unpacks to the same tensors (every field, odd shapes,
 empty bags), the ring travels with batches only until the main process has freed a slot, a full ring or an oversize
-batch falls back to a buffer of its own, a new iteration reclaims every slot, and loaders with workers give the
-same batches as without, epoch after epoch, also when an epoch is left early."""
+batch falls back to a buffer of its own, a new iteration reclaims every slot, a batch the main process drops unread
+frees its slot (a resumed loader's replayed batches), and loaders with workers give the same batches as without,
+epoch after epoch, also when an epoch is left early."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -69,6 +72,83 @@ def test_a_full_ring_or_an_oversize_batch_falls_back_and_a_new_iteration_reclaim
     again = packer.pack(_batch(6, 12))
     assert isinstance(again, wt.RingBatch) and again.ring is not None  # no slot was ever freed by the main process
     _same(again.unpack(), _batch(6, 12))
+
+
+def _received(sent: wt.RingBatch) -> wt.RingBatch:
+    """The main process's copy of a RingBatch the worker sent (what unpickling it gives, sharing the ring)."""
+    rebuild, fields = sent.__reduce__()
+    return rebuild(*fields)
+
+
+def test_a_received_batch_dropped_unread_frees_its_slot_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The main process's copy frees its slot when dropped unread (as torchdata drops the batches it replays on
+    resume); the worker's own copy never does; a batch of a finished iteration dropped late frees nothing the
+    worker packed since, and reading it raises instead of returning the newer batch's bytes."""
+    monkeypatch.setattr(wt, "_RINGS", {})
+    packer = wt.WorkerPacker()
+    sent = packer.pack(_batch(5, 0))
+    received = _received(sent)
+    ring, slot = packer.ring, sent.slot
+    del sent  # the worker drops its copy once it is on the queue
+    assert not ring.free_slots()[slot]
+    del received
+    assert ring.free_slots()[slot] and ring.id in wt._RINGS  # freed, and the ring it carried is kept
+    stale = _received(packer.pack(_batch(5, 1)))
+    packer.new_iteration()  # the worker reclaims every slot ...
+    again = packer.pack(_batch(5, 2))  # ... and packs the same slot again
+    assert again.slot == stale.slot and not ring.free_slots()[again.slot]
+    with pytest.raises(RuntimeError, match=f"ring slot {stale.slot} no longer holds this batch"):
+        stale.unpack()
+    del stale  # a drop after the slot was packed again must not free it under the new batch
+    assert not ring.free_slots()[again.slot]
+    _same(_received(again).unpack(), _batch(5, 2))
+    assert ring.free_slots()[again.slot]
+
+
+def test_a_late_release_of_an_old_batch_cannot_undo_a_newer_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The main process writes only its own tokens and the worker only its own, so the interleaving that a
+    check-then-clear scheme loses (an old batch's release landing after the worker re-packed the slot) leaves the
+    newer batch's slot busy until that batch is read."""
+    monkeypatch.setattr(wt, "_RINGS", {})
+    packer = wt.WorkerPacker()
+    old = _received(packer.pack(_batch(5, 0)))
+    ring, slot = packer.ring, old.slot
+    wt._register(ring.id, (ring.slots, ring.tokens, 0))
+    packer.new_iteration()
+    new = _received(packer.pack(_batch(5, 1)))
+    assert new.slot == slot
+    ring.tokens[1, slot] = old.token  # the old batch's release, as if its check had passed just before the re-pack
+    assert not ring.free_slots()[slot]  # the newer batch still holds the slot
+    _same(new.unpack(), _batch(5, 1))
+    assert ring.free_slots()[slot]
+    old._owner = False  # its release already "happened" above
+
+
+def test_a_resumed_loader_frees_the_slots_of_the_batches_it_replays(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchdata restores a loader with workers from its last worker snapshot (every 16 batches by default) and
+    replays the batches since, dropping them: their slots must come free, or every later batch waits _WAIT_S for a
+    slot and travels as a standalone buffer (the ring's whole point lost until the next iteration, which an endless
+    stream never starts)."""
+    monkeypatch.setattr(wt, "_WAIT_S", 0.02)  # the forked workers inherit it: a full ring shows in milliseconds
+
+    def loader() -> object:
+        source = SyntheticRecSource([50], num_dense=2, num_samples=400, chunk_size=8, seed=5)
+        return make_rank_loader(source, 4, num_workers=2, num_passes=None, multiprocessing_context="fork")
+
+    original = loader()
+    stream = iter(original)
+    for _ in range(14):  # 14 batches past the snapshot: 7 replayed per worker, more than its 4 slots
+        next(stream)
+    state = original.state_dict()
+    expected = [next(stream) for _ in range(20)]
+    del stream, original
+    resumed = loader()
+    resumed.load_state_dict(state)
+    before = wt.standalone_batches
+    again = list(itertools.islice(iter(resumed), 20))
+    assert wt.standalone_batches == before  # every batch after the resume came through a ring slot
+    for a, b in zip(expected, again, strict=True):
+        _same(a, b)
 
 
 def test_loaders_with_workers_give_torchs_own_transfer_batches_every_epoch() -> None:

@@ -1,5 +1,6 @@
 """Rank-side cases of the data-across-ranks tests (test_multihost_loader.py reads their results): every source's
-epoch split over the ranks, ranks with uneven data ending together, pad_shapes, and exact resume through
+epoch split over the ranks, ranks with uneven data ending together, pad_shapes (and its refusal of batch sizes that
+differ, on every rank), and exact resume through
 MultiHostDataLoadIterator with 0 and 2 loader workers. Functions return plain Python values.
 
 Each rank writes the same small Criteo files (seeded) into its own temporary directory, so no rank waits on another
@@ -17,7 +18,7 @@ import contextlib
 import gzip
 import multiprocessing
 import tempfile
-from collections import Counter
+from collections import Counter, defaultdict, namedtuple
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from tritonrec.data.synthetic import SyntheticRecSource
 HASH = 10**6
 BATCH = 8
 _FORK = "fork"  # a spawned rank defaults to spawning its workers, each importing torch again (seconds, not ms)
+Pair = namedtuple("Pair", "x y")
 
 
 def _write_files(root: Path) -> None:
@@ -121,13 +123,35 @@ def pad_shapes_case(rank: int, world: int) -> dict[str, Any]:
     same_kjt = KeyedJaggedTensor(["f"], torch.arange(4), lengths=torch.ones(4, dtype=torch.int32))
     same_b = Batch(torch.ones(4, 2), same_kjt, torch.zeros(4), torch.ones(4, dtype=torch.bool))
     kept = next(iter(MultiHostDataLoadIterator([same_b], pad_shapes=True)))
+    pair = Pair(torch.zeros(rank + 1), torch.ones(2))
+    by_key = defaultdict(list, {"x": torch.zeros(rank + 1)})
+    pair_out = next(iter(MultiHostDataLoadIterator([pair], pad_shapes=True)))
+    by_key_out = next(iter(MultiHostDataLoadIterator([by_key], pad_shapes=True)))
     return {
         "shapes": [tuple(x.shape), tuple(seq.shape)],
         "padded_with_value": bool((x[rank + 1 :] == -1).all()) and bool((seq[:, rank + 2 :] == -1).all()),
         "data_kept": bool((x[: rank + 1] == rank).all()) and bool((seq[:, : rank + 2] == 1).all()),
         "kjt_unchanged": out[0]["kjt"] is kjt,
         "equal_batches_untouched": kept.dense_features is same_b.dense_features,
+        "namedtuple_padded": type(pair_out) is Pair and tuple(pair_out.x.shape) == (world,),
+        "defaultdict_padded": type(by_key_out) is defaultdict
+        and by_key_out.default_factory is list
+        and tuple(by_key_out["x"].shape) == (world,),
     }
+
+
+def pad_batch_sizes_case(rank: int, world: int) -> str:
+    """Batches whose batch sizes differ across ranks: every rank must raise the same error at the same step (a
+    rank that went on would wait in its next collective). One next() only, so that a rank which does not raise
+    leaves no collective unmatched and the suite's later cases still run."""
+    rows = rank + 1
+    kjt = KeyedJaggedTensor(["f"], torch.arange(rows), lengths=torch.ones(rows, dtype=torch.int32))
+    batch = Batch(torch.ones(rows, 2), kjt, torch.zeros(rows), torch.ones(rows, dtype=torch.bool))
+    try:
+        next(iter(MultiHostDataLoadIterator([batch, batch], pad_shapes=True)))
+    except ValueError as error:
+        return f"ValueError: {error}"
+    return "returned a batch"
 
 
 def _next_steps(iterator: MultiHostDataLoadIterator, count: int) -> list[Batch]:
@@ -189,6 +213,7 @@ def run_loader_cases(rank: int, world: int) -> dict[str, Any]:
         results = union_cases(rank, world, root)
         results["uneven_end"] = uneven_end_case(rank, world, root)
         results["pad_shapes"] = pad_shapes_case(rank, world)
+        results["pad_batch_sizes"] = pad_batch_sizes_case(rank, world)
         for num_workers in (0, 2):
             results[f"resume/workers{num_workers}"] = resume_case(rank, world, root, num_workers)
     return results

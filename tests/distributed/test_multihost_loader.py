@@ -1,6 +1,7 @@
 """Data across ranks on real gloo ranks (2 and 4): each source's epoch split over the ranks is the dataset with no
 duplicates (also with 2 loader workers per rank), ranks with uneven data end at the same step, pad_shapes equalises
-dense shapes and passes KJTs through, and resuming after k steps gives the next 10 batches bit-equal on every rank
+dense shapes (in namedtuples and defaultdicts too), passes KJTs through and refuses batch sizes that differ on every
+rank, and resuming after k steps gives the next 10 batches bit-equal on every rank
 with 0 and 2 loader workers. Rank-side code: loader_cases.py (run in the folder's shared spawn, spawned.py)."""
 
 from __future__ import annotations
@@ -37,6 +38,17 @@ def test_pad_shapes_equalises_dense_shapes(world: int) -> None:
         checks = results["pad_shapes"]
         assert checks["shapes"] == [(world, 3), (2, world + 1)], f"rank {rank}: {checks['shapes']}"
         assert all(v for k, v in checks.items() if k != "shapes"), f"rank {rank}: {checks}"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_pad_shapes_refuses_batch_sizes_that_differ_on_every_rank(world: int) -> None:
+    """Every rank raises the same error at the same step; before, only the smaller ranks did, and the others hung
+    in their next collective."""
+    outcomes = [results["pad_batch_sizes"] for results in suite_results("loader", world)]
+    sizes = list(range(1, world + 1))
+    assert outcomes == [outcomes[0]] * world, outcomes
+    assert outcomes[0].startswith(f"ValueError: pad_shapes: batch has batch sizes {sizes} on ranks 0..{world - 1}")
+    assert "give every rank the same batch_size" in outcomes[0]
 
 
 @pytest.mark.parametrize("world", WORLDS)
