@@ -124,7 +124,7 @@ class StepRunner:
         self._seen_pipelined: list[str] = []
         self._pipeline: Any
         if kind == "base":
-            self._pipeline = TrainPipelineBase(model, optimizer, device, host_prefetch)
+            self._pipeline = TrainPipelineBase(model, optimizer, device, host_prefetch=host_prefetch)
         elif kind == "sparse_dist":
             self._pipeline = TrainPipelineSparseDist(model, optimizer, device, host_prefetch=host_prefetch)
         elif kind == "staged":

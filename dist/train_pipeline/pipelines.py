@@ -9,7 +9,10 @@ training step on the next batch and raises ``StopIteration`` when the data is ov
   produced ahead by a background thread (``host_prefetch``).
 * :class:`EvalPipelineSparseDist`: the same overlap for forward-only passes (no backward, no optimizer).
 
-The model is called as ``losses, output = model(batch)`` (``DLRMTrain``'s contract); ``progress`` returns ``output``.
+The model is called as ``losses, output = model(batch)`` (``DLRMTrain``'s contract), or ``custom_model_fwd(batch)``
+when given; ``progress`` returns ``output``. The constructors take torchrec's arguments in torchrec's order
+(``apply_jit`` and ``pipeline_postproc`` only at False); tritonrec's own (``host_prefetch``, ``group``) are
+keyword-only after them.
 The order of every operation that changes weights is the base pipeline's, so pipelined training equals base
 training bit for bit. Every step the ranks agree on whether each has a batch and whether any failed
 (:mod:`.agreement`): they stop at the same step and fail together instead of hanging.
@@ -28,9 +31,10 @@ Example (every rank)::
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -39,6 +43,14 @@ from torch import nn
 
 from tritonrec.dist.record import record
 from tritonrec.dist.train_pipeline.agreement import StepAgreement, renew_input_dist_groups
+from tritonrec.dist.train_pipeline.checks import (
+    check_bool,
+    check_context_type,
+    check_model_fwd,
+    check_parts,
+    check_unsupported,
+    split_model_output,
+)
 from tritonrec.dist.train_pipeline.fetch import NEXT_BATCH, BatchFetcher, PendingBatch
 from tritonrec.dist.train_pipeline.tracing import PipelinedModules, TrainPipelineContext, rewrite_model
 from tritonrec.dist.train_pipeline.utils import new_stream, stream_context, to_device, wait_for_batch
@@ -51,20 +63,11 @@ In = TypeVar("In")
 Out = TypeVar("Out")
 
 
-def _check_parts(model: object, optimizer: object, device: object, optimizer_required: bool = True) -> torch.device:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if optimizer_required and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if not isinstance(device, (torch.device, str)):
-        raise TypeError(f"device must be a torch.device, got {type(device).__name__}")
-    return torch.device(device)
-
-
-def _check_bool(value: object, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {name}={value!r}")
-    return value
+def _forward(model: nn.Module, custom_model_fwd: Callable[[Any], Any] | None, batch: Any, training: bool) -> Any:
+    """``(losses, output)`` of ``custom_model_fwd(batch)`` or else ``model(batch)``, checked against the contract."""
+    if custom_model_fwd is None:
+        return split_model_output(model(batch), "model(batch)", training)
+    return split_model_output(custom_model_fwd(batch), "custom_model_fwd(batch)", training)
 
 
 def backward(losses: torch.Tensor) -> None:
@@ -90,8 +93,10 @@ class TrainPipelineBase(TrainPipeline[In, Out]):
         model: called as ``losses, output = model(batch)``.
         optimizer: stepped after each backward (``zero_grad`` before each forward).
         device: where batches are copied and the model runs.
-        host_prefetch: host batches a background thread reads ahead (0: none).
-        group: the ranks that agree on each step (default: the world).
+        custom_model_fwd: called as ``losses, output = custom_model_fwd(batch)`` instead of the model (torchrec's
+            argument); it runs the model itself.
+        host_prefetch: host batches a background thread reads ahead (0: none; keyword-only).
+        group: the ranks that agree on each step (default: the world; keyword-only).
     """
 
     def __init__(
@@ -99,12 +104,15 @@ class TrainPipelineBase(TrainPipeline[In, Out]):
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         device: torch.device,
+        custom_model_fwd: Callable[[Any], tuple[torch.Tensor, Any]] | None = None,
+        *,
         host_prefetch: int = 0,
         group: dist.ProcessGroup | None = None,
     ) -> None:
-        self._device = _check_parts(model, optimizer, device)
+        self._device = check_parts(model, optimizer, device)
         self._model = model
         self._optimizer = optimizer
+        self._custom_model_fwd = check_model_fwd(custom_model_fwd)
         self._memcpy_stream = new_stream(self._device)
         self._fetcher = BatchFetcher(StepAgreement(group, [NEXT_BATCH]), host_prefetch)
         self._cur_batch: Any = None
@@ -126,9 +134,10 @@ class TrainPipelineBase(TrainPipeline[In, Out]):
         if self._model.training:
             self._optimizer.zero_grad()
         wait_for_batch(cur_batch, self._memcpy_stream)
+        training = self._model.training
         with record("## forward ##"):
-            losses, output = self._model(cur_batch)
-        if self._model.training:
+            losses, output = _forward(self._model, self._custom_model_fwd, cur_batch, training)
+        if training:
             backward(losses)
         self._cur_batch = None if next_batch is None else self._copy(next_batch)
         if self._model.training:
@@ -149,11 +158,19 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
     """Three overlapping stages: copy of batch ``i+2``, sparse input dist of batch ``i+1``, forward/backward and
     optimizer step of batch ``i`` (see the module docstring).
 
-    Args:
+    Args (torchrec's, in its order):
         model: called as ``losses, output = model(batch)``; traced with torch.fx (sharded modules as leaves).
         optimizer: stepped after each backward.
         device: where batches are copied and the model runs.
-        execute_all_batches: at the end of the data, train the batches still in the pipeline (True) or stop at once.
+        execute_all_batches: at the end of the data, train the batches still in the pipeline (True), or raise
+            ``StopIteration`` before training them (False: the 2 batches in flight stay queued, so a new iterator
+            trains them first).
+        apply_jit: False (TorchScript of the dense modules is not implemented: True raises NotImplementedError).
+        context_type: the per-batch context class (a :class:`TrainPipelineContext` subclass).
+        pipeline_postproc: False (postproc modules are not pipelined: True raises NotImplementedError).
+        custom_model_fwd: called as ``losses, output = custom_model_fwd(batch)`` instead of the model; it must run
+            the model (whose sharded modules consume the prefetched input dists, as with ``model(batch)``).
+    Keyword-only (tritonrec's):
         host_prefetch: host batches a background thread reads ahead (default 2; 0: none).
         group: the ranks that agree on each step (default: the world).
 
@@ -167,13 +184,21 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         optimizer: torch.optim.Optimizer | None,
         device: torch.device,
         execute_all_batches: bool = True,
+        apply_jit: bool = False,
+        context_type: type[TrainPipelineContext] = TrainPipelineContext,
+        pipeline_postproc: bool = False,
+        custom_model_fwd: Callable[[Any], tuple[torch.Tensor, Any]] | None = None,
+        *,
         host_prefetch: int = 2,
         group: dist.ProcessGroup | None = None,
     ) -> None:
-        self._device = _check_parts(model, optimizer, device, optimizer_required=self._trains)
+        self._device = check_parts(model, optimizer, device, optimizer_required=self._trains)
         self._model = model
         self._optimizer = optimizer
-        self._execute_all_batches = _check_bool(execute_all_batches, "execute_all_batches")
+        self._execute_all_batches = check_bool(execute_all_batches, "execute_all_batches")
+        check_unsupported(apply_jit=apply_jit, pipeline_postproc=pipeline_postproc)
+        self._context_type = check_context_type(context_type)
+        self._custom_model_fwd = check_model_fwd(custom_model_fwd)
         self._memcpy_stream = new_stream(self._device)
         self._data_dist_stream = new_stream(self._device)
         self._fetcher = BatchFetcher(StepAgreement(group, [NEXT_BATCH, START_SPARSE_DATA_DIST]), host_prefetch)
@@ -192,9 +217,26 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
     def pipelined_modules(self) -> list[str]:
         return list(self._pipelined.forwards) if self._pipelined is not None else []
 
+    @property
+    def defers_agreement(self) -> bool:
+        """Whether the ranks' agreement on a step is read after its forward instead of before (see :meth:`progress`):
+        only when a failed launch ahead cannot mispair the forward's collectives, and when the agreement cannot
+        stop the step (with ``execute_all_batches=False`` the end of the data stops it before its forward)."""
+        return self._execute_all_batches and self._pipelined is not None and self._pipelined.can_defer_agreement
+
+    def _rewrite(self, context: TrainPipelineContext) -> None:
+        self._pipelined, self.fallback_reason = rewrite_model(self._model, context, self._data_dist_stream)
+        if self._pipelined.unpipelined and self._pipelined.input_dists_on_own_groups:
+            logger.info(
+                "train pipeline: the ranks agree before each forward, as sharded module(s) %s run their own input "
+                "dist in it (on the input-dist group a failed launch ahead would leave unpaired)",
+                self._pipelined.unpipelined,
+            )
+
     def _init_pipelined_modules(self, context: TrainPipelineContext) -> None:
         if self._pipelined is None:
-            self._pipelined, self.fallback_reason = rewrite_model(self._model, context, self._data_dist_stream)
+            self._rewrite(context)
+        assert self._pipelined is not None
         self._pipelined.set_context(context)
 
     def detach(self) -> nn.Module:
@@ -205,17 +247,26 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         self._model_attached = False
         return self._model
 
-    def attach(self, model: nn.Module | None = None) -> None:
-        """Pipeline ``model`` (or the detached one) again; the batch next in line gets its input dist now if it has
-        none in flight (every rank must attach at the same step)."""
+    def attach(self, model: nn.Module | None = None, sparse_dist: bool = True) -> None:
+        """Pipeline ``model`` (or the detached one) again (torchrec's signature).
+
+        ``sparse_dist=True``: the batch next in line gets its input dist now if it has none in flight (every rank
+        must attach at the same step). False: only the forwards are swapped again; the batch's input dist must still
+        be in flight from before :meth:`detach` (else its forward raises that it has none)."""
+        if model is not None and not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
+        check_bool(sparse_dist, "sparse_dist")
+        if self._pipelined is not None:  # attached already: swap back first, so the originals stay the model's own
+            self._pipelined.detach()
+            self._pipelined = None
         if model is not None:
             self._model = model
         self._model_attached = True
         if not self.contexts:
             return  # the next fill traces the model
-        self._pipelined, self.fallback_reason = rewrite_model(self._model, self.contexts[0], self._data_dist_stream)
         first = self.contexts[0]
-        if not first.input_dist_tensors_requests and not first.input_dist_splits_requests:
+        self._rewrite(first)
+        if sparse_dist and not first.input_dist_started:
             self._start_sparse_data_dist(self.batches[0], first)
             self._wait_sparse_data_dist(first)
 
@@ -240,7 +291,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
                 raise StopIteration
             return False
         self.batches.append(batch)
-        self.contexts.append(TrainPipelineContext(index=self._next_index))
+        self.contexts.append(self._context_type(index=self._next_index))
         self._next_index += 1
         return True
 
@@ -295,27 +346,28 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         wait_for_batch(self.batches[0], self._memcpy_stream)
         wait_for_batch(self.batches[0], self._data_dist_stream)
         error = None
-        if len(self.batches) >= 2:
+        # a call that raised StopIteration (execute_all_batches=False) launched the next batch's input dist already:
+        # launching it again would run a second input dist for the batch and drop the first one's awaitables
+        if len(self.batches) >= 2 and not self.contexts[1].input_dist_started:
             try:
                 self._start_sparse_data_dist(self.batches[1], self.contexts[1])
             except Exception as failure:  # reported to every rank by the agreement inside _enqueue_batch
                 error = failure
-        # When every pipelined module's input dists run on a group of their own (side_groups), the ranks' agreement
-        # on this step (the batch after next, the failures so far) runs during the forward: a rank whose input dist
-        # for the next batch failed cannot mispair the forward's collectives, and everyone learns of the failure
-        # before waiting on that input dist. Otherwise the ranks agree before the forward.
-        deferred = self._pipelined is not None and self._pipelined.input_dists_on_own_groups
+        # When no collective of the forward can use the groups a failed launch leaves unpaired (defers_agreement),
+        # the ranks' agreement on this step (the batch after next, the failures so far) runs during the forward:
+        # everyone learns of a failure before waiting on the next batch's input dist. Otherwise the ranks agree
+        # before the forward: a sharded module running its own input dist in the forward shares the input-dist
+        # group with the launch ahead, and an end of data that stops the step must stop it before its forward.
+        deferred = self.defers_agreement
         pending = self._start_enqueue(dataloader_iter, error)
         if not deferred:
             self._finish_enqueue(pending)
-        with record(f"## forward {self.contexts[0].index} ##"):
-            if training:
-                losses, output = self._model(self.batches[0])
-            else:
-                with torch.no_grad():
-                    losses, output = self._model(self.batches[0])
+        grad_mode = contextlib.nullcontext() if training else torch.no_grad()
+        with record(f"## forward {self.contexts[0].index} ##"), grad_mode:
+            result = self._model_fwd(self.batches[0])
         if deferred:
             self._finish_enqueue(pending)
+        losses, output = split_model_output(result, self._fwd_name, training)
         if len(self.batches) >= 2:
             self._wait_sparse_data_dist(self.contexts[1])
         if training:
@@ -324,6 +376,13 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
                 self._optimizer.step()  # type: ignore[union-attr]
         self._dequeue_batch()
         return output
+
+    def _model_fwd(self, batch: Any) -> Any:
+        return self._model(batch) if self._custom_model_fwd is None else self._custom_model_fwd(batch)
+
+    @property
+    def _fwd_name(self) -> str:
+        return "model(batch)" if self._custom_model_fwd is None else "custom_model_fwd(batch)"
 
     def reset(self) -> None:
         """Drop the in-flight batches and the iterator (the model stays pipelined)."""
@@ -338,8 +397,8 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
 class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     """:class:`TrainPipelineSparseDist` for evaluation: forward only (under ``torch.no_grad``), every batch run.
 
-    Args:
-        model, device, host_prefetch, group: as :class:`TrainPipelineSparseDist`.
+    Args (torchrec's order; ``host_prefetch`` and ``group`` keyword-only):
+        model, device, apply_jit, pipeline_postproc, host_prefetch, group: as :class:`TrainPipelineSparseDist`.
         optimizer: accepted for torchrec's signature and ignored (may be None).
     """
 
@@ -350,10 +409,22 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None,
         device: torch.device,
+        apply_jit: bool = False,
+        pipeline_postproc: bool = False,
+        *,
         host_prefetch: int = 2,
         group: dist.ProcessGroup | None = None,
     ) -> None:
-        super().__init__(model, optimizer, device, True, host_prefetch, group)
+        super().__init__(
+            model,
+            optimizer,
+            device,
+            execute_all_batches=True,
+            apply_jit=apply_jit,
+            pipeline_postproc=pipeline_postproc,
+            host_prefetch=host_prefetch,
+            group=group,
+        )
 
 
 __all__ = ["EvalPipelineSparseDist", "TrainPipeline", "TrainPipelineBase", "TrainPipelineSparseDist", "backward"]

@@ -12,8 +12,7 @@ Example (every rank; the input-dist stage last, as the model's forward consumes 
     sdd = SparseDataDistUtil(model, data_dist_stream=None)      # CUDA: torch.cuda.Stream()
     pipeline = StagedTrainPipeline([
         PipelineStage("data_copy", lambda batch: batch.to(device, non_blocking=True)),
-        PipelineStage("start_sparse_data_dist", sdd.start_sparse_data_dist, sdd.data_dist_stream,
-                      fill_callback=sdd.wait_sdd_fill_callback),
+        sdd.start_sparse_data_dist_stage(),    # runnable, stream, fill and data-exhausted callbacks
     ])
     while (batch := pipeline.progress(batches)) is not None:
         optimizer.zero_grad()
@@ -45,6 +44,7 @@ from torch import nn
 
 from tritonrec.dist.record import record
 from tritonrec.dist.train_pipeline.agreement import Status, StepAgreement, renew_input_dist_groups
+from tritonrec.dist.train_pipeline.checks import check_unsupported
 from tritonrec.dist.train_pipeline.fetch import NEXT_BATCH, BatchFetcher
 from tritonrec.dist.train_pipeline.pipelines import TrainPipeline
 from tritonrec.dist.train_pipeline.tracing import PipelinedModules, TrainPipelineContext, rewrite_model
@@ -253,16 +253,32 @@ class SparseDataDistUtil:
     model's forward (swapped on its sharded modules) consumes them, and a forward hook then finishes the next
     batch's split-size round so its tensors travel during the backward.
 
-    Args:
+    Args (torchrec's, in its order):
         model: the model the caller runs (DMP / DDP wrappers are looked through when tracing).
         data_dist_stream: CUDA stream of the input dist (None on the CPU).
+        apply_jit, pipeline_postproc: False (not implemented: True raises NotImplementedError).
+        prefetch_stream, embedding_lookup_stream: None (prefetch and embedding-lookup stages are not implemented).
     """
 
-    def __init__(self, model: nn.Module, data_dist_stream: torch.cuda.Stream | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        data_dist_stream: torch.cuda.Stream | None = None,
+        apply_jit: bool = False,
+        prefetch_stream: torch.cuda.Stream | None = None,
+        pipeline_postproc: bool = False,
+        embedding_lookup_stream: torch.cuda.Stream | None = None,
+    ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        check_unsupported(apply_jit=apply_jit, pipeline_postproc=pipeline_postproc)
+        streams = {"prefetch_stream": prefetch_stream, "embedding_lookup_stream": embedding_lookup_stream}
+        for name, stream in streams.items():
+            if stream is not None:
+                raise NotImplementedError(f"{name} is not supported (no such stage here); got {name}={stream!r}")
         self.model = model
         self.data_dist_stream = data_dist_stream
+        self.data_exhausted = False  # set by data_exhausted_callback, cleared by the next batch's input dist
         self._waiting: deque[TrainPipelineContext] = deque()  # split sizes in flight
         self._ready: deque[TrainPipelineContext] = deque()  # tensors in flight, next forward consumes [0]
         self._next_index = 0
@@ -282,6 +298,7 @@ class SparseDataDistUtil:
         """Stage runnable: launch ``batch``'s input dists; returns ``batch``."""
         context = TrainPipelineContext(index=self._next_index)
         self._next_index += 1
+        self.data_exhausted = False
         if self._pipelined is None:
             self._initialize(context)
         assert self._pipelined is not None
@@ -306,6 +323,29 @@ class SparseDataDistUtil:
     def wait_sdd_fill_callback(self) -> None:
         """Fill callback of the input-dist stage (the model has not run yet, so no forward hook does it)."""
         self.wait_sparse_data_dist()
+
+    def data_exhausted_callback(self) -> None:
+        """Data-exhausted callback of the input-dist stage (torchrec's; StagedTrainPipeline calls it when the stage
+        gets no batch: the data is over, or a flush empties the pipeline): no batch's input dist starts any more and
+        the pipeline drains, the forwards of the batches still in flight consuming the input dists already started
+        (each forward hook finishes the next one's split round while there is one). ``data_exhausted`` reads True
+        until a batch (of a new iterator, or after the flush) starts again."""
+        self.data_exhausted = True
+
+    def start_sparse_data_dist_stage(
+        self, name: str = "start_sparse_data_dist", runnable: Callable[[Any], Any] | None = None
+    ) -> PipelineStage:
+        """The input-dist :class:`PipelineStage` (torchrec's helper): ``runnable`` (default
+        :meth:`start_sparse_data_dist`) on ``data_dist_stream``, with the fill and data-exhausted callbacks."""
+        if runnable is not None and not callable(runnable):
+            raise TypeError(f"runnable must be callable or None, got runnable={runnable!r}")
+        return PipelineStage(
+            name=name,
+            runnable=runnable or self.start_sparse_data_dist,
+            stream=self.data_dist_stream,
+            fill_callback=self.wait_sdd_fill_callback,
+            data_exhausted_callback=self.data_exhausted_callback,
+        )
 
     def _after_forward(self, module: nn.Module, input: Any, output: Any) -> None:
         if self._ready:

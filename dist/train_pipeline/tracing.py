@@ -43,6 +43,11 @@ class TrainPipelineContext:
     input_dist_tensors_requests: dict[str, Awaitable[Any]] = field(default_factory=dict)
     module_contexts: dict[str, Multistreamable] = field(default_factory=dict)
 
+    @property
+    def input_dist_started(self) -> bool:
+        """Some input dist of this batch is in flight (launched, not yet consumed by the forward)."""
+        return bool(self.input_dist_splits_requests or self.input_dist_tensors_requests)
+
 
 # ------------------------------------------------------------------------------------------------ argument paths
 @dataclass(frozen=True)
@@ -127,10 +132,23 @@ class TracedInputs:
     trace_error: str | None = None
 
 
+def top_level_sharded_modules(model: nn.Module) -> dict[str, ShardedModule]:
+    """The sharded modules of ``model`` (wrappers looked through) that no other sharded module holds, by name.
+
+    A sharded module inside another one (the sharded EBC of a feature-processed one) gets its input from its
+    parent, not from the model's forward, so it is neither pipelined nor calls an input dist of its own there."""
+    found: dict[str, ShardedModule] = {}
+    for name, module in unwrap_model(model).named_modules():
+        nested = any(parent == "" or name.startswith(f"{parent}.") for parent in found)
+        if isinstance(module, ShardedModule) and not nested:
+            found[name] = module
+    return found
+
+
 def trace_sharded_inputs(model: nn.Module) -> TracedInputs:
     """Trace ``model`` (wrappers looked through) and find how each sharded module's inputs derive from the batch."""
     root = unwrap_model(model)
-    sharded = {name: m for name, m in root.named_modules() if isinstance(m, ShardedModule)}
+    sharded = top_level_sharded_modules(root)
     tracer = _ShardedLeafTracer()
     trace_error = None
     try:
@@ -212,10 +230,12 @@ class PipelinedForward:
 
 @dataclass
 class PipelinedModules:
-    """The modules whose forward was swapped, with their original forwards (restored by :meth:`detach`)."""
+    """The modules whose forward was swapped, with their original forwards (restored by :meth:`detach`), and the
+    model's other top-level sharded modules (``unpipelined``: they run their own input dist inside the forward)."""
 
     forwards: dict[str, PipelinedForward]
     originals: dict[str, Callable[..., Any] | None]
+    unpipelined: list[str] = field(default_factory=list)
 
     def set_context(self, context: TrainPipelineContext) -> None:
         for forward in self.forwards.values():
@@ -225,6 +245,17 @@ class PipelinedModules:
     def input_dists_on_own_groups(self) -> bool:
         """Every pipelined module's input dists run on a group of their own (``input_dist_on_own_group``)."""
         return bool(self.forwards) and all(f.module.input_dist_on_own_group for f in self.forwards.values())
+
+    @property
+    def can_defer_agreement(self) -> bool:
+        """Whether the ranks may agree on a step during its forward: true only when no collective of the forward
+        can use the groups an input dist launched ahead (and missing on a failed rank) leaves unpaired.
+
+        The pipelined modules' input dists must run on groups of their own, and no other sharded module may run
+        an input dist in the forward: every sharding of a process group shares that group's one input-dist side
+        group (:mod:`tritonrec.dist.side_groups`), so an unpipelined module's input dist would pair with the
+        launch ahead that the failed rank lacks (gloo aborts on the size mismatch, or the other rank hangs)."""
+        return self.input_dists_on_own_groups and not self.unpipelined
 
     def start_input_dist(self, batch: Any, context: TrainPipelineContext, stream: torch.cuda.Stream | None) -> None:
         """Launch every pipelined module's input dist for ``batch`` (first round: split sizes)."""
@@ -269,6 +300,7 @@ def rewrite_model(
         module.forward = forward  # type: ignore[method-assign]
         module.is_pipelined = True
         forwards[name] = forward
+    unpipelined = list(traced.reasons)  # every other top-level sharded module
     fallback = None
     if not forwards:
         if traced.reasons:
@@ -278,7 +310,7 @@ def rewrite_model(
         else:
             fallback = "the model has no sharded module"
         logger.warning("train pipeline falls back to the model's own forward: %s", fallback)
-    return PipelinedModules(forwards, originals), fallback
+    return PipelinedModules(forwards, originals, unpipelined), fallback
 
 
 __all__ = [
@@ -289,6 +321,7 @@ __all__ = [
     "TracedInputs",
     "TrainPipelineContext",
     "rewrite_model",
+    "top_level_sharded_modules",
     "trace_sharded_inputs",
     "unwrap_model",
 ]

@@ -74,6 +74,67 @@ def build_model(kind: str, world: int) -> tuple[torch.nn.Module, torch.optim.Opt
     return dmp, torch.optim.Adagrad(dense, lr=0.05), sharded
 
 
+class TwoCollections(torch.nn.Module):
+    """Two EBCs: ``ebc1`` fed ``batch.sparse_features`` (pipelined), ``ebc2`` fed a KJT computed in the forward
+    (``computed``: a permute, so it runs its own input dist there, on the input-dist group ebc1's launch ahead
+    uses) or the batch's own KJT (pipelined too)."""
+
+    def __init__(self, computed: bool) -> None:
+        from tritonrec.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection
+
+        super().__init__()
+        self.computed = computed
+
+        def collection(tag: str) -> FusedEmbeddingBagCollection:
+            tables = [EmbeddingBagConfig(num_embeddings=r, embedding_dim=DIM, name=f"{tag}_{f}", feature_names=[f])
+                      for f, r in zip(FEATURES, ROWS, strict=True)]  # fmt: skip
+            return FusedEmbeddingBagCollection(tables, "EXACT_ROWWISE_ADAGRAD", {"lr": 0.1}, backend="torch")
+
+        self.ebc1, self.ebc2 = collection("a"), collection("b")
+        self.linear = torch.nn.Linear(2 * len(FEATURES) * DIM + DENSE, 1)
+
+    def forward(self, batch: Any) -> tuple[torch.Tensor, Any]:
+        from tritonrec.modules.dlrm import masked_bce_with_logits
+
+        second = batch.sparse_features.permute([0, 1, 2, 3]) if self.computed else batch.sparse_features
+        x = torch.cat([self.ebc1(batch.sparse_features).values(), self.ebc2(second).values(), batch.dense_features], 1)
+        logits = self.linear(x).squeeze(-1)
+        loss = masked_bce_with_logits(logits, batch.labels, batch.valid_mask)
+        return loss, (loss.detach(), logits.detach(), batch.labels)
+
+
+def build_two_collections(world: int, computed: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    """(DistributedModelParallel over TwoCollections, table-wise; dense optimizer; ebc1's sharded module)."""
+    from tritonrec.dist import ShardingPlan, construct_module_sharding_plan, table_wise
+    from tritonrec.dist.embeddingbag import EmbeddingBagCollectionSharder
+    from tritonrec.dist.model_parallel import DistributedModelParallel
+    from tritonrec.optim.keyed import in_backward_optimizer_filter
+
+    torch.manual_seed(3)
+    model, sharder = TwoCollections(computed), EmbeddingBagCollectionSharder()
+    plans = {name: construct_module_sharding_plan(getattr(model, name), {f"{tag}_{f}": table_wise(rank=i % world)
+                                                  for i, f in enumerate(FEATURES)}, sharder, world, world, "cpu")
+             for name, tag in (("ebc1", "a"), ("ebc2", "b"))}  # fmt: skip
+    dmp = DistributedModelParallel(model, device=CPU, plan=ShardingPlan(plans), sharders=[sharder])
+    dense = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
+    return dmp, torch.optim.Adagrad(dense, lr=0.05), dmp.module.ebc1
+
+
+def missing_key(rank: int, count: int, at: int) -> Iterator[Any]:
+    """``count`` batches; rank 1's batch ``at`` lacks feature f3, so its input dist raises in start_sparse_data_dist."""
+    from tritonrec.data import KeyedJaggedTensor
+
+    for step in range(count):
+        batch = make_batch(rank, step)
+        if rank == 1 and step == at:
+            kjt = batch.sparse_features
+            kept = 3 * BATCH
+            short = KeyedJaggedTensor(FEATURES[:3], kjt.values()[: int(kjt.lengths()[:kept].sum())],
+                                      lengths=kjt.lengths()[:kept])  # fmt: skip
+            batch = type(batch)(batch.dense_features, short, batch.labels, batch.valid_mask)
+        yield batch
+
+
 def snapshot(model: torch.nn.Module, sharded: Any) -> dict[str, torch.Tensor]:
     """Every local parameter and the fused optimizer's per-row state."""
     names = {id(p): n for n, p in model.named_parameters()}
@@ -102,9 +163,12 @@ def record_order(sharded: Any) -> list[str]:
     return events
 
 
-def train(make: Callable[..., Any], kind: str, world: int, data: Iterator[Any]) -> dict[str, Any]:
-    """Train with ``make(model, optimizer)`` until StopIteration: losses, final weights, call order, the pipeline."""
-    model, optimizer, sharded = build_model(kind, world)
+def train(
+    make: Callable[..., Any], kind: str, world: int, data: Iterator[Any], build: Callable[..., Any] | None = None
+) -> dict[str, Any]:
+    """Train with ``make(model, optimizer)`` until StopIteration: losses, final weights, call order, the pipeline.
+    ``build()`` makes (model, optimizer, sharded module) instead of ``build_model(kind, world)``."""
+    model, optimizer, sharded = build() if build is not None else build_model(kind, world)
     events = record_order(sharded)
     pipeline = make(model, optimizer)
     losses = run_to_end(pipeline, data)
@@ -184,6 +248,16 @@ def exact_cases(rank: int, world: int) -> dict[str, Any]:
     out["tw-staged_extra_stage"] = {"losses": staged["losses"], "base_losses": base["losses"],
                                     "differ": _differ(staged, base), "prefetched": _prefetched(staged["events"]),
                                     "pipelined": staged["pipelined"]}  # fmt: skip
+    # two collections, the second fed a computed KJT (or the batch's own): pipelined training still equals base, and
+    # the ranks agree before the forward only when the second runs its own input dist there
+    for computed in (True, False):
+        build = lambda: build_two_collections(world, computed)  # noqa: B023 (called within the iteration)
+        base = train(lambda m, o: TrainPipelineBase(m, o, CPU), "tw", world, batches(rank, 8), build)
+        run = train(lambda m, o: TrainPipelineSparseDist(m, o, CPU), "tw", world, batches(rank, 8), build)
+        out[f"two_collections-{'computed' if computed else 'batch'}"] = {
+            "losses": run["losses"], "base_losses": base["losses"], "differ": _differ(run, base),
+            "pipelined": run["pipeline"].pipelined_modules, "deferred": run["pipeline"].defers_agreement,
+        }  # fmt: skip
     return out
 
 
@@ -197,9 +271,11 @@ def end_cases(rank: int, world: int) -> dict[str, Any]:
         drained = train(lambda m, o: TrainPipelineSparseDist(m, o, CPU), "tw", world, batches(rank, count))
         no_drain = lambda m, o: TrainPipelineSparseDist(m, o, CPU, execute_all_batches=False)
         stopped = train(no_drain, "tw", world, batches(rank, count))
+        resumed = no_drain_resume(rank, world, count, 5 if label == "drain" else 4)
         staged = train_staged("rw", world, batches(rank, count))
         out[label] = {"base": base["losses"], "sparse_dist": drained["losses"], "no_drain": stopped["losses"],
-                      "staged": len(staged["losses"]), "differ": _differ(drained, base)}  # fmt: skip
+                      "staged": len(staged["losses"]), "differ": _differ(drained, base),
+                      "no_drain_resume": resumed}  # fmt: skip
         model, _, _ = build_model("rw", world)
         model.eval()
         pipeline = EvalPipelineSparseDist(model, None, CPU)
@@ -216,6 +292,29 @@ def end_cases(rank: int, world: int) -> dict[str, Any]:
             direct = [model(make_batch(rank, k))[1][1] for k in range(len(logits))]
         out[label]["eval_steps"] = len(logits)
         out[label]["eval_equal"] = all(torch.equal(a, b) for a, b in zip(logits, direct, strict=True))
+    return out
+
+
+def no_drain_resume(rank: int, world: int, count: int, steps: int) -> dict[str, Any]:
+    """``execute_all_batches=False`` on ``count`` batches (``steps`` agreed): the model's forwards until
+    StopIteration, the next call on the same iterator, then a new iterator run to its end. It must train like
+    TrainPipelineBase on the first ``steps`` batches then the new iterator's first ``steps - 2``: the 2 batches in
+    flight at the stop train first, and the new data's last 2 are in flight at its end."""
+    from tritonrec.dist.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
+
+    model, optimizer, sharded = build_model("tw", world)
+    forwards = []
+    model.register_forward_hook(lambda *_: forwards.append(1))
+    pipeline = TrainPipelineSparseDist(model, optimizer, CPU, execute_all_batches=False)
+    data = batches(rank, count)
+    losses = run_to_end(pipeline, data)
+    out: dict[str, Any] = {"forwards": len(forwards), "again": _outcome(lambda: pipeline.progress(data))["type"]}
+    losses += run_to_end(pipeline, batches(rank, count))
+    trained = itertools.chain(itertools.islice(batches(rank, count), steps), itertools.islice(batches(rank, count),
+                                                                                                steps - 2))  # fmt: skip
+    reference = train(lambda m, o: TrainPipelineBase(m, o, CPU), "tw", world, trained)
+    out["equal"] = losses == reference["losses"]
+    out["differ"] = _differ({"weights": snapshot(model, sharded)}, reference)
     return out
 
 
@@ -283,29 +382,19 @@ def error_cases(rank: int, world: int) -> dict[str, Any]:
     copy_stage = PipelineStage("data_copy", lambda b: b)
     out["staged"] = _outcome(lambda: staged([copy_stage, PipelineStage("process", broken)], batches(rank, 10)))
 
-    def missing_key(count: int, at: int) -> Iterator[Any]:
-        """Rank 1's batch ``at`` lacks feature f3, so its input dist raises inside start_sparse_data_dist."""
-        from tritonrec.data import KeyedJaggedTensor
-
-        for step in range(count):
-            batch = make_batch(rank, step)
-            if rank == 1 and step == at:
-                kjt = batch.sparse_features
-                kept = 3 * BATCH
-                short = KeyedJaggedTensor(FEATURES[:3], kjt.values()[: int(kjt.lengths()[:kept].sum())],
-                                          lengths=kjt.lengths()[:kept])  # fmt: skip
-                batch = type(batch)(batch.dense_features, short, batch.labels, batch.valid_mask)
-            yield batch
-
-    def input_dist_failure(at: int) -> Callable[[], int]:
+    def input_dist_failure(at: int, build: Callable[..., Any] | None = None) -> Callable[[], int]:
         make = lambda m, o: TrainPipelineSparseDist(m, o, CPU)
-        return lambda: len(train(make, "tw", world, missing_key(at + 4, at))["losses"])
+        return lambda: len(train(make, "tw", world, missing_key(rank, at + 4, at), build)["losses"])
 
     # batch 4: within the input dist's first 8 (metadata-checked) calls, rank 1 joins rank 0's check with its error,
     # so no rank issues the all-to-all and both raise at once
     out["input_dist_checked"] = _outcome(input_dist_failure(4))
     # batch 12: past them, rank 0 launches its all-to-all and learns of rank 1's failure from the agreement
     out["input_dist"] = _outcome(input_dist_failure(12))
+    # the same with a second collection that runs its own input dist in the forward, on the input-dist group rank
+    # 0's launch ahead is unpaired on: the ranks must agree before that forward (deferred, rank 1 aborted in gloo
+    # on a size mismatch and rank 0 hung)
+    out["two_collections"] = _outcome(input_dist_failure(12, lambda: build_two_collections(world, computed=True)))
     # rank 0 launched batch 12's input dist and rank 1 did not; on their own group, that leaves the model's group
     # in step: a collective on it still pairs up
     probe = torch.tensor([float(rank + 1)])
@@ -317,7 +406,7 @@ def error_cases(rank: int, world: int) -> dict[str, Any]:
 
     # the same in a staged pipeline whose input-dist stage wraps the util's method in a lambda: the renewal is of the
     # input dists' side groups themselves, so it does not depend on finding the util among the stages
-    out["staged_input_dist"] = _outcome(lambda: staged([copy_stage], missing_key(16, 12), wrapped=True))
+    out["staged_input_dist"] = _outcome(lambda: staged([copy_stage], missing_key(rank, 16, 12), wrapped=True))
     out["after_staged_input_dist"] = train(sparse_dist, "tw", world, batches(rank, 14))["losses"] == reference
     from tritonrec.dist.side_groups import INPUT_DIST, same_ranks_group
 
@@ -328,7 +417,7 @@ def error_cases(rank: int, world: int) -> dict[str, Any]:
     out["kept_sharding_follows"] = group is not first_group and group is renewed
     out["kept_group_sum"] = total.item()
     out["recovery"] = {
-        "input_dist": recovery_cases(rank, world, lambda: missing_key(16, 12)),
+        "input_dist": recovery_cases(rank, world, lambda: missing_key(rank, 16, 12)),
         "data": recovery_cases(rank, world, lambda: batches(rank, 10, fail_at)),
     }
     return out

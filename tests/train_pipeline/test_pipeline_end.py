@@ -1,9 +1,10 @@
 """End of data and failures on 2 gloo ranks: every rank stops at the same step (5 batches each; 6 on rank 0 and 4 on
-rank 1), execute_all_batches drains the pipeline (or stops 2 batches early without it), the eval pipeline runs every
-batch with the unpipelined model's outputs, and a data loader or stage that raises on one rank makes every rank
-raise (the failing one its own error, the others PipelineStageError naming it) instead of hanging, also when it is
-an input dist launched ahead (which leaves the model's own process group in step); after such a failure the same
-model trains on. Rank-side code: pipeline_cases.py.
+rank 1), execute_all_batches drains the pipeline (or stops 2 batches early without it, before the forward, and a new
+iterator trains on), the eval pipeline runs every batch with the unpipelined model's outputs, and a data loader or
+stage that raises on one rank makes every rank raise (the failing one its own error, the others PipelineStageError
+naming it) instead of hanging, also when it is an input dist launched ahead (which leaves the model's own process
+group in step), with or without a second collection running its own input dist in the forward; after such a failure
+the same model trains on. Rank-side code: pipeline_cases.py.
 """
 
 from __future__ import annotations
@@ -33,11 +34,28 @@ def test_without_execute_all_batches_the_last_two_batches_are_dropped(case: str,
         assert results[case]["no_drain"] == results[case]["base"][: steps - 2]
 
 
+@pytest.mark.parametrize(("case", "steps"), [("drain", 5), ("uneven", 4)])
+def test_without_execute_all_batches_the_stop_comes_before_the_forward_and_a_new_iterator_trains_on(
+    case: str, steps: int
+) -> None:
+    """As torchrec: StopIteration before the forward of the batch in line (deferring the agreement to after the
+    forward ran one forward too many and left the pipeline broken), again on the next call, and a new iterator trains
+    the 2 batches in flight, then its own, like the base pipeline on the same sequence."""
+    for rank, results in enumerate(suite_results("end")):
+        got = results[case]["no_drain_resume"]
+        assert got["forwards"] == steps - 2, f"rank {rank}: {got['forwards']} forwards for {steps - 2} steps"
+        assert got["again"] == "StopIteration", f"rank {rank}: the next call raised {got['again']}"
+        assert got["equal"], f"rank {rank}: losses after the new iterator differ from the base pipeline's"
+        assert got["differ"] == [], f"rank {rank}: weights differ: {got['differ']}"
+
+
 @pytest.mark.parametrize(("pipeline", "failing_rank", "error", "stage"), [
     ("base", 1, "ValueError", "next_batch"),
     ("sparse_dist", 1, "ValueError", "next_batch"),
     ("staged", 0, "RuntimeError", "process"),
     ("input_dist", 1, "ValueError", "start_sparse_data_dist"),
+    # a second collection runs its own input dist in the forward: the ranks must agree before it
+    ("two_collections", 1, "ValueError", "start_sparse_data_dist"),
 ])  # fmt: skip
 def test_a_failure_on_one_rank_raises_on_every_rank(pipeline: str, failing_rank: int, error: str, stage: str) -> None:
     for rank, results in enumerate(suite_results("errors")):

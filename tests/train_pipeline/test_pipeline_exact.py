@@ -1,8 +1,8 @@
 """Pipelined training equals TrainPipelineBase bit for bit (loss of every step, every weight and the fused
 optimizer state after 20 steps) for TW and RW on 2 gloo ranks: TrainPipelineSparseDist with and without the host
 batch thread, StagedTrainPipeline, and a staged pipeline with a user stage. Each pipelined run really prefetched:
-batch k+1's input dist started before batch k's lookup, which the base pipeline never does. Rank-side code:
-pipeline_cases.py.
+batch k+1's input dist started before batch k's lookup, which the base pipeline never does. A model with a second
+collection (fed the batch, or a KJT computed in the forward) trains exactly too. Rank-side code: pipeline_cases.py.
 """
 
 from __future__ import annotations
@@ -39,3 +39,16 @@ def test_ranks_train_different_batches() -> None:
     ranks = suite_results("exact")
     assert ranks[0]["tw-sparse_dist"]["losses"] != ranks[1]["tw-sparse_dist"]["losses"]
     assert len(set(ranks[0]["tw-sparse_dist"]["losses"])) > STEPS // 2
+
+
+@pytest.mark.parametrize(("run", "deferred"), [("two_collections-computed", False), ("two_collections-batch", True)])
+def test_a_collection_fed_a_computed_input_trains_exactly_and_stops_the_deferral(run: str, deferred: bool) -> None:
+    """ebc2 fed a KJT computed in the forward runs its own input dist there, on the input-dist group ebc1's launch
+    ahead uses: the pipeline pipelines ebc1 only and agrees before the forward; fed the batch's KJT, both are
+    pipelined and the agreement runs during the forward. Either way training equals the base pipeline."""
+    pipelined = ["ebc1"] if run.endswith("computed") else ["ebc1", "ebc2"]
+    for rank, results in enumerate(suite_results("exact")):
+        got = results[run]
+        assert len(got["losses"]) == 8 and got["losses"] == got["base_losses"], f"rank {rank}: losses differ"
+        assert got["differ"] == [], f"rank {rank}: weights or optimizer state differ: {got['differ']}"
+        assert got["pipelined"] == pipelined and got["deferred"] is deferred, f"rank {rank}: {got}"

@@ -93,3 +93,35 @@ def toy_batches(count: int, start: int = 0) -> Iterator[Batch]:
         kjt = KeyedJaggedTensor(["f"], values, lengths=lengths.int())
         yield Batch(torch.randn(BATCH, DENSE, generator=g), kjt, (torch.rand(BATCH, generator=g) < 0.5).float(),
                     torch.ones(BATCH, dtype=torch.bool))  # fmt: skip
+
+
+class OwnGroupSharded(ToySharded):
+    """Claims its input dists run on a group of their own, as the real collections' do on a side group: the sparse-
+    dist pipeline may then read the ranks' agreement after the forward (a no-op agreement in one process)."""
+
+    @property
+    def input_dist_on_own_group(self) -> bool:
+        return True
+
+
+class OwnGroupModel(ToyModel):
+    """ToyModel over an OwnGroupSharded (pipelined, agreement deferred)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.sharded = OwnGroupSharded()
+
+
+class OwnGroupPlusComputedModel(OwnGroupModel):
+    """A pipelined OwnGroupSharded plus a second one fed a computed input (so it runs its own input dist in the
+    forward, on the input-dist group the pipelined one's launch ahead uses)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.other = OwnGroupSharded()
+        self.linear = nn.Linear(2 * DIM + DENSE, 1)
+
+    def forward(self, batch: Batch) -> tuple:
+        embedded = torch.cat([self.sharded(batch.sparse_features), self.other(batch.sparse_features.permute([0]))], 1)
+        return _loss(embedded, batch, self.linear)
