@@ -22,22 +22,42 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from tritonrec.dist.train import as_train_config, register_configs, run
+from tritonrec.dist.train.run import RESULT_NAMES
 
 __all__ = ["as_train_config", "main", "run"]
 
 register_configs()
 
 
-def _remove_if_unused(run_dir: Path) -> None:
-    """Remove the hydra run folder of a job that failed before writing any result (it holds only hydra's own
-    .hydra/ and log), so a bad config does not leave an empty-looking outputs/<name>/<date>/ behind."""
+def _hydra_files() -> set[str]:
+    """Names hydra itself writes into a run folder: its config folder (.hydra) and its job log's file name."""
     hydra_cfg = HydraConfig.get()
-    bookkeeping = {hydra_cfg.output_subdir, f"{hydra_cfg.job.name}.log"}
-    if run_dir.is_dir() and {entry.name for entry in run_dir.iterdir()} <= bookkeeping:
-        shutil.rmtree(run_dir)
+    names = {str(hydra_cfg.output_subdir)} if hydra_cfg.output_subdir else set()
+    handlers = (hydra_cfg.job_logging or {}).get("handlers") or {}
+    names |= {Path(str(h["filename"])).name for h in handlers.values() if h and h.get("filename")}
+    return names
+
+
+def _remove_if_unused(run_dir: Path) -> None:
+    """Remove the hydra run folder of a job that failed before writing anything of its own, so a bad config does not
+    leave an empty-looking outputs/<name>/<date>/ behind. Kept as soon as the job wrote anything: a non-empty
+    train.log (a step line, or the line saying why the job stopped), checkpoints, metrics, series. An empty file
+    named like the job's (hydra's log handler may be configured onto train.log) holds nothing to keep either.
+    A multirun job's folder always stays: the sweep's summary has a row for it."""
+    if HydraConfig.get().mode == RunMode.MULTIRUN or not run_dir.is_dir():
+        return
+    ours = set(RESULT_NAMES)
+    for entry in run_dir.iterdir():
+        empty_file = entry.is_file() and entry.stat().st_size == 0
+        if entry.name in ours and not empty_file:
+            return
+        if entry.name not in _hydra_files() and not empty_file:
+            return  # something neither hydra's nor empty: not ours to delete
+    shutil.rmtree(run_dir)
 
 
 @hydra.main(config_path="../configs", config_name="train", version_base="1.3")
@@ -47,7 +67,7 @@ def main(cfg: DictConfig) -> None:
         cfg.output_dir = str(run_dir)
     try:
         metrics = run(cfg)
-    except (ValueError, TypeError):  # bad config values: nothing was trained
+    except Exception:  # whatever failed, the folder goes only if the job wrote nothing into it
         _remove_if_unused(run_dir)
         raise
     if metrics is None:  # a rank other than 0 of a torchrun job: rank 0 reports

@@ -23,16 +23,11 @@ from tritonrec.dist.train.config import (
     OptimConfig,
     SyntheticDataConfig,
 )
+from tritonrec.dist.train.config_checks import ARCHS, DENSE_OPTIMIZERS, MODEL_BACKENDS, sparse_optimizer_kwargs
 from tritonrec.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, PoolingType
 from tritonrec.modules.dlrm import DLRM, DLRM_DCN, DLRMTrain
 
-ARCHS = ("dlrm", "dlrm_dcn")
-DENSE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
-    "adagrad": torch.optim.Adagrad,
-    "adam": torch.optim.Adam,
-    "sgd": torch.optim.SGD,
-}
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = MODEL_BACKENDS
 
 
 @dataclass
@@ -67,10 +62,13 @@ def build_data(cfg: object, rank: int = 0, world_size: int = 1) -> DataSources:
         )  # fmt: skip
         if cfg.chunk_size is not None:
             common["chunk_size"] = cfg.chunk_size
-        train: ElementSource = SyntheticRecSource(**common, num_samples=cfg.num_samples, stream=0)
-        eval_source: ElementSource | None = None
-        if cfg.num_eval_samples > 0:
-            eval_source = SyntheticRecSource(**common, num_samples=cfg.num_eval_samples, stream=1)
+        try:
+            train: ElementSource = SyntheticRecSource(**common, num_samples=cfg.num_samples, stream=0)
+            eval_source: ElementSource | None = None
+            if cfg.num_eval_samples > 0:
+                eval_source = SyntheticRecSource(**common, num_samples=cfg.num_eval_samples, stream=1)
+        except ValueError as error:  # the source names its argument; the user set it as data.<field>
+            raise ValueError(f"data: {error}") from None
     elif isinstance(cfg, CriteoTSVDataConfig):
         sizes = _table_sizes(cfg, 26)
         train = CriteoTSVSource(list(cfg.paths), sizes, cfg.malformed, **shard)
@@ -116,12 +114,10 @@ def build_model(
         raise ValueError(f"model.arch must be one of {ARCHS}, got {cfg.arch!r}")
     if cfg.backend not in BACKENDS:
         raise ValueError(f"model.backend must be one of {BACKENDS}, got {cfg.backend!r}")
-    sparse_kwargs = {"lr": optim.sparse_lr, **dict(optim.sparse_kwargs)}
-    if "betas" in sparse_kwargs:
-        sparse_kwargs["betas"] = tuple(sparse_kwargs["betas"])
+    tables = build_tables(sources.num_embeddings, cfg)  # outside the try: its errors name model fields
     try:
         collection = FusedEmbeddingBagCollection(
-            build_tables(sources.num_embeddings, cfg), optim.sparse, sparse_kwargs, device=device, backend=cfg.backend
+            tables, optim.sparse, sparse_optimizer_kwargs(optim), device=device, backend=cfg.backend
         )
     except ValueError as error:
         raise ValueError(f"optim.sparse / optim.sparse_kwargs: {error}") from None

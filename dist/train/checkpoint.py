@@ -16,7 +16,7 @@ import torch
 
 from tritonrec.data.batcher import Batcher
 from tritonrec.dist.train.builders import embedding_collection
-from tritonrec.dist.train.job_state import check_resume
+from tritonrec.dist.train.job_state import check_resume, check_resume_optim
 from tritonrec.dist.train.loop import TrainHistory
 from tritonrec.modules.dlrm import DLRMTrain
 
@@ -32,9 +32,13 @@ def save_checkpoint(
     batcher: Batcher,
     history: TrainHistory,
     data_fingerprint: dict[str, Any] | None = None,
+    batch_size: int | None = None,
+    optim: dict[str, str] | None = None,
 ) -> Path:
     """Write the job's state after ``step`` steps to ``path`` (atomically); returns the path. ``data_fingerprint``
-    (:func:`~tritonrec.dist.train.job_state.data_fingerprint`) lets a resume refuse changed data."""
+    (:func:`~tritonrec.dist.train.job_state.data_fingerprint`) and ``batch_size`` let a resume refuse changed data
+    or another batch size (the saved data position counts batches of that size); ``optim``
+    (:func:`~tritonrec.dist.train.job_state.optim_fingerprint`) other optimizer rules."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -43,7 +47,12 @@ def save_checkpoint(
         "model": model.state_dict(),
         "fused_optimizer": embedding_collection(model).fused_optimizer.state_dict(),
         "dense_optimizer": dense_optimizer.state_dict(),
-        "data": {"batcher": batcher.get_state(), "fingerprint": data_fingerprint},
+        "data": {
+            "batcher": batcher.get_state(),
+            "fingerprint": data_fingerprint,
+            "batch_size": batch_size,
+            "optim": optim,
+        },
         "history": history.state_dict(),
         "rng": {"torch": torch.get_rng_state()},
     }
@@ -61,11 +70,15 @@ def load_checkpoint(
     history: TrainHistory,
     steps: int | None = None,
     data_fingerprint: dict[str, Any] | None = None,
+    batch_size: int | None = None,
+    optim: dict[str, str] | None = None,
 ) -> int:
     """Restore a :func:`save_checkpoint` file into freshly built objects; returns the step it was taken at.
 
     With ``steps`` (the job's total) and ``data_fingerprint``, first refuses a resume that would train nothing or
-    train on other data (:func:`~tritonrec.dist.train.job_state.check_resume`)."""
+    train on other data (:func:`~tritonrec.dist.train.job_state.check_resume`); with ``batch_size``, refuses another
+    batch size than the checkpoint's (as the distributed job does at the same world size); with ``optim``, other
+    optimizer rules."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"resume: no checkpoint file at {str(path)!r}")
@@ -75,6 +88,14 @@ def load_checkpoint(
     if steps is not None:
         saved = payload["data"].get("fingerprint")
         check_resume(str(path), int(payload["step"]), steps, saved, data_fingerprint or {})
+    if optim is not None:
+        check_resume_optim(str(path), payload["data"].get("optim"), optim)
+    saved_batch = payload["data"].get("batch_size")  # None in checkpoints written before it was saved
+    if batch_size is not None and saved_batch is not None and saved_batch != batch_size:
+        raise ValueError(
+            f"resume: {str(path)!r} trained batch_size={saved_batch}, this job has batch_size={batch_size}: set "
+            f"batch_size={saved_batch} (the saved data position and the steps continued count batches of that size)"
+        )
     try:
         model.load_state_dict(payload["model"])
     except RuntimeError as error:  # torch reports shape and key mismatches as RuntimeError

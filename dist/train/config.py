@@ -15,6 +15,7 @@ from ``model/dlrm_schema``), so hydra type-checks every value and rejects unknow
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,13 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from tritonrec.dist.train.config_checks import (
+    check_data,
+    check_model,
+    check_optim,
+    check_top_level,
+    reject_unknown_keys,
+)
 from tritonrec.dist.train.job_config import (
     DistConfig,
     LoggerConfig,
@@ -160,8 +168,10 @@ _NON_NEGATIVE_FIELDS = ("eval_every", "checkpoint_every", "seed", "num_threads")
 
 def as_train_config(cfg: object) -> TrainConfig:
     """A composed DictConfig or a TrainConfig -> a checked :class:`TrainConfig` whose ``data`` is one of the data
-    dataclasses (a plain mapping is accepted too and typed by its ``kind``)."""
+    dataclasses (a plain mapping is accepted too and typed by its ``kind``). Every field is checked here, once, before
+    any folder is made or rank spawned (:mod:`.config_checks`)."""
     if isinstance(cfg, DictConfig):
+        reject_unknown_keys(cfg)
         cfg = OmegaConf.to_object(cfg)
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"cfg must be a TrainConfig or a composed DictConfig, got {type(cfg).__name__}")
@@ -174,6 +184,10 @@ def as_train_config(cfg: object) -> TrainConfig:
         kind = cfg.data.get("kind")
         if kind not in DATA_CONFIGS:
             raise ValueError(f"data.kind must be one of {sorted(DATA_CONFIGS)}, got {kind!r}")
+        fields = {f.name for f in dataclasses.fields(DATA_CONFIGS[kind])}
+        unknown = sorted(str(k) for k in cfg.data if k not in fields)
+        if unknown:
+            raise ValueError(f"unknown data field(s) {unknown} for data.kind={kind!r}; its fields are {sorted(fields)}")
         cfg.data = DATA_CONFIGS[kind](**cfg.data)
     if not isinstance(cfg.data, tuple(DATA_CONFIGS.values())):
         raise TypeError(f"data must be one of the data configs {sorted(DATA_CONFIGS)}, got {type(cfg.data).__name__}")
@@ -185,11 +199,12 @@ def as_train_config(cfg: object) -> TrainConfig:
         value = getattr(cfg, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{name} must be a non-negative int, got {name}={value!r}")
+    check_top_level(cfg)
     check_device(cfg.device)
     check_job_configs(cfg.dist, cfg.sharding, cfg.pipeline, cfg.qcomm, cfg.logger)
-    chunk = getattr(cfg.data, "chunk_size", None)
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise ValueError(f"data.chunk_size must be a positive int or None, got data.chunk_size={chunk!r}")
+    check_data(cfg.data)
+    check_model(cfg.model)
+    check_optim(cfg.optim)
     return cfg
 
 

@@ -31,7 +31,15 @@ from tritonrec.dist.train.dist_builders import (
 )
 from tritonrec.dist.train.dist_metrics import BatchFeed, RankMetrics, evaluate_over_ranks
 from tritonrec.dist.train.job_report import JobReporter
-from tritonrec.dist.train.job_state import JobState, check_resume, data_fingerprint
+from tritonrec.dist.train.job_state import (
+    JobState,
+    check_resume,
+    check_resume_optim,
+    data_fingerprint,
+    later_checkpoints,
+    optim_fingerprint,
+    resume_note,
+)
 from tritonrec.dist.train.launch import StopRequest, rank_device
 from tritonrec.dist.train.loop import TrainHistory, iterate_batches
 from tritonrec.dist.train.report import final_metrics, plot_curves, write_metrics
@@ -68,7 +76,7 @@ def train_distributed(
     fingerprint = data_fingerprint(cfg.data)
     if resume_path is not None:
         job.load_state_dict(_read_job_state(resume_path))
-        check_resume(str(resume_path), job.state["step"], cfg.steps, job.state["data_fingerprint"], fingerprint)
+        _check_resume_state(cfg, resume_path, job, world)
     chunk = _chunk_size(cfg, job.state.get("chunk_size") if job.state else None)
     torch.manual_seed(cfg.seed)
     data_cfg = dataclasses.replace(cfg.data, chunk_size=chunk) if chunk is not None else cfg.data
@@ -100,6 +108,8 @@ def train_distributed(
             f"{cfg.name}: qcomm={cfg.qcomm.forward}/{cfg.qcomm.backward} ignored: every table is data-parallel "
             f"(sharding={cfg.sharding.kind}), so no embedding collective runs; DDP all-reduces their gradients in fp32"
         )
+    if resume_path is not None:
+        report.message(resume_note(cfg.name, str(resume_path), start, later_checkpoints(out_dir, start)))
     checkpoint, step, stopped = None, start, False
     try:
         for step in range(start + 1, cfg.steps + 1):
@@ -123,11 +133,15 @@ def train_distributed(
                 metrics_sync.sync()
                 positions: list[Any] = [None] * world
                 dist.all_gather_object(positions, position, group=side)
-                job.update(step, world, cfg.batch_size, positions, history.state_dict(), fingerprint, chunk)
+                job.update(step, world, cfg.batch_size, positions, history.state_dict(), fingerprint, chunk,
+                           optim_fingerprint(cfg.optim))  # fmt: skip
                 checkpoint = manager.save(step, dmp, {"dense": dense_optimizer}, {"job": job})
-            if stopped:
+            if stopped and step < cfg.steps:
                 report.message(f"{stop.name} at step {step}: final checkpoint {checkpoint}")
                 break
+    except Exception as error:
+        report.failed(step, error)
+        raise
     finally:
         runner.close()
         report.close()
@@ -143,7 +157,7 @@ def train_distributed(
         "pipeline": cfg.pipeline.kind,
         "pipelined_modules": runner.pipelined_modules,
         "qcomm": f"{cfg.qcomm.forward}/{cfg.qcomm.backward}",
-        "stopped_by": stop.name if stopped else None,
+        "stopped_by": stop.name if stopped and step < cfg.steps else None,  # after the last step: completed
     }
     metrics = final_metrics(history, cfg.name, step, extra)
     write_metrics(out_dir / "metrics.json", metrics)
@@ -152,11 +166,22 @@ def train_distributed(
     return metrics
 
 
-def precheck_resume(cfg: TrainConfig) -> None:
-    """The resume checks of :func:`train_distributed`, in the launching process (before ranks are spawned)."""
+def _check_resume_state(cfg: TrainConfig, path: Path, job: JobState, world: int) -> None:
+    """Every resume check that needs only the checkpoint's job state: steps left, same data, same optimizer rules,
+    and a batch size / world size this rank's data position can be derived for (rank 0's stands for all)."""
+    check_resume(str(path), job.state["step"], cfg.steps, job.state["data_fingerprint"], data_fingerprint(cfg.data))
+    check_resume_optim(str(path), job.state.get("optim"), optim_fingerprint(cfg.optim))
+    endless = isinstance(cfg.data, SyntheticDataConfig) and cfg.data.num_samples is None
+    job.data_state_for(0, world, cfg.batch_size, endless)
+
+
+def precheck_resume(cfg: TrainConfig, world: int) -> None:
+    """The resume checks of :func:`train_distributed` for a job of ``world`` ranks, in the launching process
+    (before ranks are spawned, so an error keeps its type and no rank starts)."""
     path = Path(cfg.resume)  # type: ignore[arg-type]
-    state = _read_job_state(path)
-    check_resume(str(path), state["step"], cfg.steps, state["data_fingerprint"], data_fingerprint(cfg.data))
+    job = JobState()
+    job.load_state_dict(_read_job_state(path))
+    _check_resume_state(cfg, path, job, world)
 
 
 def _read_job_state(path: Path) -> dict[str, Any]:
@@ -168,4 +193,4 @@ def _read_job_state(path: Path) -> dict[str, Any]:
     return torch.load(io.BytesIO(read_extra_entry(path, "job")), weights_only=False)  # type: ignore[no-any-return]
 
 
-__all__ = ["train_distributed"]
+__all__ = ["precheck_resume", "train_distributed"]

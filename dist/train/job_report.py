@@ -21,7 +21,7 @@ class JobReporter:
         self.enabled = enabled
         self.bar = tqdm(total=steps, initial=start, desc=name, disable=not (progress and enabled))
         self._log = logging.getLogger(f"tritonrec.train.{id(self)}")
-        self._log.propagate = False  # hydra's root handler writes the same train.log: keep one copy of each line
+        self._log.propagate = False  # the job's lines go to train.log only, not to hydra's log or the console twice
         self._log.setLevel(logging.INFO)
         self._handler: logging.Handler | None = None
         self.series: MetricLogger = MetricLogger()
@@ -29,7 +29,7 @@ class JobReporter:
             self._handler = logging.FileHandler(out_dir / "train.log")
             self._handler.setFormatter(logging.Formatter(_LOG_FORMAT))
             self._log.addHandler(self._handler)
-            self.series = build_logger(logger_kind, out_dir)
+            self.series = build_logger(logger_kind, out_dir, start)
 
     def step_done(self) -> None:
         self.bar.update(1)
@@ -58,6 +58,11 @@ class JobReporter:
         if self.enabled:
             self.bar.write(text)
             self._log.info(text)
+
+    def failed(self, step: int, error: BaseException) -> None:
+        """Record in train.log why the job stopped at ``step`` (the log outlives the traceback on the console)."""
+        if self.enabled:
+            self._log.error("stopped at step %d by %s: %s", step, type(error).__name__, error)
 
     def close(self) -> None:
         self.bar.close()

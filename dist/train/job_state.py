@@ -12,10 +12,13 @@ load every rank reads it and takes its own data position (:meth:`JobState.data_s
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 from typing import Any
 
 JOB_STATE_FORMAT = 1
 _EVAL_ONLY_FIELDS = {"num_eval_samples", "eval_paths", "eval_prefixes"}
+_CHECKPOINT_NAME = re.compile(r"^step_(\d+)(\.pt)?$")  # step_000400.pt (one process), step_00000400/ (ranks)
 
 
 def data_fingerprint(data_cfg: Any) -> dict[str, Any]:
@@ -42,6 +45,43 @@ def check_resume(path: str, saved_step: int, steps: int, saved: dict[str, Any] |
         )
 
 
+def optim_fingerprint(optim_cfg: Any) -> dict[str, str]:
+    """The optimizer rules a checkpoint's optimizer state belongs to (their state does not carry over to others)."""
+    return {"sparse": str(optim_cfg.sparse), "dense": str(optim_cfg.dense)}
+
+
+def check_resume_optim(path: str, saved: dict[str, str] | None, current: dict[str, str]) -> None:
+    """A clear error for resuming under other optimizer rules (``saved`` None: a checkpoint from before it was kept)."""
+    if saved is None:
+        return
+    changed = [k for k in sorted(current) if saved.get(k) != current[k]]
+    if changed:
+        what = ", ".join(f"optim.{k}={saved.get(k)!r} in the checkpoint but {current[k]!r} now" for k in changed)
+        raise ValueError(
+            f"resume: the optimizer changed since {path!r} was saved ({what}): its saved state belongs to the old "
+            "rule; restore the old optim or start a new run without resume"
+        )
+
+
+def later_checkpoints(out_dir: Path, start: int) -> list[str]:
+    """Names of the checkpoints under ``out_dir/checkpoints`` taken after step ``start`` (an earlier run's, when a
+    job resumes at ``start`` into its own folder)."""
+    folder = out_dir / "checkpoints"
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), e.name) for e in folder.iterdir() if (m := _CHECKPOINT_NAME.match(e.name))]
+    return [name for step, name in sorted(found) if step > start]
+
+
+def resume_note(name: str, resume: str, start: int, later: list[str]) -> str:
+    """The train.log line that marks where a resumed job takes over (its folder may hold the earlier run's log)."""
+    note = f"{name}: resumed from {resume} after step {start}; the lines below are this run's"
+    if later:
+        note += (f"; {', '.join(later)} in this folder are from the earlier run (after step {start}): this run "
+                 "overwrites those it reaches")  # fmt: skip
+    return note
+
+
 class JobState:
     """The job's part of a checkpoint (see module docstring); restored in place by ``load_state_dict``."""
 
@@ -49,10 +89,12 @@ class JobState:
         self.state: dict[str, Any] = {}
 
     def update(self, step: int, world_size: int, batch_size: int, data_states: list[dict[str, int]],
-               history: dict[str, Any], fingerprint: dict[str, Any], chunk_size: int | None) -> None:  # fmt: skip
+               history: dict[str, Any], fingerprint: dict[str, Any], chunk_size: int | None,
+               optim: dict[str, str] | None = None) -> None:  # fmt: skip
         self.state = {
             "format": JOB_STATE_FORMAT, "step": step, "world_size": world_size, "batch_size": batch_size,
             "data_states": data_states, "history": history, "data_fingerprint": fingerprint, "chunk_size": chunk_size,
+            "optim": optim,
         }  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
@@ -94,4 +136,5 @@ class JobState:
         return {"epoch": 0, "position": step * batch_size, "batches": step}
 
 
-__all__ = ["JobState", "check_resume", "data_fingerprint"]
+__all__ = ["JobState", "check_resume", "check_resume_optim", "data_fingerprint", "later_checkpoints",
+           "optim_fingerprint", "resume_note"]  # fmt: skip

@@ -61,12 +61,25 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _error_path(result_path: str, rank: int) -> str:
+    return os.path.join(os.path.dirname(result_path), f"rank{rank}.error.pkl")
+
+
 def _spawned_main(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, result_path: str) -> None:
     os.environ.update(
         {"WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     )  # fmt: skip
-    result = fn(*args)
+    try:
+        result = fn(*args)
+    except Exception as error:
+        # torch.multiprocessing passes only the traceback text on: keep the exception itself for the parent
+        try:
+            with open(_error_path(result_path, rank), "wb") as file:
+                pickle.dump(error, file)
+        except Exception:  # an exception that does not pickle: the parent reports torch's text instead
+            pass
+        raise
     if rank == 0:  # a file, not a pipe: a large result would block rank 0 while the parent waits for it to exit
         with open(result_path, "wb") as file:
             pickle.dump(result, file)
@@ -75,20 +88,37 @@ def _spawned_main(rank: int, world: int, port: int, fn: Callable[..., Any], args
 def spawn(fn: Callable[..., Any], nproc: int, *args: Any) -> Any:
     """Run ``fn(*args)`` in ``nproc`` spawned local ranks (each sees torchrun-like variables); returns rank 0's result.
 
-    A rank that raises stops the others (torch.multiprocessing terminates them) and the error, with the rank's
-    traceback, is raised here.
+    A rank that raises stops the others (torch.multiprocessing terminates them) and its error is raised here with
+    its own type and message (a ValueError stays a ValueError), chained to torch's report holding the rank's
+    traceback.
     """
     with tempfile.TemporaryDirectory(prefix="tritonrec-spawn-") as scratch:
         result_path = os.path.join(scratch, "rank0.pkl")
         context = mp.start_processes(_spawned_main, args=(nproc, free_port(), fn, args, result_path), nprocs=nproc,
                                      join=False, start_method="spawn")  # fmt: skip
         with _forwarding_sigterm(context.processes):
-            while not context.join():
-                pass
+            try:
+                while not context.join():
+                    pass
+            except mp.ProcessRaisedException as report:
+                error = _rank_error(result_path, report.error_index)
+                if error is None:
+                    raise
+                raise error from report
         if not os.path.exists(result_path):
             return None
         with open(result_path, "rb") as file:
             return pickle.load(file)
+
+
+def _rank_error(result_path: str, rank: int) -> BaseException | None:
+    """The exception rank ``rank`` saved before it died, None if it saved none (or it does not unpickle)."""
+    try:
+        with open(_error_path(result_path, rank), "rb") as file:
+            error = pickle.load(file)
+    except Exception:
+        return None
+    return error if isinstance(error, BaseException) else None
 
 
 @contextmanager

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +30,25 @@ class MetricLogger:
 
 
 class CSVLogger(MetricLogger):
-    def __init__(self, out_dir: Path) -> None:
+    """``series.csv``; a job resumed at step ``start`` into the same folder keeps the rows up to ``start`` and drops
+    the later ones (the steps it trains again), so each step appears once."""
+
+    def __init__(self, out_dir: Path, start: int = 0) -> None:
         self.path = out_dir / "series.csv"
-        new = not self.path.exists()  # a resumed job appends to its folder's series
+        kept: list[dict[str, str]] = []
+        if self.path.exists():
+            with self.path.open(newline="") as file:
+                kept = [
+                    row for row in csv.DictReader(file) if row.get("step", "").isdigit() and int(row["step"]) <= start
+                ]
+        partial = self.path.with_name(self.path.name + ".partial")
+        with partial.open("w", newline="") as file:  # rewritten whole, then renamed: never a half-truncated series
+            writer = csv.DictWriter(file, fieldnames=_FIELDS, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(kept)
+        os.replace(partial, self.path)
         self._file = self.path.open("a", newline="")
         self._writer = csv.DictWriter(self._file, fieldnames=_FIELDS)
-        if new:
-            self._writer.writeheader()
 
     def log(self, kind: str, step: int, values: dict[str, float]) -> None:
         row = {"kind": kind, "step": step}
@@ -48,7 +61,10 @@ class CSVLogger(MetricLogger):
 
 
 class TensorBoardLogger(MetricLogger):
-    def __init__(self, out_dir: Path) -> None:
+    """Event files under ``tensorboard/``; a job resumed at step ``start`` hides the folder's events after ``start``
+    (TensorBoard's ``purge_step``), so the steps it trains again are not drawn twice."""
+
+    def __init__(self, out_dir: Path, start: int = 0) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as error:  # torch.utils.tensorboard imports the tensorboard package
@@ -56,7 +72,8 @@ class TensorBoardLogger(MetricLogger):
                 f"logger=tensorboard needs the tensorboard package ({error}): pip install -e '.[tensorboard]', or "
                 "use logger=csv"
             ) from None
-        self._writer: Any = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
+        purge = start + 1 if start else None
+        self._writer: Any = SummaryWriter(log_dir=str(out_dir / "tensorboard"), purge_step=purge)
 
     def log(self, kind: str, step: int, values: dict[str, float]) -> None:
         for name, value in values.items():
@@ -67,13 +84,14 @@ class TensorBoardLogger(MetricLogger):
         self._writer.close()
 
 
-def build_logger(kind: str, out_dir: Path) -> MetricLogger:
+def build_logger(kind: str, out_dir: Path, start: int = 0) -> MetricLogger:
+    """The ``logger/`` choice ``kind`` writing into ``out_dir``, for a job starting after step ``start``."""
     if kind == "none":
         return MetricLogger()
     if kind == "csv":
-        return CSVLogger(out_dir)
+        return CSVLogger(out_dir, start)
     if kind == "tensorboard":
-        return TensorBoardLogger(out_dir)
+        return TensorBoardLogger(out_dir, start)
     raise ValueError(f"logger.kind must be one of ['none', 'csv', 'tensorboard'], got {kind!r}")
 
 

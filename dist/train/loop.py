@@ -69,6 +69,23 @@ def evaluate(
     return {"auroc": metric.compute(), "logloss": loss_sum / count if count else math.nan, "samples": float(count)}
 
 
+class NonFiniteLossError(FloatingPointError):
+    """A training step's loss or scores left the finite numbers: the run diverged (the message names the step)."""
+
+
+def check_finite_step(step: int, loss: float, scores_are_nan: bool) -> None:
+    """Raise :class:`NonFiniteLossError` for step ``step`` when its ``loss`` is NaN / inf or its scores hold a NaN
+    (before they reach the AUROC metric, whose input check would name neither the step nor the cause)."""
+    if math.isfinite(loss) and not scores_are_nan:
+        return
+    scores = ", and the model's scores hold NaN" if scores_are_nan else ""
+    raise NonFiniteLossError(
+        f"step {step}: the training loss is {loss}{scores}: training diverged (the weights overflowed); lower the "
+        "learning rates (optim.dense_lr, optim.sparse_lr), then start a new run or resume from a checkpoint taken "
+        f"before step {step}"
+    )
+
+
 def _finite_or_none(x: float) -> float | None:
     return x if math.isfinite(x) else None  # JSON has no NaN
 
@@ -89,7 +106,11 @@ class TrainHistory:
     def record_step(
         self, step: int, loss: torch.Tensor, logits: torch.Tensor, batch: Batch, num_valid: int, seconds: float
     ) -> None:
-        """Step ``step`` trained on ``batch`` (``num_valid`` real rows, counted on the host) in ``seconds``."""
+        """Step ``step`` trained on ``batch`` (``num_valid`` real rows, counted on the host) in ``seconds``;
+        :class:`NonFiniteLossError` when the step diverged (one device sync: the AUROC update reads the scores
+        back every step anyway)."""
+        if not bool(torch.isfinite(loss).all() & ~torch.isnan(logits).any()):
+            check_finite_step(step, float(loss), bool(torch.isnan(logits).any()))
         self.steps.append(step)
         self._pending.append(loss)
         self.train_auroc.update(logits.float(), batch.labels, batch.valid_mask)
@@ -99,7 +120,9 @@ class TrainHistory:
     def record_values(self, step: int, loss: float, scores: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
                       num_samples: int, seconds: float) -> None:  # fmt: skip
         """Step ``step`` with values already combined over ranks: its mean ``loss``, every rank's ``scores`` /
-        ``labels`` / ``weights [N]`` and real samples, and this rank's wall time."""
+        ``labels`` / ``weights [N]`` and real samples, and this rank's wall time. Every rank holds the same values
+        here, so a diverged step raises :class:`NonFiniteLossError` on every rank at once (none waits for another)."""
+        check_finite_step(step, loss if num_samples else 0.0, bool(torch.isnan(scores).any()))  # 0 samples: no loss
         self.flush()
         self.steps.append(step)
         self.losses.append(loss)

@@ -34,15 +34,43 @@ from tritonrec.dist.train.launch import (
     torchrun_world_size,
 )
 
+# what a job writes into its folder; any of them (a non-empty file, a folder with entries) marks an earlier run
+RESULT_NAMES = ("metrics.json", "checkpoints", "series.csv", "tensorboard", "curves.png", "train.log")
 
-def check_output_dir(path: Path) -> Path:
-    """Create ``path`` and prove it writable now (not after hours of training)."""
+
+def earlier_results(path: Path) -> list[str]:
+    """The results of an earlier job in folder ``path`` (names from :data:`RESULT_NAMES`)."""
+    found = []
+    for name in RESULT_NAMES:
+        entry = path / name
+        if (entry.is_dir() and any(entry.iterdir())) or (entry.is_file() and entry.stat().st_size > 0):
+            found.append(name)
+    return found
+
+
+def _continues_in(path: Path, resume: str | None) -> bool:
+    """True when ``resume`` is one of ``path``'s own checkpoints (the job continues the run of that folder)."""
+    return bool(resume) and Path(resume).resolve().parent == (path / "checkpoints").resolve()  # type: ignore[arg-type]
+
+
+def check_output_dir(path: Path, resume: str | None = None) -> Path:
+    """Create ``path`` and prove it writable now (not after hours of training). A folder holding another run's
+    results is refused unless ``resume`` is one of its checkpoints: a new run there would append to that run's log
+    and series and leave its later checkpoints next to the new ones (hydra gives each run a fresh folder; this
+    catches an explicit ``output_dir`` used twice)."""
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
             pass
     except OSError as error:
         raise ValueError(f"output_dir {str(path)!r} is not writable: {error}") from None
+    found = earlier_results(path)
+    if found and not _continues_in(path, resume):
+        raise ValueError(
+            f"output_dir {str(path)!r} already holds another run's results ({', '.join(found)}): this run would mix "
+            "its log, series and checkpoints with them. Choose a new output_dir, delete those files, or continue "
+            f"that run with resume=<one of {str(path / 'checkpoints')!r}/step_*>"
+        )
     return path
 
 
@@ -76,14 +104,14 @@ def run(cfg: DictConfig | TrainConfig) -> dict[str, Any]:
         if launched > 1 or _is_distributed_checkpoint(cfg.resume):
             return run_rank(cfg)  # type: ignore[return-value]
     elif cfg.dist.nproc > 1 or _is_distributed_checkpoint(cfg.resume):
-        if cfg.resume:  # the ranks would check it too, but an error raised here keeps its type and message
+        if cfg.resume:  # the ranks would check it too, but here no rank has started yet
             from tritonrec.dist.train.distributed import precheck_resume
 
-            precheck_resume(cfg)
-        out_dir = check_output_dir(Path(cfg.output_dir) if cfg.output_dir else Path.cwd())
+            precheck_resume(cfg, cfg.dist.nproc)
+        out_dir = check_output_dir(Path(cfg.output_dir) if cfg.output_dir else Path.cwd(), cfg.resume)
         cfg.output_dir = str(out_dir.resolve())
         return spawn(run_rank, cfg.dist.nproc, cfg)  # type: ignore[no-any-return]
-    out_dir = check_output_dir(Path(cfg.output_dir) if cfg.output_dir else Path.cwd())
+    out_dir = check_output_dir(Path(cfg.output_dir) if cfg.output_dir else Path.cwd(), cfg.resume)
     from tritonrec.dist.train.single import train_single
 
     with _threads(cfg.num_threads), StopRequest().installed() as stop:
@@ -95,7 +123,8 @@ def _agreed_output_dir(cfg: TrainConfig, group: dist.ProcessGroup) -> Path:
     message: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            message = [str(check_output_dir(Path(cfg.output_dir) if cfg.output_dir else Path.cwd()).resolve())]
+            out_dir = check_output_dir(Path(cfg.output_dir) if cfg.output_dir else Path.cwd(), cfg.resume)
+            message = [str(out_dir.resolve())]
         except ValueError as error:
             message = [error]
     dist.broadcast_object_list(message, src=0, group=group)
@@ -123,4 +152,4 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any] | None:
             dist.destroy_process_group()
 
 
-__all__ = ["check_output_dir", "run", "run_rank"]
+__all__ = ["check_output_dir", "earlier_results", "run", "run_rank"]

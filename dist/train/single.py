@@ -15,7 +15,7 @@ from tritonrec.dist.train.checkpoint import load_checkpoint, save_checkpoint
 from tritonrec.dist.train.config import TrainConfig, check_device
 from tritonrec.dist.train.job_config import distributed_only_choices
 from tritonrec.dist.train.job_report import JobReporter
-from tritonrec.dist.train.job_state import data_fingerprint
+from tritonrec.dist.train.job_state import data_fingerprint, later_checkpoints, optim_fingerprint, resume_note
 from tritonrec.dist.train.launch import StopRequest
 from tritonrec.dist.train.loop import TrainHistory, evaluate, iterate_batches, train_step
 from tritonrec.dist.train.report import final_metrics, plot_curves, write_metrics
@@ -32,7 +32,8 @@ def train_single(cfg: TrainConfig, out_dir: Path, stop: StopRequest) -> dict[str
     fingerprint = data_fingerprint(cfg.data)
     start = 0
     if cfg.resume:
-        start = load_checkpoint(cfg.resume, model, dense_optimizer, batcher, history, cfg.steps, fingerprint)
+        start = load_checkpoint(cfg.resume, model, dense_optimizer, batcher, history, cfg.steps, fingerprint,
+                                cfg.batch_size, optim_fingerprint(cfg.optim))  # fmt: skip
 
     batches = iterate_batches(batcher, sources.train, cfg.batch_size, cfg.drop_remainder)
     checkpoint = None
@@ -44,7 +45,9 @@ def train_single(cfg: TrainConfig, out_dir: Path, stop: StopRequest) -> dict[str
             "shard, pipeline or compress; the distributed job applies them (dist.nproc=N, or torchrun "
             "--nproc_per_node N)"
         )
-    step = start
+    if cfg.resume:
+        report.message(resume_note(cfg.name, cfg.resume, start, later_checkpoints(out_dir, start)))
+    step, stopping = start, False
     try:
         for step in range(start + 1, cfg.steps + 1):
             began = time.perf_counter()
@@ -53,7 +56,10 @@ def train_single(cfg: TrainConfig, out_dir: Path, stop: StopRequest) -> dict[str
             loss, logits = train_step(model, dense_optimizer, batch)
             history.record_step(step, loss, logits, batch, host_batch.num_valid(), time.perf_counter() - began)
             report.step_done()
-            last = step == cfg.steps or stop.requested
+            # read once per step, as the distributed job agrees on it once: a signal arriving during this step's
+            # evaluation or checkpoint is acted on at the next step, which then ends with its own final checkpoint
+            stopping = stop.requested
+            last = step == cfg.steps or stopping
             if step % cfg.log_every == 0 or last:
                 report.train_point(step, history.log_point(step))
             if sources.eval is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or last):
@@ -62,12 +68,17 @@ def train_single(cfg: TrainConfig, out_dir: Path, stop: StopRequest) -> dict[str
                 report.eval_point(step, history.recent_loss(), result)
             if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or last:
                 path = out_dir / "checkpoints" / f"step_{step:06d}.pt"
-                checkpoint = save_checkpoint(path, step, model, dense_optimizer, batcher, history, fingerprint)
-            if stop.requested:
+                checkpoint = save_checkpoint(path, step, model, dense_optimizer, batcher, history, fingerprint,
+                                             cfg.batch_size, optim_fingerprint(cfg.optim))  # fmt: skip
+            if stopping and step < cfg.steps:
                 report.message(f"{stop.name} at step {step}: final checkpoint {checkpoint}; resume=<it> continues")
                 break
+    except Exception as error:
+        report.failed(step, error)
+        raise
     finally:
         report.close()
+    stopped = stopping and step < cfg.steps  # a signal after the last step stops nothing: the run completed
 
     extra = {
         "resumed_from": cfg.resume,
@@ -75,7 +86,7 @@ def train_single(cfg: TrainConfig, out_dir: Path, stop: StopRequest) -> dict[str
         "device": str(device),
         "data_skipped_lines": getattr(sources.train, "num_skipped", 0),
         "world_size": 1,
-        "stopped_by": stop.name,
+        "stopped_by": stop.name if stopped else None,
     }
     metrics = final_metrics(history, cfg.name, step, extra)
     write_metrics(out_dir / "metrics.json", metrics)

@@ -1,6 +1,6 @@
 """Rank-side cases of the distributed training job (2 gloo ranks, one spawn for all): a tiny DLRM job under several
 sharding x pipeline x codec combinations, an exact resume at the same world size (through the checkpoint's pipeline
-and through the staged one), and SIGTERM on one rank."""
+and through the staged one), SIGTERM on one rank, and a diverging run."""
 
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ def _sigterm_when_training(log: Path) -> None:
 
 
 def run_suite(rank: int, world: int, root: str) -> dict[str, Any]:
+    from tritonrec.dist.train.config import OptimConfig
     from tritonrec.dist.train.job_config import PipelineConfig, QCommConfig, ShardingConfig
     from tritonrec.dist.train.run import run_rank
 
@@ -68,4 +69,12 @@ def run_suite(rank: int, world: int, root: str) -> dict[str, Any]:
         threading.Thread(target=_sigterm_when_training, args=(log,), daemon=True).start()
     out["sigterm"] = run_rank(tiny_config(base / "sigterm", steps=100_000, log_every=1, eval_every=0,
                                           checkpoint_every=0))  # fmt: skip
+    # a diverging run: every rank raises the same error at the same point (none left waiting in a collective)
+    diverging = OptimConfig(sparse="EXACT_SGD", dense="sgd", sparse_lr=1e4, dense_lr=1e4)
+    try:
+        run_rank(tiny_config(base / "diverged", optim=diverging, steps=30, log_every=5, eval_every=0,
+                             checkpoint_every=5))  # fmt: skip
+        out["diverged"] = None
+    except Exception as error:
+        out["diverged"] = f"{type(error).__name__}: {error}"
     return out

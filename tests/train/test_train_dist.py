@@ -11,6 +11,7 @@ import csv
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ import pytest
 from tests.distributed.spawned import spawn_ranks
 from tests.train.dist_job_cases import VARIANTS, tiny_config
 from tritonrec.dist.train import run
+from tritonrec.dist.train.config import OptimConfig
 
 pytestmark = pytest.mark.dist
 
@@ -50,7 +52,7 @@ def test_torchrun_two_ranks_one_output_folder(tmp_path: Path) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
     script = str(ROOT / "scripts" / "train.py")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script, "experiment=dlrm_2ranks",
-               "steps=4", "eval_every=2", "log_every=2", "data.num_eval_samples=256", "sharding=tw", "plot=false",
+               "steps=4", "eval_every=2", "log_every=2", "data.num_eval_samples=256", "plot=false",
                "progress=false", "model.backend=torch", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -62,6 +64,9 @@ def test_torchrun_two_ranks_one_output_folder(tmp_path: Path) -> None:
     assert metrics["pipelined_modules"] == ["model.sparse_arch.embedding_bag_collection"]
     log = (tmp_path / "run" / "train.log").read_text()
     assert "step 2: loss" in log and "step 4: loss" in log and "held-out AUROC" in log
+    # the planner's (sharding=auto) library records go to hydra's own log, not into the job's train.log
+    assert all(re.match(r"^\[[0-9-]+ [0-9:,]+\] [^\[]", line) for line in log.splitlines()), log
+    assert "tritonrec.dist.planner" in (tmp_path / "run" / "hydra.log").read_text()
 
 
 def test_metrics_cover_every_rank(ranks: list[dict[str, Any]], root: Path) -> None:
@@ -132,9 +137,24 @@ def test_sigterm_on_one_rank_stops_every_rank_with_a_checkpoint(ranks: list[dict
     assert manifest["step"] == step
 
 
+def test_diverging_run_raises_on_every_rank(ranks: list[dict[str, Any]], root: Path) -> None:
+    """The same error on both ranks (neither hangs), naming the first non-finite step; no checkpoint after it."""
+    errors = [r["diverged"] for r in ranks]
+    assert errors[0] == errors[1], errors
+    found = re.match(r"NonFiniteLossError: step (\d+): the training loss is (nan|inf)", errors[0] or "")
+    assert found, errors[0]
+    saved = [int(p.name.split("_")[1]) for p in (root / "diverged" / "checkpoints").glob("step_*")]
+    assert all(step < int(found.group(1)) for step in saved), saved
+    assert f"NonFiniteLossError: step {found.group(1)}:" in (root / "diverged" / "train.log").read_text()
+
+
 @pytest.mark.parametrize(("change", "pattern"), [
     ({"steps": 3}, "was taken after step 3, and steps=3 leaves nothing to train"),
     ({"data.seed": 7}, r"data.seed=0 in the checkpoint but 7 now"),
+    # checked before spawning too: these used to fail inside a rank (ProcessRaisedException, folder left behind)
+    ({"batch_size": 4}, r"the checkpoint trained batch_size=8 per rank, this job has batch_size=4: set batch_size=8"),
+    ({"dist.nproc": 1}, r"global batch is 8 x 2 ranks = 16 samples; with 1 ranks set batch_size=16"),
+    ({"optim": OptimConfig(sparse="ADAM", dense="adam")}, r"optim.dense='adagrad' in the checkpoint but 'adam' now"),
 ])  # fmt: skip
 def test_resume_that_trains_nothing_or_other_data_is_refused(
     ranks: list[dict[str, Any]], root: Path, change: dict[str, Any], pattern: str
@@ -144,6 +164,8 @@ def test_resume_that_trains_nothing_or_other_data_is_refused(
     for key, value in change.items():
         if key == "data.seed":
             cfg.data.seed = value
+        elif key == "dist.nproc":
+            cfg.dist.nproc = value
         else:
             setattr(cfg, key, value)
     with pytest.raises(ValueError, match=pattern):

@@ -19,6 +19,7 @@ from hydra import compose, initialize_config_dir
 
 from tests.train.dist_job_cases import tiny_config
 from tritonrec.dist.train import as_train_config, register_configs, run
+from tritonrec.dist.train.config import OptimConfig
 from tritonrec.dist.train.job_config import LoggerConfig, PipelineConfig, QCommConfig, ShardingConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,6 +118,10 @@ def test_tensorboard_logger(tmp_path: Path) -> None:
     ({"steps": 4}, "was taken after step 4, and steps=4 leaves nothing to train"),
     ({"seed": 3}, "data.seed=0 in the checkpoint but 3 now"),
     ({"num_embeddings": 50}, "data.num_embeddings=40 in the checkpoint but 50 now"),
+    # the distributed job refuses both at the same world size; the one process trained on with them
+    ({"batch_size": 4}, r"trained batch_size=8, this job has batch_size=4: set batch_size=8"),
+    ({"optim": OptimConfig(sparse="ADAM", dense="adam")},
+     r"optim.dense='adagrad' in the checkpoint but 'adam' now, optim.sparse='EXACT_ROWWISE_ADAGRAD' in the"),
 ])  # fmt: skip
 def test_single_process_resume_refuses_no_steps_or_other_data(
     tmp_path: Path, change: dict[str, Any], pattern: str
@@ -124,7 +129,7 @@ def test_single_process_resume_refuses_no_steps_or_other_data(
     run(tiny_config(tmp_path / "first", steps=4, logger=LoggerConfig()))
     cfg = tiny_config(tmp_path / "again", steps=8, resume=str(tmp_path / "first" / "checkpoints" / "step_000004.pt"))
     for key, value in change.items():
-        setattr(cfg if key == "steps" else cfg.data, key, value)
+        setattr(cfg if key in ("steps", "batch_size", "optim") else cfg.data, key, value)
     with pytest.raises(ValueError, match=pattern):
         run(cfg)
 
