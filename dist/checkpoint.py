@@ -3,7 +3,8 @@ plan and world size, published atomically, with a manifest of checksums.
 
 What is saved (:mod:`tritonrec.dist.checkpoint_state`): the model's state dict (sharded tables as ShardedTensors),
 the fused optimizers' state per table, every dense optimizer's state and hyperparameters, and any extra state (a data
-position, a history). How files are published and verified: :mod:`tritonrec.dist.checkpoint_files`.
+position, a history). How files are published and verified: :mod:`tritonrec.dist.checkpoint_files`; the readers that
+need no process group: :mod:`tritonrec.dist.checkpoint_read`.
 
 Every rank calls each function at the same point (they are collectives over ``pg``, default the world; without an
 initialised process group they run in this process alone)::
@@ -20,13 +21,9 @@ assembles a live sharded model's unsharded state dict on one rank (export for se
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
 import re
 import shutil
-import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,9 +44,15 @@ from tritonrec.dist.checkpoint_files import (
     partial_path,
     publish,
     read_manifest,
+    restore_all_replaced,
     sweep_partials,
     write_manifest,
 )
+from tritonrec.dist.checkpoint_read import as_path as _as_path
+from tritonrec.dist.checkpoint_read import check_step as _check_step
+from tritonrec.dist.checkpoint_read import dcp_quietly as _dcp_quietly
+from tritonrec.dist.checkpoint_read import load_unsharded_checkpoint, read_extra_entry
+from tritonrec.dist.checkpoint_read import reason as _reason
 from tritonrec.dist.checkpoint_state import apply_loaded_state, build_state
 from tritonrec.dist.model_parallel import DistributedModelParallel
 from tritonrec.dist.sharded_state import gather_unsharded_state_dict
@@ -209,8 +212,8 @@ def save_checkpoint(
         raise ValueError(f"step must be a non-negative int or None, got step={step!r}")
     if not isinstance(async_save, bool):
         raise TypeError(f"async_save must be a bool, got async_save={async_save!r}")
+    final = _as_path(path, "path")
     ranks = _Ranks(pg)
-    final = Path(path)
     state = build_state(model, optimizers, extra_state)
     staging = _prepare(final, ranks)
     extra = _manifest_extra(model)
@@ -236,8 +239,8 @@ def save_checkpoint(
 def verify_checkpoint(path: str | Path, pg: dist.ProcessGroup | None = None) -> dict[str, Any]:
     """Check every file of a checkpoint against its manifest (each rank hashes a share); returns the manifest.
     Raises :class:`CheckpointError` naming the file and what is wrong. Collective."""
+    directory = _as_path(path, "path")
     ranks = _Ranks(pg)
-    directory = Path(path)
     manifest = ranks.on_rank0(lambda: read_manifest(directory))
     problems = check_files(directory, manifest["files"], lambda i: i % ranks.world == ranks.rank)
     found = [p for part in ranks.gather(problems) for p in part]
@@ -246,14 +249,6 @@ def verify_checkpoint(path: str | Path, pg: dist.ProcessGroup | None = None) -> 
         more = f" (and {len(found) - 1} more problem(s))" if len(found) > 1 else ""
         raise CheckpointError(found[0] + more)
     return manifest  # type: ignore[no-any-return]
-
-
-def _reason(err: BaseException) -> str:
-    """The first rank's error of a DCP ``CheckpointException`` (it holds every rank's, with tracebacks)."""
-    if isinstance(err, CheckpointException) and err.failures:
-        rank, (first, _) = min(err.failures.items(), key=lambda item: item[0])
-        return f"{type(first).__name__}: {first} (rank {rank})"
-    return f"{type(err).__name__}: {err}"
 
 
 class _LoadPlanner(DefaultLoadPlanner):
@@ -288,10 +283,11 @@ def load_checkpoint(
     """Verify, then load a :func:`save_checkpoint` directory into ``model`` / ``optimizers`` / ``extra_state``, in
     place, whatever plan and world size saved it. Collective. ``verify=False`` skips hashing the files (the manifest
     is still read): for a checkpoint just verified, or storage with its own checksums."""
+    path = _as_path(path, "path")
     if not isinstance(verify, bool):
         raise TypeError(f"verify must be a bool, got verify={verify!r}")
     ranks = _Ranks(pg)
-    manifest = verify_checkpoint(path, pg) if verify else ranks.on_rank0(lambda: read_manifest(Path(path)))
+    manifest = verify_checkpoint(path, pg) if verify else ranks.on_rank0(lambda: read_manifest(path))
     reader = dcp.FileSystemReader(str(path))
     state = build_state(model, optimizers, extra_state, set(reader.read_metadata().state_dict_metadata))
     try:
@@ -302,54 +298,6 @@ def load_checkpoint(
         raise CheckpointError(f"checkpoint {str(path)!r} does not fit this model / optimizers: {_reason(err)}") from err
     extra = apply_loaded_state(state, model, optimizers, extra_state)
     return LoadedCheckpoint(manifest.get("step"), extra, manifest)
-
-
-def read_extra_entry(path: str | Path, name: str) -> bytes:
-    """One entry of a checkpoint's extra state (``extra_state[name]`` at save), read alone in this process: no
-    process group and no model (a job reads its step and data fingerprint before building either)."""
-    state: dict[str, Any] = {"extra": {name: b""}}
-    with _dcp_quietly():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
-    return state["extra"][name]  # type: ignore[no-any-return]
-
-
-def load_unsharded_checkpoint(path: str | Path) -> dict[str, Any]:
-    """A checkpoint as plain full tensors, in this process (no process group; for a notebook or serving):
-    ``{"model": {key: tensor}, "fused_optimizer": {path: {table: {state: tensor}}}, "optimizers": {...},
-    "extra": {name: bytes}, ...}``, verified first."""
-    import torch.distributed.checkpoint.metadata as dcp_metadata
-    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
-
-    directory = Path(path)
-    manifest = read_manifest(directory)
-    problems = check_files(directory, manifest["files"], lambda i: True)
-    if problems:
-        raise CheckpointError(problems[0])
-    metadata = dcp.FileSystemReader(str(directory)).read_metadata()
-    flat: dict[str, Any] = {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        if isinstance(md, dcp_metadata.TensorStorageMetadata):
-            flat[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
-        else:
-            flat[fqn] = None
-    with _dcp_quietly():
-        dcp.load(flat, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
-    state = unflatten_state_dict(flat, metadata.planner_data)
-    state["fused_hyperparameters"] = {k: json.loads(v) for k, v in state.get("fused_hyperparameters", {}).items()}
-    for entry in state.get("optimizers", {}).values():
-        entry["param_groups"] = json.loads(entry["param_groups"])
-    state["extra"] = {k: torch.load(io.BytesIO(v), weights_only=False) for k, v in state.get("extra", {}).items()}
-    return state  # type: ignore[no-any-return]
-
-
-@contextlib.contextmanager
-def _dcp_quietly() -> Iterator[None]:
-    """DCP warns that it assumes a single process whenever no process group is initialised (that is the intent),
-    and that ShardedTensor is deprecated each time it meets one (the sharded tables' form: see sharded_state)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
-        yield
 
 
 class CheckpointManager:
@@ -374,16 +322,21 @@ class CheckpointManager:
             raise ValueError(f"keep_last must be a positive int or None, got keep_last={keep_last!r}")
         if not isinstance(async_save, bool):
             raise TypeError(f"async_save must be a bool, got async_save={async_save!r}")
-        self.root = Path(root)
+        self.root = _as_path(root, "root")
         self._pg = pg
         self._ranks = _Ranks(pg)
         self.keep_last = keep_last
         self.async_save = async_save
         self._pending: PendingCheckpoint | None = None
-        self._ranks.on_rank0(lambda: sweep_partials(self.root))  # what a killed save left behind
+
+        def clean_up() -> None:  # what a killed save left behind: first the old copy an overwrite moved aside
+            restore_all_replaced(self.root)
+            sweep_partials(self.root)
+
+        self._ranks.on_rank0(clean_up)
 
     def path(self, step: int) -> Path:
-        return self.root / f"step_{step:08d}"
+        return self.root / f"step_{_check_step(step):08d}"
 
     def steps(self) -> list[int]:
         """Steps of the published checkpoints (directories with a manifest), oldest first."""
@@ -404,6 +357,7 @@ class CheckpointManager:
         extra_state: Mapping[str, Any] | None = None,
     ) -> Path:
         """Save after ``step`` steps; returns the checkpoint's path (async: where it will be published)."""
+        _check_step(step)
         self.wait()
         result = save_checkpoint(self.path(step), model, optimizers, extra_state, step=step, pg=self._pg,
                                  async_save=self.async_save)  # fmt: skip
@@ -431,6 +385,8 @@ class CheckpointManager:
         verify: bool = True,
     ) -> LoadedCheckpoint:
         """Load the checkpoint of ``step`` (default: the latest); ``verify``: as :func:`load_checkpoint`."""
+        if step is not None:
+            _check_step(step)
         self.wait()
         if step is None:
             step = self._ranks.broadcast(self.latest_step())

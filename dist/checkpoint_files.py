@@ -7,6 +7,12 @@ rename, so a directory under its final name is always complete. A save killed be
 ``.partial`` directory, which no load reads and the next save (or :func:`sweep_partials`) removes; a save that fails
 with an exception removes it at once.
 
+Overwriting a published ``<name>/`` takes two renames (a directory cannot atomically replace a non-empty one): the old
+copy first moves to ``<name>.replaced/``, which no sweep deletes, then the new one takes its place, then the old copy
+is removed. Whenever the process dies, one complete copy survives: :func:`restore_replaced` (run by the next
+``CheckpointManager`` and the next publish of that name) moves ``<name>.replaced/`` back when ``<name>/`` is missing
+and removes it when ``<name>/`` is there.
+
 Loading verifies first: a missing manifest, a manifest that does not parse or whose own checksum does not match, a
 missing, truncated, grown or altered file (a flipped byte, a file from another checkpoint) is a
 :class:`CheckpointError` naming the file and what is wrong.
@@ -26,6 +32,7 @@ from typing import Any
 
 MANIFEST = "manifest.json"
 PARTIAL_SUFFIX = ".partial"
+REPLACED_SUFFIX = ".replaced"
 FORMAT = "tritonrec-dcp-checkpoint"
 FORMAT_VERSION = 1
 _CHUNK = 1 << 22
@@ -109,17 +116,46 @@ def partial_path(final: Path) -> Path:
     return final.with_name(final.name + PARTIAL_SUFFIX)
 
 
+def replaced_path(final: Path) -> Path:
+    """Where :func:`publish` keeps the old copy of ``final`` while it puts the new one in place."""
+    return final.with_name(final.name + REPLACED_SUFFIX)
+
+
 def publish(staging: Path, final: Path) -> None:
-    """Rename the complete ``staging`` directory to ``final`` (replacing an older ``final``)."""
+    """Rename the complete ``staging`` directory to ``final``, replacing an older ``final`` so that at every instant
+    one complete copy exists under ``final`` or :func:`replaced_path` (see module docstring)."""
+    restore_replaced(final)  # what an overwrite killed midway left
     replaced = None
     if final.exists():
-        replaced = partial_path(final.with_name(final.name + ".replaced"))
-        shutil.rmtree(replaced, ignore_errors=True)
+        replaced = replaced_path(final)
         os.rename(final, replaced)
+        _fsync_path(final.parent)  # the old copy's new name is on disk before the new copy takes its place
     os.rename(staging, final)
     _fsync_path(final.parent)
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
+
+
+def restore_replaced(final: Path) -> bool:
+    """After an overwrite of ``final`` was killed: move the old copy back when ``final`` is missing (returns True),
+    remove it when the new copy is in place (or when it is not a complete checkpoint: no manifest)."""
+    replaced = replaced_path(final)
+    if not replaced.is_dir():
+        return False
+    if not final.exists() and (replaced / MANIFEST).is_file():
+        os.rename(replaced, final)
+        _fsync_path(final.parent)
+        return True
+    shutil.rmtree(replaced, ignore_errors=True)
+    return False
+
+
+def restore_all_replaced(root: Path) -> list[Path]:
+    """:func:`restore_replaced` for every ``*.replaced`` directory under ``root``; returns the checkpoints restored."""
+    if not root.is_dir():
+        return []
+    finals = [e.with_name(e.name[: -len(REPLACED_SUFFIX)]) for e in root.iterdir() if e.name.endswith(REPLACED_SUFFIX)]
+    return [final for final in finals if restore_replaced(final)]
 
 
 def sweep_partials(root: Path, keep: Path | None = None) -> list[Path]:
@@ -137,6 +173,10 @@ def sweep_partials(root: Path, keep: Path | None = None) -> list[Path]:
 def read_manifest(directory: Path) -> dict[str, Any]:
     """The parsed, self-consistent manifest of ``directory``; :class:`CheckpointError` otherwise."""
     if not directory.is_dir():
+        if replaced_path(directory).is_dir():
+            raise CheckpointError(f"checkpoint {str(directory)!r} does not exist: an overwrite of it was interrupted; "
+                                  f"the previous copy is {replaced_path(directory).name} (a CheckpointManager on "
+                                  "its folder restores it)")  # fmt: skip
         if partial_path(directory).is_dir():
             raise CheckpointError(f"checkpoint {str(directory)!r} does not exist: its save did not finish (only "
                                   f"{partial_path(directory).name} is there)")  # fmt: skip
@@ -203,6 +243,9 @@ __all__ = [
     "partial_path",
     "publish",
     "read_manifest",
+    "replaced_path",
+    "restore_all_replaced",
+    "restore_replaced",
     "sweep_partials",
     "write_manifest",
 ]

@@ -127,17 +127,51 @@ def _dense_entry(optimizer: torch.optim.Optimizer, model: nn.Module, name: str) 
     return {"state": state, "param_groups": _to_json(groups, f"optimizers[{name!r}]")}
 
 
-def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create a lazily initialised optimizer's state with one step on zero gradients, so a load has tensors to
-    fill (the parameters it may move are restored by the same load)."""
-    if optimizer.state:
+def saved_state_names(saved_keys: set[str], name: str, parameter_names: list[str]) -> set[str]:
+    """The parameters of dense optimizer ``name`` that the checkpoint (its flattened keys ``saved_keys``) holds state
+    for: keys ``optimizers.<name>.state.<parameter>.<state name>``, matched to the longest parameter name."""
+    prefix = f"optimizers.{name}.state."
+    by_length = sorted(parameter_names, key=len, reverse=True)
+    out = set()
+    for key in saved_keys:
+        if key.startswith(prefix):
+            rest = key[len(prefix) :]
+            match = next((p for p in by_length if rest.startswith(p + ".")), None)
+            if match is not None:
+                out.add(match)
+    return out
+
+
+def init_optimizer_state(
+    optimizer: torch.optim.Optimizer, names: dict[int, str] | None = None, saved: set[str] | None = None
+) -> None:
+    """Make the optimizer's state hold exactly the parameters a checkpoint has state for, so that a strict load has
+    a tensor for each of its entries and no entry it lacks: the missing state is created by one step on zero
+    gradients of those parameters only (the parameters it may move are restored by the same load); the state of a
+    parameter the checkpoint has none for is dropped (torch's optimizers skip a parameter whose gradient was
+    ``None``: an unused head or a frozen branch had no state when saved, and must have none after the load).
+
+    ``names``: ``id(parameter) -> name``; ``saved``: the names with state in the checkpoint (both ``None``: every
+    parameter that requires a gradient, the behaviour for an optimizer without any state)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if saved is None or names is None:
+        wanted = {id(p) for p in params if p.requires_grad}
+    else:
+        wanted = {id(p) for p in params if names.get(id(p)) in saved}
+    for param in params:
+        if id(param) not in wanted and optimizer.state.get(param):
+            del optimizer.state[param]
+    create = {id(p) for p in params if id(p) in wanted and not optimizer.state.get(p)}
+    if not create:
         return
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    for param in params:
-        param.grad = torch.zeros_like(param)
-    optimizer.step()
-    for param in params:
-        param.grad = None
+    grads = [p.grad for p in params]
+    try:
+        for param in params:  # only the parameters to create state for take part in the step
+            param.grad = torch.zeros_like(param) if id(param) in create else None
+        optimizer.step()
+    finally:
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = grad
 
 
 def _apply_param_groups(optimizer: torch.optim.Optimizer, saved_json: str, model: nn.Module, name: str) -> None:
@@ -200,8 +234,10 @@ def build_state(
     dense = dense_optimizers(optimizers)
     for_load = saved_keys is not None
     for name, optimizer in dense.items():
-        if for_load and any(k.startswith(f"optimizers.{name}.state.") for k in saved_keys):  # type: ignore[union-attr]
-            init_optimizer_state(optimizer)
+        if for_load:  # the live state must hold exactly the parameters the checkpoint has state for
+            names = _parameter_names(optimizer, model, name)
+            saved = saved_state_names(saved_keys, name, list(names.values()))  # type: ignore[arg-type]
+            init_optimizer_state(optimizer, names, saved)
     fused, hyper = _fused_entries(model)
     return {
         "model": model.state_dict(),
@@ -237,4 +273,11 @@ def apply_loaded_state(
     return {k: _restore_extra(v, state["extra"][str(k)], str(k)) for k, v in (extra_state or {}).items()}
 
 
-__all__ = ["apply_loaded_state", "build_state", "dense_optimizers", "fused_modules", "init_optimizer_state"]
+__all__ = [
+    "apply_loaded_state",
+    "build_state",
+    "dense_optimizers",
+    "fused_modules",
+    "init_optimizer_state",
+    "saved_state_names",
+]

@@ -319,7 +319,9 @@ class DistributedModelParallel(nn.Module, FusedOptimizerModule):
 
     @property
     def fused_optimizer(self) -> CombinedOptimizer:
-        """Every sharded module's fused optimizer, keyed ``<module path>.<parameter name>``."""
+        """Every sharded module's fused optimizer, keyed ``<module path>.<parameter name>``; its ``state_dict`` holds
+        each table's state whole, as ShardedTensors, so ``torch.distributed.checkpoint`` saves and re-shards it
+        (:mod:`tritonrec.dist.sharded_fused_optimizer`)."""
         return self._optim
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -10,7 +10,8 @@
 * :func:`fused_optimizer_state_dict` / :func:`load_fused_optimizer_state_dict`: the fused optimizer state keyed by
   table (``momentum1``: per row ``[rows]`` for rowwise Adagrad, per element ``[rows, dim]`` for Adam;
   ``momentum2``; ``step``), sharded like the weights; per-row state of column-split tables is saved once per row
-  range and copied to the other column blocks after a load.
+  range and copied to the other column blocks after a load. The fused optimizer's own ``state_dict`` is the same
+  state under parameter names (:mod:`tritonrec.dist.sharded_fused_optimizer`).
 * :func:`gather_unsharded_state_dict`: the unsharded module's state dict, assembled on one rank (export).
 
 Why ``ShardedTensor`` rather than ``DTensor``: a plan places arbitrary shards on arbitrary ranks (a whole table on
@@ -20,7 +21,7 @@ re-shards it on gloo/CPU (tested).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from torch.distributed._shard.sharding_spec import ShardMetadata
 
 from tritonrec.dist.comm_timeout import wait_for_work
 from tritonrec.dist.sharding.common import ShardedTable, ShardSpec
-from tritonrec.dist.types import ShardingType
+from tritonrec.dist.types import EmbeddingComputeKernel, ShardingType
 
 
 def _placement(rank: int, device: torch.device) -> str:
@@ -96,29 +97,45 @@ def copy_into_shards(
             target.copy_(block)
 
 
-def _copy_from_local_shards(
-    name: str, source: ShardedTensor, spec: ShardSpec, target: torch.Tensor, rowwise: bool
-) -> None:
-    """Fill ``target`` (shard ``spec``) from the overlapping local shards of ``source``."""
-    covered = 0
+def _overlaps(
+    source: ShardedTensor, spec: ShardSpec, rowwise: bool
+) -> Iterator[tuple[torch.Tensor, tuple[slice, ...]]]:
+    """Each local shard of ``source`` overlapping shard ``spec``: the overlap in the source shard, and where it goes
+    in ``spec``'s tensor (index slices)."""
     lo = (spec.row_offset,) if rowwise else (spec.row_offset, spec.col_offset)
     hi = (spec.row_offset + spec.rows,) if rowwise else (spec.row_offset + spec.rows, spec.col_offset + spec.cols)
     for shard in source.local_shards():
         offsets, sizes = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+        if len(offsets) != len(lo):
+            continue  # another rank of tensor: the size checks name it
         start = [max(a, o) for a, o in zip(lo, offsets, strict=True)]
         end = [min(b, o + n) for b, o, n in zip(hi, offsets, sizes, strict=True)]
         if any(e <= s for s, e in zip(start, end, strict=True)):
             continue
         src = shard.tensor[tuple(slice(s - o, e - o) for s, e, o in zip(start, end, offsets, strict=True))]
-        dst = target[tuple(slice(s - a, e - a) for s, e, a in zip(start, end, lo, strict=True))]
-        if dst.data_ptr() != src.data_ptr():
-            dst.copy_(src)
-        covered += src.numel()
-    if covered < target.numel():
+        yield src, tuple(slice(s - a, e - a) for s, e, a in zip(start, end, lo, strict=True))
+
+
+def check_covered(name: str, source: ShardedTensor, spec: ShardSpec, rowwise: bool = False) -> None:
+    """Raise ``ValueError`` unless the local shards of ``source`` cover shard ``spec`` (what a copy reads)."""
+    covered = sum(src.numel() for src, _ in _overlaps(source, spec, rowwise))
+    needed = spec.rows if rowwise else spec.rows * spec.cols
+    if covered < needed:
         raise ValueError(
-            f"{name}: the ShardedTensor's local shards cover {covered} of this rank's {target.numel()} values; load a "
+            f"{name}: the ShardedTensor's local shards cover {covered} of this rank's {needed} values; load a "
             "checkpoint of another sharding with torch.distributed.checkpoint, which re-shards into state_dict()"
         )
+
+
+def _copy_from_local_shards(
+    name: str, source: ShardedTensor, spec: ShardSpec, target: torch.Tensor, rowwise: bool
+) -> None:
+    """Fill ``target`` (shard ``spec``) from the overlapping local shards of ``source``."""
+    check_covered(name, source, spec, rowwise)
+    for src, index in _overlaps(source, spec, rowwise):
+        dst = target[index]
+        if dst.data_ptr() != src.data_ptr():
+            dst.copy_(src)
 
 
 def drop_internal_keys(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
@@ -165,10 +182,10 @@ def fused_optimizer_state_dict(module: Any) -> dict[str, dict[str, Any]]:
     ``step`` is present on the ranks holding a shard of the table."""
     views = _state_views(module)
     out: dict[str, dict[str, Any]] = {}
-    for table in module.sharded_tables():
+    for table in fused_tables(module):
         local = views.get(table.name, [])
         entry: dict[str, Any] = {}
-        for key in _state_keys(module):
+        for key in fused_state_keys(module):
             pairs = [(spec, state[key]) for spec, state in local]
             if is_data_parallel(table):
                 entry[key] = pairs[0][1]
@@ -181,12 +198,27 @@ def fused_optimizer_state_dict(module: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
+def fused_tables(module: Any) -> list[ShardedTable]:
+    """The tables of ``module`` with fused optimizer state (compute kernel ``fused``), the same on every rank."""
+    if module.lookup_options.fused is None:
+        return []
+    return [t for t in module.sharded_tables() if t.sharding.compute_kernel == EmbeddingComputeKernel.FUSED.value]
+
+
 def _rowwise(module: Any) -> bool:
     fused = module.lookup_options.fused
     return fused is not None and fused.optim.name == "EXACT_ROWWISE_ADAGRAD"
 
 
-def _state_keys(module: Any) -> list[str]:
+def syncs_column_row_state(module: Any) -> bool:
+    """Whether :func:`load_fused_optimizer_state_dict` sends per-row state between column blocks (a collective)."""
+    return _rowwise(module) and any(
+        not is_data_parallel(t) and len({s.col_offset for s in t.shards}) > 1 for t in fused_tables(module)
+    )
+
+
+def fused_state_keys(module: Any) -> list[str]:
+    """The per-row / per-element state names of ``module``'s fused rule (``step`` aside)."""
     fused = module.lookup_options.fused
     if fused is None:
         return []
@@ -199,16 +231,17 @@ def load_fused_optimizer_state_dict(module: Any, state_dict: Mapping[str, Mappin
     """Copy a :func:`fused_optimizer_state_dict` (ShardedTensors DCP loaded into, or full tensors) into the live
     state; per-row state of column-split tables then goes from each row range's first column block to the others."""
     views = _state_views(module)
-    for table in module.sharded_tables():
+    for table in fused_tables(module):
         entry = state_dict.get(table.name)
         if entry is None:
             raise ValueError(f"the fused optimizer state dict has no entry for table {table.name!r}")
-        for key in _state_keys(module):
-            pairs = [(spec, state[key]) for spec, state in views.get(table.name, [])]
+        for key in fused_state_keys(module):
+            pairs = [(spec, state[key]) for spec, state in views.get(table.name, []) if state[key].numel()]
             first_block = min(s.col_offset for s in table.shards)
             rowwise = key == "momentum1" and _rowwise(module)
             own = [(s, t) for s, t in pairs if not rowwise or s.col_offset == first_block or is_data_parallel(table)]
-            copy_into_shards(f"{table.name}.{key}", entry[key], own, rowwise=rowwise)
+            if own:  # else nothing of it here (no shard, or per-row state another column block loads)
+                copy_into_shards(f"{table.name}.{key}", entry[key], own, rowwise=rowwise)
         if "step" in entry:
             for _, state in views.get(table.name, []):
                 state["step"].copy_(torch.as_tensor(entry["step"]))
@@ -222,7 +255,7 @@ def _sync_column_row_state(module: Any, views: dict[str, list[tuple[ShardSpec, d
     pg = module.process_group
     me = pg.rank()
     ops, copies = [], []
-    for table in module.sharded_tables():
+    for table in fused_tables(module):
         if is_data_parallel(table):
             continue
         first_block = min(s.col_offset for s in table.shards)
@@ -280,12 +313,16 @@ def gather_unsharded_state_dict(module: nn.Module, dst: int = 0) -> dict[str, to
 
 
 __all__ = [
+    "check_covered",
     "copy_into_shards",
     "drop_internal_keys",
     "fused_optimizer_state_dict",
+    "fused_state_keys",
+    "fused_tables",
     "gather_unsharded_state_dict",
     "ignore_internal_keys",
     "load_fused_optimizer_state_dict",
     "save_table",
     "sharded_tensor",
+    "syncs_column_row_state",
 ]

@@ -27,12 +27,12 @@ from tritonrec.dist.awaitable import Awaitable
 from tritonrec.dist.embedding_lookup import ShardWeight
 from tritonrec.dist.fused_params import LookupOptions, parse_fused_params
 from tritonrec.dist.qcomm_protocol import QuantizedCommCodecs
+from tritonrec.dist.sharded_fused_optimizer import NoLocalShardsOptimizer, ShardedEmbeddingFusedOptimizer
 from tritonrec.dist.sharded_state import copy_into_shards, drop_internal_keys, ignore_internal_keys, save_table
 from tritonrec.dist.sharding import EmbeddingSharding, LocalShard, ShardedTable, build_shardings, sharded_tables
 from tritonrec.dist.sharding.common import ShardingContext
 from tritonrec.dist.types import EmbeddingComputeKernel, ParameterSharding, ShardingEnv
 from tritonrec.modules.embedding_configs import BaseEmbeddingConfig
-from tritonrec.modules.fused_embedding_modules import EmbeddingFusedOptimizer
 
 
 class TableShards(nn.Module):
@@ -72,24 +72,6 @@ class TableShards(nn.Module):
 
 def shard_param_name(k: int) -> str:
     return "weight" if k == 0 else f"weight_{k}"
-
-
-class NoLocalShardsOptimizer(torch.optim.Optimizer):
-    """The fused optimizer of a rank that holds no shard: no state, the module's hyperparameters."""
-
-    def __init__(self, hyperparams: dict[str, Any]) -> None:
-        super().__init__([{"params": []}], {})
-        self.param_groups = [hyperparams]
-        hyperparams.setdefault("params", [])
-
-    def __call__(self) -> NoLocalShardsOptimizer:
-        return self
-
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        """No-op (no shards)."""
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """No-op (no shards)."""
 
 
 def _check_env(env: object) -> ShardingEnv:
@@ -208,14 +190,15 @@ class ShardedTablesMixin:
                         )
         hyperparams = self._options.fused.hyperparams if self._options.fused is not None else {}
         self._fused_optim: torch.optim.Optimizer
-        if slots:
-            self._fused_optim = EmbeddingFusedOptimizer(slots, states, groups, hyperparams)
+        if slots:  # both save whole tables as ShardedTensors (DCP re-shards them): see sharded_fused_optimizer
+            self._fused_optim = ShardedEmbeddingFusedOptimizer(self, slots, states, groups, hyperparams)
         else:
-            self._fused_optim = NoLocalShardsOptimizer(hyperparams)
+            self._fused_optim = NoLocalShardsOptimizer(self, hyperparams)
 
     @property
     def fused_optimizer(self) -> torch.optim.Optimizer:
-        """The fused optimizer of this rank's shards (state per local shard, one live hyperparameter dict)."""
+        """The fused optimizer of this rank's shards (state per local shard, one live hyperparameter dict; its
+        ``state_dict`` holds whole tables as ShardedTensors)."""
         return self._fused_optim
 
     def _after_apply(self) -> None:
@@ -225,7 +208,7 @@ class ShardedTablesMixin:
             sharding.lookup.ensure_packed()
             if sharding.lookup.groups:
                 sharding.lookup.move_state(sharding.lookup.groups[0].table_group.weights.device)
-        if isinstance(self._fused_optim, EmbeddingFusedOptimizer):
+        if isinstance(self._fused_optim, ShardedEmbeddingFusedOptimizer):
             self._fused_optim.rebuild_state_views()
 
     def sharded_parameter_names(self, prefix: str = "") -> Iterator[str]:

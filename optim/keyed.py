@@ -4,6 +4,10 @@
   parameter name (not by position), so a checkpoint survives re-sharding and a model whose ranks hold different
   parameters. It is strict: ``load_state_dict`` copies into the existing state tensors in place and refuses a state
   with other parameters or other state sizes. ``param_groups`` are saved only after ``save_param_groups(True)``.
+  What ``state_dict`` / ``load_state_dict`` see of the state goes through four hooks (``keyed_state``,
+  ``keyed_group_params``, ``check_keyed_state``, ``copy_keyed_state``): the sharded fused optimizer
+  (:mod:`tritonrec.dist.sharded_fused_optimizer`) saves whole tables as ShardedTensors through them, also inside a
+  ``CombinedOptimizer``.
 * :class:`KeyedOptimizerWrapper`: a ``KeyedOptimizer`` around any torch optimizer built by a factory.
 * :class:`CombinedOptimizer`: several keyed optimizers (say the fused embedding optimizer and a dense Adam) seen as
   one; names get the optimizer's key as prefix.
@@ -125,17 +129,57 @@ class KeyedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """``{"state": {name: state}}`` (live tensors, so a checkpoint loader can fill them in place), plus
-        ``"param_groups"`` (hyperparameters, ``"params"`` as sorted names) after ``save_param_groups(True)``."""
-        keys = self._param_keys()
-        out: dict[str, Any] = {"state": {keys[id(param)]: state for param, state in self.state.items()}}
+        ``"param_groups"`` (hyperparameters, ``"params"`` as sorted names) after ``save_param_groups(True)``.
+
+        ``param_groups`` is a tuple of dicts, not a list: ``torch.distributed.checkpoint`` stores a tuple whole under
+        one key in both of its key layouts, while a list of dicts is split per entry in its current layout and
+        kept whole in the torch 2.3 layout it falls back to when a rank holds a ShardedTensor without local shards
+        (a table-wise table on the other ranks) - that load then fails looking for ``param_groups``."""
+        out: dict[str, Any] = {"state": self.keyed_state()}
         if self.defaults["_save_param_groups"]:
             groups = []
             for group in self.param_groups:
                 saved = {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
-                saved["params"] = sorted(keys[id(p)] for p in group["params"])
+                saved["params"] = self.keyed_group_params(group)
                 groups.append(saved)
-            out["param_groups"] = groups
+            out["param_groups"] = tuple(groups)
         return out
+
+    # The hooks below are what ``state_dict`` / ``load_state_dict`` (and a CombinedOptimizer holding this one) see of
+    # the state: an optimizer whose saved form differs from its live ``state`` (the sharded fused optimizer saves
+    # whole tables as sharded tensors) overrides them.
+    def keyed_state(self) -> dict[str, Any]:
+        """Parameter name -> its state, live (what ``state_dict()["state"]`` holds)."""
+        keys = self._param_keys()
+        return {keys[id(param)]: state for param, state in self.state.items()}
+
+    def keyed_optional(self) -> set[str]:
+        """Names a loaded ``state`` may hold beyond :meth:`keyed_state`'s, ignored (none by default; the sharded
+        fused optimizer: tables of which this rank holds nothing)."""
+        return set()
+
+    def check_state_names(self, loaded: Mapping[str, Any]) -> None:
+        """Raise ``ValueError`` unless ``loaded`` holds every name of :meth:`keyed_state` and no unknown one."""
+        live = set(self.keyed_state())
+        if not live <= set(loaded) <= live | self.keyed_optional():
+            raise ValueError(f"state_dict['state'] has parameters {sorted(loaded)}, this optimizer has {sorted(live)}")
+
+    def keyed_group_params(self, group: Mapping[str, Any]) -> list[str]:
+        """The sorted names that stand for ``group``'s parameters in ``state_dict()["param_groups"]``."""
+        keys = self._param_keys()
+        return sorted(keys[id(p)] for p in group["params"])
+
+    def check_keyed_state(self, loaded: Mapping[str, Any]) -> None:
+        """Raise ``ValueError`` naming the parameter when ``loaded`` (a ``state_dict()["state"]``) cannot be copied
+        into the live state: other parameters, state keys or shapes. Writes nothing."""
+        self.check_state_names(loaded)
+        for name, state in self.keyed_state().items():
+            _check_loadable(state, loaded[name], name)
+
+    def copy_keyed_state(self, loaded: Mapping[str, Any]) -> None:
+        """Copy a checked ``state_dict()["state"]`` into the live state, in place."""
+        for name, state in self.keyed_state().items():
+            _copy_into(state, loaded[name])
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
         """Copy a :meth:`state_dict` into the live state (and hyperparameters, when param groups are saved).
@@ -144,31 +188,28 @@ class KeyedOptimizer(torch.optim.Optimizer):
         and valid hyperparameters."""
         if not isinstance(state_dict, Mapping) or "state" not in state_dict:
             raise ValueError("state_dict must hold 'state' (as returned by state_dict())")
-        loaded, keys = state_dict["state"], self._param_keys()
-        live = {keys[id(param)]: state for param, state in self.state.items()}
-        if set(loaded) != set(live):
-            raise ValueError(f"state_dict['state'] has parameters {sorted(loaded)}, this optimizer has {sorted(live)}")
+        loaded = state_dict["state"]
+        if not isinstance(loaded, Mapping):
+            raise ValueError(f"state_dict['state'] must be a dict of name -> state, got {type(loaded).__name__}")
+        self.check_state_names(loaded)
         new_groups = self._matched_groups(state_dict) if self.defaults["_save_param_groups"] else None
-        for name, state in live.items():
-            _check_loadable(state, loaded[name], name)
-        for name, state in live.items():
-            _copy_into(state, loaded[name])
+        self.check_keyed_state(loaded)
+        self.copy_keyed_state(loaded)
         if new_groups is not None:
             for group, new_group in new_groups:
                 for k, v in new_group.items():
                     if k != "params":
-                        group[k] = copy.deepcopy(v)
+                        group[k] = tuple(v) if k == "betas" and isinstance(v, list) else copy.deepcopy(v)
         self.post_load_state_dict()
 
     def _matched_groups(self, state_dict: Mapping[str, Any]) -> list[tuple[dict[str, Any], Mapping[str, Any]]]:
         """Pair each live group with the saved group over the same parameter names; validate the saved ones."""
         if "param_groups" not in state_dict:
             raise ValueError("state_dict has no 'param_groups' but this optimizer saves them")
-        keys = self._param_keys()
         saved = {"/".join(sorted(g["params"])): g for g in state_dict["param_groups"]}
         pairs = []
         for group in self.param_groups:
-            key = "/".join(sorted(keys[id(p)] for p in group["params"]))
+            key = "/".join(self.keyed_group_params(group))
             if key not in saved:
                 raise ValueError(f"no saved param group holds the parameters {key.split('/')}")
             pairs.append((group, saved[key]))
@@ -300,6 +341,39 @@ class CombinedOptimizer(KeyedOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         for _, optimizer in self._optims:
             optimizer.zero_grad(set_to_none=set_to_none)
+
+    # state dicts: each child's own saved form (its hooks), under prefixed names
+    def keyed_state(self) -> dict[str, Any]:
+        return {_prepend(name, key): s for key, opt in self._optims for name, s in opt.keyed_state().items()}
+
+    def keyed_group_params(self, group: Mapping[str, Any]) -> list[str]:
+        for key, optimizer in self._optims:
+            if any(g is group for g in optimizer.param_groups):
+                return sorted(_prepend(name, key) for name in optimizer.keyed_group_params(group))
+        raise ValueError("the param group belongs to none of the combined optimizers")
+
+    def keyed_optional(self) -> set[str]:
+        return {_prepend(name, key) for key, opt in self._optims for name in opt.keyed_optional()}
+
+    def _split(self, loaded: Mapping[str, Any]) -> list[tuple[str, KeyedOptimizer, dict[str, Any]]]:
+        """Each child with its share of ``loaded`` (a combined ``state_dict()["state"]``), names unprefixed."""
+        out = []
+        for key, opt in self._optims:
+            names = set(opt.keyed_state()) | opt.keyed_optional()
+            out.append((key, opt, {n: loaded[_prepend(n, key)] for n in names if _prepend(n, key) in loaded}))
+        return out
+
+    def check_keyed_state(self, loaded: Mapping[str, Any]) -> None:
+        self.check_state_names(loaded)
+        for key, optimizer, share in self._split(loaded):
+            try:
+                optimizer.check_keyed_state(share)
+            except ValueError as err:  # the child names its parameters without the prefix
+                raise ValueError(f"optimizer {key!r}: {err}" if key else str(err)) from None
+
+    def copy_keyed_state(self, loaded: Mapping[str, Any]) -> None:
+        for _, optimizer, share in self._split(loaded):
+            optimizer.copy_keyed_state(share)
 
     def post_load_state_dict(self) -> None:
         for _, optimizer in self._optims:

@@ -5,6 +5,7 @@ its final name and its ``*.partial`` directory is swept; a failing save leaves n
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -19,10 +20,13 @@ import torch.distributed.checkpoint as dcp
 
 from tests.model_parallel.checkpoint_cases import DataPosition
 from tests.model_parallel.dlrm_cases import SHARDED_PATH, build_dlrm, dense_optimizer
+from tritonrec.dist import checkpoint_files
 from tritonrec.dist.checkpoint import (
     CheckpointError,
     CheckpointManager,
     load_checkpoint,
+    load_unsharded_checkpoint,
+    read_extra_entry,
     save_checkpoint,
     verify_checkpoint,
 )
@@ -168,7 +172,40 @@ def test_bad_arguments(tmp_path: Path) -> None:
         CheckpointManager(tmp_path, keep_last=0)
     with pytest.raises(CheckpointError, match=r"no checkpoint under"):
         CheckpointManager(tmp_path / "empty").load(model)
+    # the argument and its value are named (pathlib's own errors name neither; a str step failed to format)
+    for call, message in [
+        (lambda: save_checkpoint(None, model), r"path must be a non-empty str or os.PathLike, got path=None"),
+        (lambda: load_checkpoint(None, model), r"path must be a non-empty str or os.PathLike, got path=None"),
+        (lambda: verify_checkpoint(5), r"path must be a non-empty str or os.PathLike, got path=5"),
+        (lambda: load_unsharded_checkpoint(""), r"path must be a non-empty str or os.PathLike, got path=''"),
+        (lambda: read_extra_entry(None, "job"), r"path must be a non-empty str or os.PathLike, got path=None"),
+        (lambda: read_extra_entry(tmp_path, 3), r"name must be a non-empty str, got name=3"),
+        (lambda: CheckpointManager(None), r"root must be a non-empty str or os.PathLike, got root=None"),
+    ]:
+        with pytest.raises(TypeError, match=message):
+            call()
+    manager = CheckpointManager(tmp_path / "m")
+    with pytest.raises(ValueError, match=r"step must be a non-negative int, got step='5'"):
+        manager.save("5", model)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"step must be a non-negative int, got step='x'"):
+        manager.load(model, step="x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"step must be a non-negative int, got step=True"):
+        manager.path(True)
     assert not any(p.name.endswith(".partial") for p in tmp_path.iterdir())
+
+
+def test_read_extra_entry_names_what_is_missing(saved: tuple[Path, Path], tmp_path: Path) -> None:
+    assert torch.load(io.BytesIO(read_extra_entry(saved[0], "data")), weights_only=False) == 4
+    # DCP's own error is a BaseException, which `except Exception` (a job's resume) and this do not catch
+    with pytest.raises(Exception) as caught:  # the type and message are checked below
+        read_extra_entry(saved[0], "job")
+    assert isinstance(caught.value, CheckpointError)
+    assert str(caught.value) == (
+        f"checkpoint {str(saved[0])!r} (step 1) has no extra state entry 'job' (it has ['data']): it was saved "
+        "without extra_state['job']"
+    )
+    with pytest.raises(CheckpointError, match=r"nowhere' does not exist \(no such directory\)"):
+        read_extra_entry(tmp_path / "nowhere", "job")
 
 
 def test_failed_save_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -227,3 +264,48 @@ def test_killed_writer_leaves_no_checkpoint_and_no_partial(tmp_path: Path, where
     model = build_dlrm(seed=9)
     assert manager.load(model).step == 1
     assert torch.equal(model.state_dict()[T0], build_dlrm().state_dict()[T0])
+
+
+class _Killed(BaseException):
+    """The process dying at a chosen point of ``publish`` (nothing after it runs, as with SIGKILL)."""
+
+
+@pytest.mark.parametrize("dies", ["between-the-renames", "before-removing-the-old-copy"])
+def test_overwrite_killed_midway_keeps_a_complete_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dies: str
+) -> None:
+    """Re-saving a step moves the old copy aside, then the new one in: at every instant one complete copy exists."""
+    manager = CheckpointManager(tmp_path)
+    final = manager.save(1, build_dlrm(seed=3))  # the old copy
+    save_checkpoint(tmp_path / "new", build_dlrm(seed=4), step=1)
+    staging = checkpoint_files.partial_path(final)
+    os.rename(tmp_path / "new", staging)  # the new copy, complete, as publish finds it
+    real_rename, real_rmtree = os.rename, shutil.rmtree
+
+    def rename(src: object, dst: object) -> None:
+        real_rename(src, dst)
+        if Path(str(src)) == final:
+            raise _Killed
+
+    def rmtree(path: object, *args: object, **kwargs: object) -> None:
+        if ".replaced" in Path(str(path)).name:
+            raise _Killed
+        real_rmtree(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    if dies == "between-the-renames":
+        monkeypatch.setattr(os, "rename", rename)
+    else:
+        monkeypatch.setattr(shutil, "rmtree", rmtree)
+    with pytest.raises(_Killed):
+        checkpoint_files.publish(staging, final)
+    monkeypatch.undo()
+    if dies == "between-the-renames":  # only the old copy is complete, and it is not under the final name
+        assert not final.exists()
+        with pytest.raises(CheckpointError, match=r"an overwrite of it was interrupted; the previous copy is"):
+            load_checkpoint(final, build_dlrm(seed=9))
+    manager = CheckpointManager(tmp_path)  # restores the old copy, or removes it when the new one is in place
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]
+    model = build_dlrm(seed=9)
+    assert manager.load(model).step == 1
+    survivor = 3 if dies == "between-the-renames" else 4
+    assert torch.equal(model.state_dict()[T0], build_dlrm(seed=survivor).state_dict()[T0])

@@ -56,5 +56,5 @@ def test_fused_params_reach_the_lookups() -> None:
         got = results["options"]
         assert got["dtypes"] == ["torch.float16"], f"rank {rank}: weights_precision FP16 gave {got['dtypes']}"
         assert got["fp16_forward"] <= 2e-3, f"rank {rank}: fp16 shards' forward differs by {got['fp16_forward']}"
-        assert got["module_optimizer"] == ["EmbeddingFusedOptimizer", 0.003, [0.8, 0.9]], got["module_optimizer"]
+        assert got["module_optimizer"] == ["ShardedEmbeddingFusedOptimizer", 0.003, [0.8, 0.9]], got["module_optimizer"]
         assert got["module_state_keys"] == ["momentum1", "momentum2", "step"], got["module_state_keys"]
