@@ -78,6 +78,10 @@ class BatchFetcher:
             error, failed_stage = read_error, NEXT_BATCH
         return PendingBatch(self, batch, self.agreement.start(status, error, failed_stage))
 
+    def is_current(self, iterator: Iterator[Any]) -> bool:
+        """Whether ``iterator`` is the one being read (another object starts afresh)."""
+        return iterator is self._iterator
+
     def close_thread(self) -> None:
         if self._thread is not None:
             self._thread.stop()

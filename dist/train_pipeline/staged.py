@@ -44,7 +44,7 @@ from torch import nn
 
 from tritonrec.dist.record import record
 from tritonrec.dist.train_pipeline.agreement import Status, StepAgreement, renew_input_dist_groups
-from tritonrec.dist.train_pipeline.checks import check_unsupported
+from tritonrec.dist.train_pipeline.checks import check_bool, check_unsupported
 from tritonrec.dist.train_pipeline.fetch import NEXT_BATCH, BatchFetcher
 from tritonrec.dist.train_pipeline.pipelines import TrainPipeline
 from tritonrec.dist.train_pipeline.tracing import PipelinedModules, TrainPipelineContext, rewrite_model
@@ -88,8 +88,12 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
         debug_mode: log every stage run.
         compute_stream: the stream the model runs on (CUDA; default the current one).
         on_flush_end: called after a flush (:meth:`set_flush`) emptied the pipeline.
+    Keyword-only (tritonrec's):
         host_prefetch: host batches a background thread reads ahead (0: none).
         group: the ranks that agree on each step (default: the world).
+
+    A stage that returns None for a batch drops it; every rank must drop the same batches (their input dists pair
+    up across ranks), as every rank must request a flush at the same step.
     """
 
     def __init__(
@@ -98,6 +102,7 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
         debug_mode: bool = False,
         compute_stream: torch.cuda.Stream | None = None,
         on_flush_end: Callable[[], None] | None = None,
+        *,
         host_prefetch: int = 0,
         group: dist.ProcessGroup | None = None,
     ) -> None:
@@ -106,6 +111,9 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
         for stage in pipeline_stages:
             if not isinstance(stage, PipelineStage):
                 raise TypeError(f"pipeline_stages must hold PipelineStage objects, got {type(stage).__name__}")
+        check_bool(debug_mode, "debug_mode")
+        if on_flush_end is not None and not callable(on_flush_end):
+            raise TypeError(f"on_flush_end must be a callable or None, got on_flush_end={on_flush_end!r}")
         self._stages = pipeline_stages
         self._debug_mode = debug_mode
         self._outputs: list[StageResult | None] = [None] * len(pipeline_stages)
@@ -213,20 +221,43 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
         self._outputs = [*self._outputs[1:], None]
         return out
 
-    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
-        """The next batch through every stage (for the model's forward), or None when the data is over."""
-        if not self._initialized:
-            self._fill_pipeline(dataloader_iter)
-        ready = self._advance()
-        if ready is None or ready[0] is None:
-            if self._flushing:
-                self.flush_end()
-                return self.progress(dataloader_iter)
-            return None
-        self._num_steps += 1
+    def _drained(self) -> bool:
+        """No batch left in any stage, and none read ahead."""
+        return self._read_ahead is None and all(out is None or out[0] is None for out in self._outputs)
+
+    def _step(self, dataloader_iter: Iterator[Any]) -> None:
+        """Every stage once, each on its batch (stage ``s`` on the one ``N - 1 - s`` calls behind the newest), then
+        the step's agreement."""
         for stage_idx in range(self.num_stages):
             self._run_stage(self.num_stages - 1 - stage_idx, stage_idx, dataloader_iter, fill=False)
         self._end_step(dataloader_iter)  # before the caller's forward, which may wait on peers
+
+    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        """The next batch through every stage (for the model's forward), or None when the data is over.
+
+        A batch a stage returned None for is skipped (the later stages do not run on it, as in torchrec): the
+        batches behind it still move on one stage per step, so each reaches the model with every stage run on it.
+        After the end, a new iterator (another object) refills the pipeline and trains on; the same one gives None.
+        """
+        if self._initialized and self._drained() and not self._fetcher.is_current(dataloader_iter):
+            self._initialized = False  # the data was over: start afresh on the new iterator, as after a flush
+        if not self._initialized:
+            self._fill_pipeline(dataloader_iter)
+        while True:
+            ready = self._advance()
+            if ready is not None and ready[0] is not None:
+                break
+            if self._drained():
+                if self._flushing:
+                    self.flush_end()
+                    return self.progress(dataloader_iter)
+                return None
+            # a hole (a stage returned None for this batch, or a flush was cancelled before the pipeline emptied):
+            # returning None here would end the caller's loop, and returning the next batch now would skip its last
+            # stage, so the step runs without a forward and the next batch comes next
+            self._step(dataloader_iter)
+        self._num_steps += 1
+        self._step(dataloader_iter)
         out, event = ready
         if event is not None and self._compute_stream is not None:
             event.wait(self._compute_stream)
@@ -235,8 +266,9 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
 
     # ---------------------------------------------------------------------------------------------------- flush
     def set_flush(self, flush: bool) -> None:
-        """Stop reading new batches until the pipeline is empty (every rank at the same step), then refill."""
-        self._flushing = flush
+        """Stop reading new batches until the pipeline is empty (every rank at the same step), then refill;
+        ``set_flush(False)`` before then cancels it (the batches in flight still train, in order)."""
+        self._flushing = check_bool(flush, "flush")
 
     def flush_end(self) -> None:
         self.set_flush(False)
@@ -284,7 +316,7 @@ class SparseDataDistUtil:
         self._next_index = 0
         self._pipelined: PipelinedModules | None = None
         self.fallback_reason: str | None = None
-        self._hook: Any = None
+        self._hooks: list[Any] = []
 
     @property
     def pipelined_modules(self) -> list[str]:
@@ -292,7 +324,10 @@ class SparseDataDistUtil:
 
     def _initialize(self, context: TrainPipelineContext) -> None:
         self._pipelined, self.fallback_reason = rewrite_model(self.model, context, self.data_dist_stream)
-        self._hook = self.model.register_forward_hook(self._after_forward)
+        self._hooks = [
+            self.model.register_forward_pre_hook(self._before_forward),
+            self.model.register_forward_hook(self._after_forward),
+        ]
 
     def start_sparse_data_dist(self, batch: Any) -> Any:
         """Stage runnable: launch ``batch``'s input dists; returns ``batch``."""
@@ -347,6 +382,13 @@ class SparseDataDistUtil:
             data_exhausted_callback=self.data_exhausted_callback,
         )
 
+    def _before_forward(self, module: nn.Module, input: Any) -> None:
+        # Normally the previous forward's hook (or the fill callback) finished this batch's split round. Not when the
+        # batch before it was skipped (a stage returned None for it): that forward's hook found no input dist
+        # started yet, so the round is finished here, before the pipelined modules consume it.
+        if not self._ready and self._waiting:
+            self.wait_sparse_data_dist()
+
     def _after_forward(self, module: nn.Module, input: Any, output: Any) -> None:
         if self._ready:
             self._ready.popleft()
@@ -356,9 +398,9 @@ class SparseDataDistUtil:
 
     def detach(self) -> nn.Module:
         """Give the model its own forwards back (e.g. to evaluate it); in-flight input dists stay for :meth:`attach`."""
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         if self._pipelined is not None:
             self._pipelined.detach()
             self._pipelined = None

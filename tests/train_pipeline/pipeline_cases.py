@@ -211,6 +211,31 @@ def train_staged(kind: str, world: int, data: Iterator[Any], extra_stage: bool =
     return {"losses": losses, "weights": snapshot(model, sharded), "events": events, "pipelined": sdd.pipelined_modules}
 
 
+def train_staged_skip_then_new_iterator(rank: int, world: int) -> dict[str, Any]:
+    """A 3-stage pipeline (copy, a stage that returns None for the 4th batch, the input dist) trained on 10 batches,
+    then on a new iterator of 5 after the end: the losses and final weights."""
+    from tritonrec.dist.train_pipeline import PipelineStage, SparseDataDistUtil, StagedTrainPipeline
+
+    model, optimizer, sharded = build_model("tw", world)
+    sdd = SparseDataDistUtil(model)
+    calls = itertools.count()
+    pipeline = StagedTrainPipeline([
+        PipelineStage("data_copy", lambda b: b.to(CPU)),
+        PipelineStage("drop", lambda b: None if next(calls) == 3 else b),
+        sdd.start_sparse_data_dist_stage(),
+    ])  # fmt: skip
+    losses: list[float] = []
+    for data in (batches(rank, 10), batches(rank, 5)):
+        while (batch := pipeline.progress(data)) is not None:
+            optimizer.zero_grad()
+            loss, _ = model(batch)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    pipeline.close()
+    return {"losses": losses, "weights": snapshot(model, sharded)}
+
+
 def _differ(got: dict[str, Any], want: dict[str, Any]) -> list[str]:
     return [k for k, v in want["weights"].items() if not torch.equal(got["weights"][k], v)]
 
@@ -248,6 +273,20 @@ def exact_cases(rank: int, world: int) -> dict[str, Any]:
     out["tw-staged_extra_stage"] = {"losses": staged["losses"], "base_losses": base["losses"],
                                     "differ": _differ(staged, base), "prefetched": _prefetched(staged["events"]),
                                     "pipelined": staged["pipelined"]}  # fmt: skip
+    # a stage that returns None for batch 3 (skipped), then a new iterator after the end: equals the base pipeline on
+    # the other batches (before the fix, the batch after the skipped one reached the model without its input dist,
+    # and after the end progress gave None for good)
+    try:  # (a failure here fails its own test, not the suite's others)
+        skipped = train_staged_skip_then_new_iterator(rank, world)
+    except Exception as error:
+        skipped = {"losses": [f"{type(error).__name__}: {error}"], "weights": {}}
+    kept = itertools.chain((b for k, b in enumerate(batches(rank, 10)) if k != 3), batches(rank, 5))
+    base = train(lambda m, o: TrainPipelineBase(m, o, CPU), "tw", world, kept)
+    out["tw-staged_skip_new_iterator"] = {
+        "losses": skipped["losses"],
+        "base_losses": base["losses"],
+        "differ": _differ(skipped, base) if skipped["weights"] else ["(raised)"],
+    }
     # two collections, the second fed a computed KJT (or the batch's own): pipelined training still equals base, and
     # the ranks agree before the forward only when the second runs its own input dist there
     for computed in (True, False):

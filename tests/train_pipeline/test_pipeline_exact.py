@@ -28,6 +28,16 @@ def test_pipelined_training_equals_base_bit_for_bit(run: str) -> None:
         assert got["prefetched"], f"rank {rank}: batch k+1's input dist did not start before batch k's lookup"
 
 
+def test_staged_skipping_a_batch_then_a_new_iterator_equals_base_bit_for_bit() -> None:
+    """A stage returning None for batch 3 skips it (the input dists stay in step with the forwards), and a new
+    iterator after the end refills the pipeline: 9 + 5 steps, as the base pipeline on the same batches."""
+    for rank, results in enumerate(suite_results("exact")):
+        got = results["tw-staged_skip_new_iterator"]
+        assert len(got["losses"]) == 14, f"rank {rank}: {len(got['losses'])} steps"
+        assert got["losses"] == got["base_losses"], f"rank {rank}: losses differ from the base pipeline"
+        assert got["differ"] == [], f"rank {rank}: weights or optimizer state differ: {got['differ']}"
+
+
 @pytest.mark.parametrize("kind", ["tw", "rw"])
 def test_base_pipeline_does_not_prefetch_input_dist(kind: str) -> None:
     for results in suite_results("exact"):

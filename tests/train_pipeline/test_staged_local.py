@@ -110,3 +110,93 @@ def test_a_flush_trains_every_batch_once_in_order() -> None:
     assert flushes == [6]
     assert losses == base_losses and len(losses) == 9
     assert torch.equal(model.sharded.weight, base_model.sharded.weight)
+
+
+def _tagger(name: str, seen: dict[str, list[int]], none_on: int | None = None):
+    """Stage ``name``: records the batch, returns None for ``none_on``, else the batch with ``name`` appended."""
+
+    def run(batch: Any) -> Any:
+        key = batch if isinstance(batch, int) else batch[0]
+        seen.setdefault(name, []).append(key)
+        if key == none_on:
+            return None
+        return (key, *(() if isinstance(batch, int) else batch[1:]), name)
+
+    return run
+
+
+def test_a_batch_a_stage_returns_none_for_is_skipped_and_every_later_batch_gets_every_stage() -> None:
+    seen: dict[str, list[int]] = {}
+    pipeline = StagedTrainPipeline([
+        PipelineStage("a", _tagger("a", seen)),
+        PipelineStage("b", _tagger("b", seen, none_on=3)),
+        PipelineStage("c", _tagger("c", seen)),
+    ])  # fmt: skip
+    data = iter(range(8))
+    outs = [pipeline.progress(data) for _ in range(9)]
+    # progress returned None at batch 3 (ending a `while` loop early) and then batch 4 without stage c
+    assert outs == [(k, "a", "b", "c") for k in (0, 1, 2, 4, 5, 6, 7)] + [None, None]
+    assert seen == {"a": list(range(8)), "b": list(range(8)), "c": [0, 1, 2, 4, 5, 6, 7]}
+
+
+def test_a_cancelled_flush_leaves_no_batch_short_of_a_stage() -> None:
+    seen: dict[str, list[int]] = {}
+    pipeline = StagedTrainPipeline([PipelineStage(n, _tagger(n, seen)) for n in "abc"])
+    data, outs = iter(range(10)), []
+    for call in range(12):
+        outs.append(pipeline.progress(data))
+        pipeline.set_flush(call == 1)  # requested after the second batch, cancelled after the third
+    assert outs == [(k, "a", "b", "c") for k in range(10)] + [None, None]
+
+
+def test_a_new_iterator_after_the_end_refills_the_pipeline() -> None:
+    pipeline = StagedTrainPipeline([PipelineStage("a", lambda b: b), PipelineStage("b", lambda b: b)])
+    first = iter(range(3))
+    assert [pipeline.progress(first) for _ in range(5)] == [0, 1, 2, None, None]
+    second = iter(range(10, 13))  # the same iterator gives None, another one trains on (it read nothing before)
+    assert [pipeline.progress(second) for _ in range(5)] == [10, 11, 12, None, None]
+
+
+def test_a_skipped_batch_leaves_the_input_dists_in_step_with_the_forwards() -> None:
+    """The input-dist stage after a stage that drops batch 3: the forward of batch 4 finds its input dist (its split
+    round was not finished by batch 2's forward hook, as batch 3 started none) and training equals the base
+    pipeline on the other batches."""
+    optimizer_of = lambda model: torch.optim.SGD(model.parameters(), lr=0.1)
+    base_model = ToyModel()
+    base = TrainPipelineBase(base_model, optimizer_of(base_model), CPU)
+    data, base_losses = (b for k, b in enumerate(toy_batches(8)) if k != 3), []
+    while True:
+        try:
+            base_losses.append(base.progress(data)[0].item())
+        except StopIteration:
+            break
+    model = ToyModel()
+    optimizer = optimizer_of(model)
+    sdd = SparseDataDistUtil(model)
+    calls = iter(range(100))
+    pipeline = StagedTrainPipeline([
+        PipelineStage("data_copy", lambda b: b),
+        PipelineStage("drop", lambda b: None if next(calls) == 3 else b),
+        sdd.start_sparse_data_dist_stage(),
+    ])  # fmt: skip
+    data, losses = toy_batches(8), []
+    while (batch := pipeline.progress(data)) is not None:
+        optimizer.zero_grad()
+        loss: Any = model(batch)[0]
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses == base_losses and len(losses) == 7
+    assert torch.equal(model.sharded.weight, base_model.sharded.weight)
+
+
+def test_staged_arguments_are_checked_and_tritonrec_ones_keyword_only() -> None:
+    stages = [PipelineStage("a", lambda b: b)]
+    with pytest.raises(TypeError, match="debug_mode must be a bool, got debug_mode='yes'"):
+        StagedTrainPipeline(stages, debug_mode="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="on_flush_end must be a callable or None, got on_flush_end=3"):
+        StagedTrainPipeline(stages, on_flush_end=3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="positional"):
+        StagedTrainPipeline(stages, False, None, None, 1)  # type: ignore[misc]
+    with pytest.raises(TypeError, match="flush must be a bool, got flush=1"):
+        StagedTrainPipeline(stages).set_flush(1)  # type: ignore[arg-type]
