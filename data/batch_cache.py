@@ -24,7 +24,7 @@ from __future__ import annotations
 import numbers
 import os
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -89,9 +89,14 @@ class DataGroup:
             raise ValueError("loader_layouts and cache_layouts are both None: a group needs one of them")
         if not self._loader_layouts and cache_location is None:
             raise ValueError("a group without loader_layouts is read from its cache, so it needs a cache_location")
-        self.cache_location = Path(cache_location) if cache_location is not None else None
         self.cache_readonly = cache_readonly or not self._loader_layouts
         self.persist = persist
+        if cache_location is not None and not isinstance(cache_location, (str, os.PathLike)):
+            kind = type(cache_location).__name__
+            raise TypeError(
+                f"cache_location must be a str, a path or None, got {kind}: cache_location={cache_location!r}"
+            )
+        self.cache_location = Path(cache_location) if cache_location is not None else None
         if not isinstance(cache_views, bool):
             raise TypeError(f"cache_views must be a bool, got cache_views={cache_views!r}")
         key_major = [cache_key_major] if isinstance(cache_key_major, str) else list(cache_key_major)
@@ -282,6 +287,8 @@ class Batch:
         ``max_values_per_item`` ids per item); ``additional`` (one value per item for each key) replaces the
         loader's additional data when given.
         """
+        if not isinstance(persist, bool):
+            raise TypeError(f"persist must be a bool, got persist={persist!r}")
         if not self._uncached:
             raise RuntimeError(f"batch {self._group_index} is already cached")
         layouts = self._group.cache_layouts
@@ -305,10 +312,16 @@ class Batch:
             if not isinstance(additional, Mapping):
                 raise TypeError(f"additional must be a mapping key -> values, got {type(additional).__name__}")
             for key, values in additional.items():
-                if not isinstance(values, Sequence) or len(values) != len(self):
-                    raise ValueError(f"additional[{key!r}] must hold one value per item ({len(self)})")
-            self._additional = {key: list(values) for key, values in additional.items()}
-        self._arrays, self._uncached = dict(arrays), False
+                if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or len(values) != len(self):
+                    got = f"a {type(values).__name__} of length {len(values)}" if isinstance(values, Sized) else values
+                    raise ValueError(
+                        f"additional[{key!r}] must hold one value per item ({len(self)}) in a sequence, got {got}"
+                    )
+        new_arrays = dict(arrays)
+        new_additional = self._additional if additional is None else {k: list(v) for k, v in additional.items()}
         group = self._group
         if persist and group.persist and not group.cache_readonly and group.cache_location is not None:
-            group.write_batch(self._group_index, self._arrays, self._additional)
+            # Written before the batch changes form: a failed write (unpicklable additional data) leaves it uncached,
+            # so the call can be retried. A batch another writer stored first keeps its stored copy.
+            group.write_batch(self._group_index, new_arrays, new_additional)
+        self._arrays, self._additional, self._uncached = new_arrays, new_additional, False

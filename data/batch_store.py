@@ -14,6 +14,8 @@ Layout of ``cache_location``::
 
 A batch is written in place (its additional pickle first, renamed into place, then its rows of every array) and only
 then marked in ``stored.bin``, so a job killed mid-write leaves the batch unmarked and it is loaded and written again.
+A stored batch is never written again (the first writer wins): rewriting it in place would leave a torn batch marked
+stored if the job were killed midway. Opening a cache checks every file's shape and dtype (from its header).
 Files are created under a temporary name and linked into place without replacing an existing one, so ranks that open
 the same new cache at once all end up with the same files.
 
@@ -156,12 +158,37 @@ class BatchStore:
             for path in [self.array_path(name) for name in self._files] + [location / "stored.bin"]:
                 if not path.is_file():
                     raise ValueError(f"cache_location {str(location)!r} has cache.json but lacks {path.name}")
+            self._check_files()
             return
         (location / "additional").mkdir(parents=True, exist_ok=True)
         for name, (shape, dtype) in self._files.items():
             _create_exclusive(self.array_path(name), lambda p, s=shape, d=dtype: _empty_npy(p, s, d))
         _create_exclusive(location / "stored.bin", lambda p: p.write_bytes(bytes(self.batch_count)))
+        self._check_files()  # a file left by a job killed before cache.json may have another group's layout
         _create_exclusive(descriptor_path, lambda p: p.write_text(json.dumps(mine, indent=1)))
+
+    def _check_files(self) -> None:
+        """Every array file has the shape and dtype this group expects (read from its header, no data read), and
+        ``stored.bin`` one byte per batch; else a ValueError naming the file, what it holds and what was expected."""
+        for name, (shape, dtype) in self._files.items():
+            path = self.array_path(name)
+            try:
+                mapped = np.load(path, mmap_mode="r")
+            except (ValueError, OSError) as error:  # a truncated or foreign file
+                raise ValueError(f"cache file {str(path)!r} is not a readable .npy ({error}); delete it") from None
+            expected = (tuple(shape), _numpy_dtype(dtype))
+            if (mapped.shape, mapped.dtype) != expected:
+                raise ValueError(
+                    f"cache file {str(path)!r} holds shape {mapped.shape} {mapped.dtype}, but this group expects "
+                    f"{expected[0]} {expected[1]} (left by another group's cache?); delete it or use another location"
+                )
+            del mapped
+        marks = self.location / "stored.bin"
+        if marks.stat().st_size != self.batch_count:
+            raise ValueError(
+                f"cache file {str(marks)!r} holds {marks.stat().st_size} bytes, but this group has "
+                f"{self.batch_count} batches (one byte each); delete it or use another location"
+            )
 
     def _file_shape(self, name: str) -> tuple[int, ...]:
         """Row-major arrays: ``[batch_count * batch_size, *shape]``; key-major ones ``[batch_count, F, batch_size]``."""
@@ -243,6 +270,8 @@ class BatchStore:
     ) -> None:
         """Store batch ``index``: its additional data, its rows of every array, then its mark."""
         assert not self.readonly
+        if self.is_stored(index):  # first writer wins: rewriting in place could leave a torn batch marked stored
+            return
         if self._write_maps is None:
             self._write_maps = {name: np.load(self.array_path(name), mmap_mode="r+") for name in self._files}
             marks = np.memmap(self.location / "stored.bin", dtype=np.uint8, mode="r+")
@@ -251,8 +280,12 @@ class BatchStore:
         if additional:
             path = self.additional_path(index)
             partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-            with partial.open("wb") as handle:
-                pickle.dump(dict(additional), handle)
+            try:
+                with partial.open("wb") as handle:
+                    pickle.dump(dict(additional), handle)
+            except Exception as error:  # nothing of the batch is written yet: leave no partial file behind
+                partial.unlink(missing_ok=True)
+                raise ValueError(f"batch {index}'s additional data cannot be pickled: {error}") from error
             os.replace(partial, path)  # another writer of this batch wrote the same data
             mark = STORED_WITH_ADDITIONAL
         maps = self._write_maps

@@ -107,20 +107,20 @@ class Batcher:
         return dict(stats)
 
     def get_statistics(self) -> dict[str, Any] | None:
-        """The precomputed statistics of the config, else the last computed or set ones; ``None`` after a reset."""
+        """The last computed or set statistics, else the config's precomputed ones; ``None`` after a reset."""
         if self._stats_reset:
             return None
-        if self.config.precomputed_stats is not None:
-            return dict(self.config.precomputed_stats)
-        return None if self._computed_stats is None else dict(self._computed_stats)
+        if self._computed_stats is not None:  # set statistics win over the config's fixed ones
+            return dict(self._computed_stats)
+        precomputed = self.config.precomputed_stats
+        return None if precomputed is None else dict(precomputed)
 
     def set_statistics(self, stats: Mapping[str, Any]) -> None:
-        """Replace the statistics (also over precomputed ones) and clear a reset."""
+        """Replace the statistics (also over precomputed ones) and clear a reset. The config stays as it was (it
+        was replaced by one without the precomputed statistics before, so ``copy()`` lost them)."""
         if not isinstance(stats, Mapping):
             raise TypeError(f"stats must be a mapping, got {type(stats).__name__}")
         self._computed_stats, self._stats_reset = dict(stats), False
-        if self.config.precomputed_stats is not None:  # set statistics win over the config's fixed ones
-            self.config = BatcherConfig(batch_stats_fn=self.config.batch_stats_fn)
 
     def reset_statistics(self) -> None:
         """Forget every statistic: :meth:`get_statistics` returns ``None`` until new ones are computed or set."""
@@ -135,8 +135,12 @@ class Batcher:
         return duplicate
 
     def clone(self) -> Batcher:
-        """An independent duplicate: same spec, config, stream position and statistics."""
-        duplicate = self.copy()
+        """An independent duplicate: same spec, stream position and statistics, and a config whose precomputed
+        statistics are a deep copy (shared, an in-place change to a clone's statistic tensor changed the original's)."""
+        config = self.config
+        if config.precomputed_stats is not None:
+            config = BatcherConfig(precomputed_stats=copy_module.deepcopy(dict(config.precomputed_stats)))
+        duplicate = self.copy(config)
         duplicate._computed_stats = copy_module.deepcopy(self._computed_stats)
         duplicate._stats_reset = self._stats_reset
         return duplicate

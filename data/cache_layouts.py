@@ -10,6 +10,7 @@ lengths, its ``[F]`` per-key totals and, when weighted, a slot of float32 weight
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -128,8 +129,11 @@ def check_layouts(layouts: Layouts | None, name: str, storable: bool, kjt_allowe
         if not isinstance(layout, (tuple, list)) or len(layout) != 2:
             raise ValueError(f"{where} must be a (shape, dtype) pair, got {layout!r}")
         shape, dtype = layout
-        if not isinstance(shape, (tuple, list)) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        dims_ok = all(isinstance(d, numbers.Integral) and not isinstance(d, bool) and d >= 0 for d in shape) if (
+            isinstance(shape, (tuple, list))) else False  # fmt: skip
+        if not dims_ok:  # a bool is an int to Python, but never a dimension; numpy ints are fine
             raise ValueError(f"{where}: shape must be a tuple of non-negative ints, got {shape!r}")
+        shape = tuple(int(d) for d in shape)
         dtype = torch_dtype(dtype, where)
         if storable and dtype == torch.bfloat16:
             raise ValueError(f"{where}: dtype torch.bfloat16 cannot be stored as .npy; cache it as float32")

@@ -284,3 +284,26 @@ def test_copy_and_clone() -> None:
 def test_statistics_bad_input(make: Callable[[], object], error: type[Exception], pattern: str) -> None:
     with pytest.raises(error, match=pattern):
         make()
+
+
+def test_clone_owns_its_precomputed_statistics() -> None:
+    """The clone shared the config's precomputed statistics: an in-place change to a clone's tensor changed the
+    original's."""
+    original = Batcher(SPEC, BatcherConfig(precomputed_stats={"mean": torch.zeros(2)}))
+    clone = original.clone()
+    clone.get_statistics()["mean"].add_(5)
+    assert original.get_statistics()["mean"].tolist() == [0.0, 0.0]
+    assert clone.get_statistics()["mean"].tolist() == [5.0, 5.0]
+
+
+def test_set_statistics_keeps_the_config() -> None:
+    """set_statistics replaced the config by one without its precomputed statistics, so copy() (same config) lost
+    them."""
+    config = BatcherConfig(precomputed_stats={"mean": 1.5})
+    batcher = Batcher(SPEC, config)
+    batcher.set_statistics({"mean": 2.0})
+    assert batcher.config is config and batcher.get_statistics() == {"mean": 2.0}
+    assert batcher.copy().get_statistics() == {"mean": 1.5}  # set statistics stay behind, the config's come along
+    assert batcher.clone().get_statistics() == {"mean": 2.0}
+    batcher.reset_statistics()
+    assert batcher.get_statistics() is None and batcher.clone().get_statistics() is None
