@@ -263,10 +263,14 @@ def input_dist_checks(shardings: Sequence[EmbeddingSharding], name: str) -> Iter
 
     Opened last to first, so that a rank unwinding an error exchanges them first to last, the order in which the
     other ranks' all-to-alls exchange them. ``name`` names the collection's step in the checks' messages."""
+    checked = [sharding for sharding in shardings if sharding.distributes_input]
+    if not checked and shardings:
+        # every table data-parallel: no all-to-all would carry a rejection to the peers, so one sharding's check
+        # runs on its own (an all-gather of an "input ok" flag, in the checked calls only)
+        checked = [shardings[0]]
     with contextlib.ExitStack() as stack:
-        for sharding in reversed(shardings):
-            if sharding.distributes_input:
-                stack.enter_context(sharding.input_dist_check.call(sharding.input_dist_pg, name))
+        for sharding in reversed(checked):
+            stack.enter_context(sharding.input_dist_check.call(sharding.input_dist_pg, name))
         yield
 
 

@@ -46,7 +46,7 @@ def _sharder_and_plan(generators: dict, fused: dict | None = None):  # type: ign
 
 def error_cases(rank: int, world: int) -> dict[str, str]:
     from tritonrec.data import KeyedJaggedTensor
-    from tritonrec.dist import ShardingEnv, row_wise, table_row_wise, table_wise
+    from tritonrec.dist import ShardingEnv, data_parallel, row_wise, table_row_wise, table_wise
     from tritonrec.dist.embeddingbag import ShardedEmbeddingBagCollection
     from tritonrec.modules import EmbeddingBagCollection
 
@@ -94,6 +94,13 @@ def error_cases(rank: int, world: int) -> dict[str, str]:
     out["vbe_on_twrw"] = _error(lambda: twrw_sharded(vbe_inverse))
     rw = {t: row_wise() for t, *_ in TABLES}
     out["default_sharder"] = type(_sharder_and_plan(rw)[1]).__name__
+    # every table data-parallel (no input all-to-all): a batch rank 0 rejects must raise on rank 1 too
+    dp = {t: data_parallel(compute_kernel="fused") for t, *_ in TABLES}
+    _, _, dp_plan, _ = _sharder_and_plan(dp)
+    dp_sharded = ShardedEmbeddingBagCollection(ebc, dp_plan, env, {"optimizer": "EXACT_SGD"})
+    good = KeyedJaggedTensor(FEATURES, values, lengths=good_lengths)
+    bad = KeyedJaggedTensor(FEATURES[:-1], values, lengths=lengths[:4])
+    out["data_parallel_rejection"] = _error(lambda: dp_sharded(bad if rank == 0 else good))
     return out
 
 

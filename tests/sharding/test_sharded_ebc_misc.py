@@ -25,6 +25,8 @@ EXPECTED_ERRORS = {
     "weighted_without_weights": r"ValueError: ShardedEmbeddingBagCollection is weighted .* but features has no weights",
     "vbe_on_twrw": r"ValueError: table_row_wise sharding does not take a variable batch per feature",
     "default_sharder": r"EmbeddingBagCollectionSharder",
+    # rank 0 rejects its batch; with no input all-to-all, rank 1 learns it from the data-parallel check
+    "data_parallel_rejection": r"ValueError: .*(features is missing keys \['f4'\]|rank 0 rejected its input)",
 }
 
 
