@@ -178,17 +178,18 @@ def split_tsv(path: Path, parts: int) -> list[Path]:
 
 
 def torchrec_npy_pass(
-    prefix: Path, batch_size: int, mmap_mode: bool, data_loader: bool = False
+    prefix: Path, batch_size: int, mmap_mode: bool, data_loader: bool = False, hashed_files: bool = False
 ) -> Callable[[], Iterable[Any]]:
     """In memory (the default): files loaded and ids hashed in the constructor, untimed; ``mmap_mode``: read and
-    hashed per batch, as ours are. ``data_loader``: wrapped as the reference DLRM script wraps it."""
+    hashed per batch. ``hashed_files``: the files hold ids hashed when written (``hashes=None``: no modulo per
+    batch), the same work as our key-major reader. ``data_loader``: wrapped as the reference DLRM script wraps it."""
     from torch.utils.data import DataLoader
     from torchrec.datasets.criteo import InMemoryBinaryCriteoIterDataPipe
 
     dense, sparse, labels = (str(p) for p in npy_paths(prefix))
     pipe = InMemoryBinaryCriteoIterDataPipe(
-        "train", [dense], [sparse], [labels], batch_size, rank=0, world_size=1, hashes=[HASH] * 26,
-        mmap_mode=mmap_mode,
+        "train", [dense], [sparse], [labels], batch_size, rank=0, world_size=1,
+        hashes=None if hashed_files else [HASH] * 26, mmap_mode=mmap_mode,
     )  # fmt: skip
     if data_loader:
         loader = DataLoader(pipe, batch_size=None, collate_fn=_identity)
@@ -227,10 +228,14 @@ def torchrec_npy_workers_pass(prefix: Path, batch_size: int, workers: int) -> Ca
     return lambda: loader
 
 
-def torchrec_npy_files(ours: Path, theirs: Path) -> None:
-    """torchrec's npy layout: a missing id is 0 (ours: -1), labels ``[N, 1]``."""
+def torchrec_npy_files(ours: Path, theirs: Path, hashed: bool = False) -> None:
+    """torchrec's npy layout: a missing id is 0 (ours: -1), labels ``[N, 1]``; ``hashed``: ids already folded into
+    the HASH rows (what our key-major files hold), for the same-work anchor."""
     dense, sparse, labels = (np.load(p) for p in npy_paths(ours))
-    for array, path in zip((dense, np.maximum(sparse, 0), labels.reshape(-1, 1)), npy_paths(theirs), strict=True):
+    ids = np.maximum(sparse, 0)
+    if hashed:
+        ids = ids % HASH
+    for array, path in zip((dense, ids, labels.reshape(-1, 1)), npy_paths(theirs), strict=True):
         np.save(path, array)
 
 
@@ -354,6 +359,11 @@ def bench_batch_size(tsv: Path, root: Path, B: int, rounds: int) -> list[dict[st
                           "npy", workers, torchrec_npy_workers_pass(theirs, B, workers)))  # fmt: skip
         cases.append(("anchor: torchrec InMemoryBinaryCriteoIterDataPipe (mmap_mode) in a DataLoader", "npy", 0,
                       torchrec_npy_pass(theirs, B, mmap_mode=True, data_loader=True)))  # fmt: skip
+        # the same work as our key-major reader: files hashed when written, read with hashes=None
+        cases.append(("anchor: torchrec InMemoryBinaryCriteoIterDataPipe (mmap_mode, files hashed when written) in a "
+                      "DataLoader", "npy_hashed", 0, torchrec_npy_pass(root / "torchrec_hashed" / "day_0", B,
+                                                                    mmap_mode=True, data_loader=True,
+                                                                    hashed_files=True)))  # fmt: skip
         cases.append(("torchrec InMemoryBinaryCriteoIterDataPipe (mmap_mode), bare", "npy_bare", 0,
                       torchrec_npy_pass(theirs, B, mmap_mode=True)))  # fmt: skip
         # its default mode, wrapped as the reference DLRM script wraps it (ours run in a DataLoader too), and bare
@@ -420,6 +430,8 @@ def main() -> None:
         try:
             (root / "torchrec").mkdir()
             torchrec_npy_files(root / "rows" / "day_0", root / "torchrec" / "day_0")
+            (root / "torchrec_hashed").mkdir()
+            torchrec_npy_files(root / "rows" / "day_0", root / "torchrec_hashed" / "day_0", hashed=True)
         except ImportError:
             pass
         for B in args.batch_sizes:
@@ -431,7 +443,8 @@ def main() -> None:
     for B in args.batch_sizes:
         of_size = [r for r in rows_out if r["batch_size"] == B]
         ours = next(r for r in of_size if r["format"] == "npy" and r["workers"] == 0 and r["impl"].startswith("trit"))
-        for fmt, what in (("npy_bare", "bare mmap pipe"), ("npy_mem", "in-RAM pipe in a DataLoader"),
+        for fmt, what in (("npy_hashed", "mmap pipe on files hashed when written (the same work)"),
+                          ("npy_bare", "bare mmap pipe"), ("npy_mem", "in-RAM pipe in a DataLoader"),
                           ("npy_mem_bare", "bare in-RAM pipe")):  # fmt: skip
             other = next((r for r in of_size if r["format"] == fmt), None)
             if other:
