@@ -200,6 +200,14 @@ def train_staged(kind: str, world: int, data: Iterator[Any], extra_stage: bool =
     stages.append(PipelineStage("start_sparse_data_dist", sdd.start_sparse_data_dist,
                                 fill_callback=sdd.wait_sdd_fill_callback))  # fmt: skip
     pipeline = StagedTrainPipeline(stages, host_prefetch=1)
+    losses = _staged_losses(pipeline, model, optimizer, data)
+    pipeline.close()
+    return {"losses": losses, "weights": snapshot(model, sharded), "events": events, "pipelined": sdd.pipelined_modules}
+
+
+def _staged_losses(pipeline: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: Any) -> list[float]:
+    """The caller's half of a StagedTrainPipeline: forward, backward and step on every batch it hands out, until it
+    returns None (the data is over); the losses."""
     losses = []
     while (batch := pipeline.progress(data)) is not None:
         optimizer.zero_grad()
@@ -207,8 +215,7 @@ def train_staged(kind: str, world: int, data: Iterator[Any], extra_stage: bool =
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    pipeline.close()
-    return {"losses": losses, "weights": snapshot(model, sharded), "events": events, "pipelined": sdd.pipelined_modules}
+    return losses
 
 
 def train_staged_skip_then_new_iterator(rank: int, world: int) -> dict[str, Any]:
@@ -224,14 +231,11 @@ def train_staged_skip_then_new_iterator(rank: int, world: int) -> dict[str, Any]
         PipelineStage("drop", lambda b: None if next(calls) == 3 else b),
         sdd.start_sparse_data_dist_stage(),
     ])  # fmt: skip
-    losses: list[float] = []
-    for data in (batches(rank, 10), batches(rank, 5)):
-        while (batch := pipeline.progress(data)) is not None:
-            optimizer.zero_grad()
-            loss, _ = model(batch)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
+    losses = [
+        loss
+        for data in (batches(rank, 10), batches(rank, 5))
+        for loss in _staged_losses(pipeline, model, optimizer, data)
+    ]
     pipeline.close()
     return {"losses": losses, "weights": snapshot(model, sharded)}
 

@@ -16,6 +16,7 @@ from tests.train_pipeline.toy import (
     ComputedInputModel,
     ToyModel,
     TwiceModel,
+    progress_losses,
     toy_batches,
 )
 from tritonrec.dist.train_pipeline import (
@@ -35,12 +36,7 @@ CPU = torch.device("cpu")
 def _train(model: torch.nn.Module, make: Callable[..., Any], data: Iterator[Any], device: torch.device = CPU):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     pipeline = make(model, optimizer)
-    losses = []
-    while True:
-        try:
-            losses.append(pipeline.progress(data)[0].item())
-        except StopIteration:
-            break
+    losses = progress_losses(pipeline, data)
     pipeline.close()
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, pipeline
 

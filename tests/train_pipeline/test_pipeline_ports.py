@@ -22,6 +22,7 @@ from tests.train_pipeline.toy import (
     OwnGroupPlusComputedModel,
     ToyModel,
     ToySharded,
+    progress_losses,
     toy_batches,
 )
 from tritonrec.dist.train_pipeline import (
@@ -45,12 +46,7 @@ def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def _run(pipeline: Any, data: Iterator[Any]) -> list[float]:
-    losses = []
-    while True:
-        try:
-            losses.append(pipeline.progress(data)[0].item())
-        except StopIteration:
-            break
+    losses = progress_losses(pipeline, data)
     pipeline.close()
     return losses
 

@@ -95,6 +95,16 @@ def toy_batches(count: int, start: int = 0) -> Iterator[Batch]:
                     torch.ones(BATCH, dtype=torch.bool))  # fmt: skip
 
 
+def progress_losses(pipeline: object, data: Iterator[Batch]) -> list[float]:
+    """The losses of ``pipeline.progress(data)`` until it raises StopIteration (the pipeline is left open)."""
+    losses = []
+    while True:
+        try:
+            losses.append(pipeline.progress(data)[0].item())  # type: ignore[attr-defined]
+        except StopIteration:
+            return losses
+
+
 class OwnGroupSharded(ToySharded):
     """Claims its input dists run on a group of their own, as the real collections' do on a side group: the sparse-
     dist pipeline may then read the ranks' agreement after the forward (a no-op agreement in one process)."""
