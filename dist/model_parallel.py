@@ -21,7 +21,6 @@ Example (every rank)::
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -40,6 +39,8 @@ from tritonrec.dist.data_parallel import (
     join_name,
     sharded_parameter_names,
 )
+from tritonrec.dist.model_parallel_args import check_sharders, resolve_env, sharder_for
+from tritonrec.dist.module_tree import apply_outside_sharded, load_into, process_groups_not_copied
 from tritonrec.dist.sharding_plan import get_default_sharders
 from tritonrec.dist.types import (
     EmbeddingModuleShardingPlan,
@@ -76,13 +77,6 @@ def get_module(module: nn.Module) -> nn.Module:
     return module
 
 
-def _sharder_for(module: nn.Module, sharders: Mapping[type, ModuleSharder[Any]]) -> ModuleSharder[Any] | None:
-    """The sharder of exactly this module's type, else the first whose type it subclasses (the planner's rule)."""
-    if type(module) in sharders:
-        return sharders[type(module)]
-    return next((s for t, s in sharders.items() if isinstance(module, t)), None)
-
-
 class _KeyedFusedOptimizer(KeyedOptimizer):
     """A rank holding no shard of a module still shares its hyperparameters (so an LR schedule sees them)."""
 
@@ -94,21 +88,6 @@ class _KeyedFusedOptimizer(KeyedOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         return None
-
-
-@contextlib.contextmanager
-def _process_groups_not_copied() -> Iterator[None]:
-    """``copy.deepcopy`` of a model keeps its process groups (they cannot be copied; the copy talks on the same)."""
-    had = "__deepcopy__" in dist.ProcessGroup.__dict__
-    previous = dist.ProcessGroup.__dict__.get("__deepcopy__")
-    dist.ProcessGroup.__deepcopy__ = lambda self, memo: self  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        if had:
-            dist.ProcessGroup.__deepcopy__ = previous  # type: ignore[method-assign]
-        else:
-            del dist.ProcessGroup.__deepcopy__
 
 
 class DistributedModelParallel(nn.Module, FusedOptimizerModule):
@@ -144,7 +123,7 @@ class DistributedModelParallel(nn.Module, FusedOptimizerModule):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
         if isinstance(module, DistributedModelParallel):
             raise TypeError("module is already a DistributedModelParallel")
-        self._env = _resolve_env(env)
+        self._env = resolve_env(env)
         if device is None:
             device = torch.device("cpu")
         if isinstance(device, str):
@@ -152,7 +131,7 @@ class DistributedModelParallel(nn.Module, FusedOptimizerModule):
         if not isinstance(device, torch.device) or device.type == "meta":
             raise ValueError(f"device must be a real torch.device (cpu, cuda), got device={device!r}")
         self.device = device
-        self.sharders = get_default_sharders() if sharders is None else _check_sharders(sharders)
+        self.sharders = get_default_sharders() if sharders is None else check_sharders(sharders)
         self._sharder_map = {sharder.module_type: sharder for sharder in self.sharders}
         if data_parallel_wrapper is None:
             data_parallel_wrapper = DefaultDataParallelWrapper()
@@ -194,7 +173,7 @@ class DistributedModelParallel(nn.Module, FusedOptimizerModule):
         for path, module_plan in plan.plan.items():
             if path not in modules:
                 raise ValueError(f"the plan shards module {path!r}, which the model does not have")
-            if not isinstance(modules[path], ShardedModule) and _sharder_for(modules[path], self._sharder_map) is None:
+            if not isinstance(modules[path], ShardedModule) and sharder_for(modules[path], self._sharder_map) is None:
                 raise ValueError(
                     f"the plan shards module {path!r} ({type(modules[path]).__name__}) but no sharder covers it "
                     f"(sharders cover {sorted(t.__name__ for t in self._sharder_map)})"
@@ -207,7 +186,7 @@ class DistributedModelParallel(nn.Module, FusedOptimizerModule):
             return module
         module_plan = self._plan.get_plan_for_module(path)
         if module_plan:
-            sharder = _sharder_for(module, self._sharder_map)
+            sharder = sharder_for(module, self._sharder_map)
             assert sharder is not None  # checked by _check_plan
             return sharder.shard(module, module_plan, self._env, self.device, path)  # type: ignore[arg-type]
         for name, child in module.named_children():
@@ -273,7 +252,7 @@ class DistributedModelParallel(nn.Module, FusedOptimizerModule):
             if replaced and callable(getattr(child, "reset_parameters", None)):
                 child.reset_parameters()
 
-        _apply_outside_sharded(get_unwrapped_module(module), materialise)
+        apply_outside_sharded(get_unwrapped_module(module), materialise)
 
     def init_data_parallel(self) -> None:
         """Wrap the dense part in data parallelism (safe to call more than once)."""
@@ -383,7 +362,7 @@ class DistributedModelParallel(nn.Module, FusedOptimizerModule):
             raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
         missing: list[str] = []
         unexpected: list[str] = []
-        _load_into(self.module, dict(state_dict), prefix, strict, missing, unexpected)
+        load_into(self.module, dict(state_dict), prefix, strict, missing, unexpected)
         if strict and (missing or unexpected):
             raise RuntimeError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
         return _IncompatibleKeys(missing, unexpected)
@@ -400,7 +379,7 @@ class DistributedModelParallel(nn.Module, FusedOptimizerModule):
         unwrapped = self.module
         wrapped, self._dmp_wrapped_module = self._dmp_wrapped_module, unwrapped
         try:
-            with _process_groups_not_copied():
+            with process_groups_not_copied():
                 twin = copy.deepcopy(self)
         finally:
             self._dmp_wrapped_module = wrapped
@@ -411,58 +390,3 @@ class DistributedModelParallel(nn.Module, FusedOptimizerModule):
         if was_wrapped:
             twin.init_data_parallel()
         return twin
-
-
-def _resolve_env(env: ShardingEnv | None) -> ShardingEnv:
-    if env is None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
-                "DistributedModelParallel needs a process group: call torch.distributed.init_process_group first, "
-                "or pass env=ShardingEnv(...)"
-            )
-        return ShardingEnv.from_process_group(dist.group.WORLD)
-    if not isinstance(env, ShardingEnv):
-        raise TypeError(f"env must be a ShardingEnv, got {type(env).__name__}")
-    return env
-
-
-def _check_sharders(sharders: object) -> list[ModuleSharder[nn.Module]]:
-    if not isinstance(sharders, (list, tuple)):
-        raise TypeError(f"sharders must be a list of ModuleSharder, got {type(sharders).__name__}")
-    for sharder in sharders:
-        if not isinstance(sharder, ModuleSharder):
-            raise TypeError(f"sharders must hold ModuleSharder instances, got {type(sharder).__name__}")
-    return list(sharders)
-
-
-def _apply_outside_sharded(module: nn.Module, fn: Any) -> None:
-    """``fn`` on ``module`` and its descendants, not descending into sharded modules."""
-    fn(module)
-    if isinstance(module, ShardedModule):
-        return
-    for child in module.children():
-        _apply_outside_sharded(child, fn)
-
-
-def _load_into(
-    module: nn.Module,
-    state_dict: dict[str, Any],
-    prefix: str,
-    strict: bool,
-    missing: list[str],
-    unexpected: list[str],
-) -> None:
-    """torchrec's recursive load: own entries through ``_load_from_state_dict``, sharded modules through their
-    ``load_state_dict`` (which may take sharded or unsharded tensors)."""
-    if isinstance(module, ShardedModule):
-        own = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
-        result = module.load_state_dict(own, strict=strict)
-        missing.extend(prefix + k for k in result.missing_keys)
-        unexpected.extend(prefix + k for k in result.unexpected_keys)
-        return
-    errors: list[str] = []
-    module._load_from_state_dict(state_dict, prefix, {}, strict, missing, unexpected, errors)
-    if errors:
-        raise RuntimeError("load_state_dict: " + "; ".join(errors))
-    for name, child in module.named_children():
-        _load_into(child, state_dict, f"{prefix}{name}.", strict, missing, unexpected)

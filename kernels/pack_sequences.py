@@ -19,6 +19,7 @@ extra tokens hold ``padding_value``, continue the position count and keep the se
 
 Triton path: the pack kernel runs one program per (bin, feature block) that walks its bin's sequences and also
 writes the bin's padding, so nothing is pre-filled; the unpack kernel runs one program per (sequence, feature block).
+The torch twins (the specification) live in :mod:`tritonrec.kernels.pack_sequences_reference`, re-exported here.
 """
 
 from __future__ import annotations
@@ -29,6 +30,13 @@ from tritonrec.kernels._triton import tl, triton
 from tritonrec.kernels.backend import Backend, autotune, pow2_bucket, resolve_backend
 from tritonrec.kernels.checks import check_same_device, check_tensor
 from tritonrec.kernels.library import custom_op
+from tritonrec.kernels.pack_sequences_reference import (
+    feature_shape,
+    pack_sequences_reference,
+    packed_shape,
+    source_shape,
+    unpack_sequences_reference,
+)
 from tritonrec.kernels.packing_plan import (
     PLAN_TENSORS,
     PackingPlan,
@@ -162,24 +170,10 @@ def _padding_tensor(padding_value: float, like: torch.Tensor) -> torch.Tensor:
     return _kernel_view(torch.full((1,), padding_value, dtype=like.dtype, device=like.device))
 
 
-def _feature_shape(plan: PackingPlan, values: torch.Tensor) -> tuple[int, ...]:
-    return tuple(values.shape[2:] if plan.padded_len is not None else values.shape[1:])
-
-
-def _packed_shape(plan: PackingPlan, feature: tuple[int, ...]) -> tuple[int, ...]:
-    return (plan.num_bins, plan.capacity, *feature) if plan.capacity is not None else (plan.num_packed_rows, *feature)
-
-
-def _source_shape(plan: PackingPlan, feature: tuple[int, ...]) -> tuple[int, ...]:
-    if plan.padded_len is not None:
-        return (plan.num_sequences, plan.padded_len, *feature)
-    return (plan.num_source_rows, *feature)
-
-
 def _pack_triton(
     values: torch.Tensor, plan: PackingPlan, padding_value: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    feature = _feature_shape(plan, values)
+    feature = feature_shape(plan, values)
     width = int(torch.Size(feature).numel())
     if width == 0:  # no feature columns means no programs, but the ids still have to be written
         return pack_sequences_reference(values, plan, padding_value)
@@ -207,7 +201,7 @@ def _pack_triton(
             PADDED=plan.capacity is not None,
             BLOCK_D=block_d,
         )
-    shape = _packed_shape(plan, feature)
+    shape = packed_shape(plan, feature)
     id_shape = shape[: len(shape) - len(feature)]
     return tokens.reshape(shape), positions.reshape(id_shape), segments.reshape(id_shape)
 
@@ -234,75 +228,7 @@ def _unpack_triton(packed: torch.Tensor, plan: PackingPlan, padding_value: float
             PADDED_SOURCE=plan.padded_len is not None,
             BLOCK_D=block_d,
         )
-    return out.reshape(_source_shape(plan, feature))
-
-
-class _Runs:
-    """Runs of ``counts [R]`` elements laid end to end (``total`` elements): per-element owner run and position in
-    it, computed once and shared by every per-token index of one call. Per-run values are spread with
-    ``index_select`` (several times faster on CPU than fancy indexing ``x[owner]``)."""
-
-    def __init__(self, counts: torch.Tensor, total: int) -> None:
-        self.owner = torch.repeat_interleave(
-            torch.arange(counts.numel(), device=counts.device), counts, output_size=total
-        )
-        first = torch.cumsum(counts, 0).sub_(counts)  # exclusive cumsum: where each run starts in the stream
-        self.position = torch.arange(total, device=counts.device).sub_(first.index_select(0, self.owner))
-
-    def spread(self, per_run: torch.Tensor) -> torch.Tensor:
-        """``[R]`` -> ``[total]``: each element gets its run's value."""
-        return per_run.index_select(0, self.owner)
-
-    def index(self, run_starts: torch.Tensor) -> torch.Tensor:
-        """``[total]``: ``run_starts[r] + j`` for the ``j``-th element of run ``r``."""
-        return self.spread(run_starts).add_(self.position)
-
-
-def _total(counts: torch.Tensor) -> int:
-    return int(counts.sum().item()) if counts.numel() else 0
-
-
-def pack_sequences_reference(
-    values: torch.Tensor, plan: PackingPlan, padding_value: float = 0.0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The specification: ``(tokens, position_ids, segment_ids)`` in the plan's packed layout (module docstring)."""
-    feature = _feature_shape(plan, values)
-    source = values.flatten(0, 1) if plan.padded_len is not None else values
-    order, device = plan.sequence_order, values.device
-    counts = plan.source_lengths.index_select(0, order)  # real tokens per packed position
-    tokens_of = _Runs(counts, _total(counts))
-    real = source.index_select(0, tokens_of.index(plan.source_starts.index_select(0, order)))
-    if plan.pad_to_multiple == 1:  # slots are exactly the real tokens
-        slots_of = tokens_of
-    else:
-        slots_of = _Runs((plan.cu_seqlens[1:] - plan.cu_seqlens[:-1]).long(), plan.num_slot_tokens)
-    segment_of_sequence = (torch.arange(plan.num_sequences, device=device) - plan.bin_offsets[plan.bin_ids]).int()
-    slot_segments = slots_of.spread(segment_of_sequence)
-    if plan.capacity is None and plan.pad_to_multiple == 1:  # slots are the real tokens, already in packed order
-        tokens, positions, segments = real, slots_of.position, slot_segments
-    else:
-        rows = plan.num_packed_rows
-        tokens = values.new_full((rows, *feature), padding_value)
-        tokens.index_copy_(0, tokens_of.index(plan.packed_starts), real)
-        slot_rows = slots_of.index(plan.packed_starts)
-        positions = torch.zeros(rows, dtype=torch.int64, device=device).index_copy_(0, slot_rows, slots_of.position)
-        segments = torch.full((rows,), -1, dtype=torch.int32, device=device).index_copy_(0, slot_rows, slot_segments)
-    shape = _packed_shape(plan, feature)
-    id_shape = shape[: len(shape) - len(feature)]
-    return tokens.reshape(shape), positions.reshape(id_shape), segments.reshape(id_shape)
-
-
-def unpack_sequences_reference(packed: torch.Tensor, plan: PackingPlan, padding_value: float = 0.0) -> torch.Tensor:
-    """The specification: packed per-token values back to the source layout, ``padding_value`` past each length."""
-    feature = tuple(packed.shape[2:] if plan.capacity is not None else packed.shape[1:])
-    flat = packed.flatten(0, 1) if plan.capacity is not None else packed
-    order = plan.sequence_order
-    counts = plan.source_lengths.index_select(0, order)
-    tokens_of = _Runs(counts, _total(counts))
-    out = packed.new_full((plan.num_source_rows, *feature), padding_value)
-    real = flat.index_select(0, tokens_of.index(plan.packed_starts))
-    out.index_copy_(0, tokens_of.index(plan.source_starts.index_select(0, order)), real)
-    return out.reshape(_source_shape(plan, feature))
+    return out.reshape(source_shape(plan, feature))
 
 
 # --------------------------------------------------------------------------------------------------- the ops
@@ -323,8 +249,8 @@ def _pack_op(
 @_pack_op.register_fake
 def _(values, plan_tensors, capacity, padded_len, plan_ints, padding_value, backend):
     plan = plan_from_args(plan_tensors, capacity, padded_len, plan_ints)
-    shape = _packed_shape(plan, _feature_shape(plan, values))
-    id_shape = shape[: len(shape) - len(_feature_shape(plan, values))]
+    shape = packed_shape(plan, feature_shape(plan, values))
+    id_shape = shape[: len(shape) - len(feature_shape(plan, values))]
     return (
         values.new_empty(shape),
         values.new_empty(id_shape, dtype=torch.int64),
@@ -350,7 +276,7 @@ def _unpack_op(
 def _(packed, plan_tensors, capacity, padded_len, plan_ints, padding_value, backend):
     plan = plan_from_args(plan_tensors, capacity, padded_len, plan_ints)
     feature = tuple(packed.shape[2:] if plan.capacity is not None else packed.shape[1:])
-    return packed.new_empty(_source_shape(plan, feature))
+    return packed.new_empty(source_shape(plan, feature))
 
 
 def _setup_plan(ctx, inputs) -> None:

@@ -1,0 +1,42 @@
+"""The arguments of :class:`~tritonrec.dist.model_parallel.DistributedModelParallel` that need more than a type test:
+the sharding env (default: the default process group's), the ``sharders`` list, and which of the sharders covers a
+module. Kept apart so the DMP module holds the wrapper itself."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from tritonrec.dist.types import ModuleSharder, ShardingEnv
+
+
+def resolve_env(env: ShardingEnv | None) -> ShardingEnv:
+    if env is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "DistributedModelParallel needs a process group: call torch.distributed.init_process_group first, "
+                "or pass env=ShardingEnv(...)"
+            )
+        return ShardingEnv.from_process_group(dist.group.WORLD)
+    if not isinstance(env, ShardingEnv):
+        raise TypeError(f"env must be a ShardingEnv, got {type(env).__name__}")
+    return env
+
+
+def check_sharders(sharders: object) -> list[ModuleSharder[nn.Module]]:
+    if not isinstance(sharders, (list, tuple)):
+        raise TypeError(f"sharders must be a list of ModuleSharder, got {type(sharders).__name__}")
+    for sharder in sharders:
+        if not isinstance(sharder, ModuleSharder):
+            raise TypeError(f"sharders must hold ModuleSharder instances, got {type(sharder).__name__}")
+    return list(sharders)
+
+
+def sharder_for(module: nn.Module, sharders: Mapping[type, ModuleSharder[Any]]) -> ModuleSharder[Any] | None:
+    """The sharder of exactly this module's type, else the first whose type it subclasses (the planner's rule)."""
+    if type(module) in sharders:
+        return sharders[type(module)]
+    return next((s for t, s in sharders.items() if isinstance(module, t)), None)
