@@ -48,6 +48,22 @@ from tritonrec.dist.sharding_plan import (
 )
 from tritonrec.dist.types import ModuleSharder, ShardingPlan, ShardingType
 
+
+def _nothing_proposed_error(proposers: list[Any]) -> PlannerError:
+    """No proposer proposed anything: name the grid searches that skipped themselves (too many combinations)."""
+    skipped = [p for p in proposers if isinstance(p, GridSearchProposer) and p.num_combinations > p.max_proposals]
+    if skipped:
+        grid = skipped[0]
+        return PlannerError(
+            f"no plan was proposed: the grid search has {grid.num_combinations} combinations, over its "
+            f"max_proposals={grid.max_proposals}; pass proposer=GridSearchProposer(max_proposals=...) with a larger "
+            "cap, or another proposer (GreedyProposer, UniformProposer)",
+            PlannerErrorType.PARTITION,
+        )
+    names = ", ".join(type(p).__name__ for p in proposers)
+    return PlannerError(f"no plan was proposed: the proposers ({names}) proposed nothing", PlannerErrorType.PARTITION)
+
+
 __all__ = ["CandidatePlan", "EmbeddingShardingPlanner", "to_sharding_plan"]
 
 # grid search first when the space is small: it finds the model's optimum; the greedy proposers cover larger spaces
@@ -283,6 +299,8 @@ class EmbeddingShardingPlanner:
                         last_error, tried[key] = err, (False, None, None)
                 proposer.feedback(*tried[key], constraint)
                 proposal = proposer.propose()
+        if not found and proposals == 0:
+            raise _nothing_proposed_error(proposers)
         if not found:
             raise self._no_plan_error(search_space, constraint, last_error)
         ordered = sorted(found.values(), key=lambda item: item[0])

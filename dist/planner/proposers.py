@@ -144,7 +144,8 @@ class GridSearchProposer:
             options.sort(key=option_score)
         self.num_combinations = math.prod(len(options) for options in self._options)
         if self.num_combinations > self._max_proposals:
-            logger.info(
+            # DEBUG: the planner's other proposers usually plan anyway; when none proposes, its error says this
+            logger.debug(
                 "grid search skipped: %d combinations exceed max_proposals=%d",
                 self.num_combinations,
                 self._max_proposals,
@@ -153,6 +154,10 @@ class GridSearchProposer:
         else:
             self._combinations = itertools.product(*(range(len(options)) for options in self._options))
         self._next = next(self._combinations, None)
+
+    @property
+    def max_proposals(self) -> int:
+        return self._max_proposals
 
     def propose(self) -> list[ShardingOption] | None:
         if self._next is None:

@@ -93,7 +93,9 @@ class CriteoTSVDataConfig:
 
 @dataclass
 class CriteoNPYDataConfig:
-    """Preprocessed Criteo days (tritonrec.data.criteo_npy): {prefix}_dense/_sparse/_labels.npy."""
+    """Preprocessed Criteo days (tritonrec.data.criteo_npy): ``{prefix}_dense.npy`` and ``_labels.npy``, with the ids
+    key-major and hashed (``_ids``, ``_id_lengths``, ``_id_index``, ``_num_embeddings``, as ``criteo_tsv_to_npy(...,
+    num_embeddings=...)`` writes them) or in torchrec's rows layout (``_sparse``, raw ids hashed per read)."""
 
     kind: str = "criteo_npy"
     prefixes: list[str] = MISSING  # training days, read in order

@@ -277,6 +277,11 @@ def test_candidate_plans_for_exhaustive_search() -> None:
         storage[0].ddr, storage[1].ddr,
     ]  # fmt: skip
 
+    # a grid too large for its cap proposes nothing: the error says so and names the argument that lifts the cap
+    with pytest.raises(PlannerError, match=r"grid search has 4 combinations, over its max_proposals=3; pass proposer="):
+        p.candidate_plans(module, [PlanOnlySharder()], proposer=GridSearchProposer(max_proposals=3))
+    assert len(p.candidate_plans(module, [PlanOnlySharder()], proposer=GridSearchProposer(max_proposals=4))) == 4
+
 
 def test_planner_checks_its_input() -> None:
     with pytest.raises(ValueError, match="batch_size must be a positive int, got batch_size=0"):
