@@ -51,9 +51,11 @@ def test_torchrun_two_ranks_one_output_folder(tmp_path: Path) -> None:
     """The 2-rank main-job smoke test: torchrun, a few steps, rank 0's bar and files only."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
     script = str(ROOT / "scripts" / "train.py")
+    # hydra.verbose: the planner's DEBUG records, whose routing the last assert checks
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script, "experiment=dlrm_2ranks",
                "steps=4", "eval_every=2", "log_every=2", "data.num_eval_samples=256", "plot=false",
-               "progress=false", "model.backend=torch", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+               "progress=false", "model.backend=torch", f"hydra.run.dir={tmp_path / 'run'}",
+               "hydra.verbose=tritonrec.dist.planner"]  # fmt: skip
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("dlrm_2ranks: loss") == 1, done.stdout  # one summary line: rank 0's
@@ -64,7 +66,8 @@ def test_torchrun_two_ranks_one_output_folder(tmp_path: Path) -> None:
     assert metrics["pipelined_modules"] == ["model.sparse_arch.embedding_bag_collection"]
     log = (tmp_path / "run" / "train.log").read_text()
     assert "step 2: loss" in log and "step 4: loss" in log and "held-out AUROC" in log
-    # the planner's (sharding=auto) library records go to hydra's own log, not into the job's train.log
+    # the planner's (sharding=auto) library records (DEBUG, enabled by hydra.verbose) go to hydra's own log, not
+    # into the job's train.log
     assert all(re.match(r"^\[[0-9-]+ [0-9:,]+\] [^\[]", line) for line in log.splitlines()), log
     assert "tritonrec.dist.planner" in (tmp_path / "run" / "hydra.log").read_text()
 
