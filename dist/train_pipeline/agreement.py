@@ -10,12 +10,16 @@ The all-reduce runs on a side gloo group over the same ranks (:mod:`tritonrec.di
 not span the world is used itself), so it never interleaves with the model's collectives: a rank that failed before
 launching a collective the others launched leaves the main group's order unmatched, but the side group's order is
 always the same on every rank.
+
+The staged pipeline also carries, in the same tensor, which of its in-flight batches each rank dropped (a stage
+returned None): ``slots`` more entries, summed over the ranks, so a batch any rank dropped is dropped on every rank.
+The step still costs one all-reduce, of ``world_size + slots`` int32s.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -49,14 +53,18 @@ class StepAgreement:
         group: the ranks that agree.
         stages: names of the stages that can fail, the same list on every rank (a failure is reported by its index,
             so every rank names the stage that failed).
+        slots: positions of in-flight batches a rank may report as dropped (:meth:`start`'s ``dropped``; 0: none).
 
     Every rank must call :meth:`agree` the same number of times, in the same order, which the pipelines guarantee
     by calling it at fixed points of each step.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, stages: list[str] | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, stages: list[str] | None = None, slots: int = 0) -> None:
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
+            raise ValueError(f"slots must be a non-negative int, got slots={slots!r}")
         self._group: dist.ProcessGroup | None = None
         self.stages = list(stages or ["next_batch"])
+        self.slots = slots
         # called on every rank, in order, when the ranks agree that one failed (before raising): work that must be
         # collective, as renewing the input dists' group
         self.on_failure: list[Callable[[], None]] = []
@@ -76,16 +84,29 @@ class StepAgreement:
         return self.start(status, error, failed_stage).result()
 
     def start(
-        self, status: Status, error: BaseException | None = None, failed_stage: str | None = None
+        self,
+        status: Status,
+        error: BaseException | None = None,
+        failed_stage: str | None = None,
+        dropped: Iterable[int] = (),
     ) -> PendingAgreement:
         """:meth:`agree` in two halves: launch the all-reduce now, read the decision with ``.result()`` later (the
         pipelines do work in between that does not depend on it). Every rank must call ``result()`` before it waits
-        on any collective a failed rank may not have launched."""
+        on any collective a failed rank may not have launched.
+
+        ``dropped``: the slots (``0 .. slots - 1``) this rank dropped since its last agreement; ``.dropped()`` gives
+        the ones any rank dropped."""
         code = int(status)
         if error is not None:
             code = int(Status.FAILED) + self.stages.index(failed_stage or self.stages[0])
-        flags = torch.zeros(max(self.world_size, 1), dtype=torch.int32)
+        # [world_size] status codes (one per rank), then [slots] drop counts: one tensor, one all-reduce
+        world, dropped = max(self.world_size, 1), tuple(dropped)
+        flags = torch.zeros(world + self.slots, dtype=torch.int32)
         flags[self.rank] = code
+        for slot in dropped:
+            if not 0 <= slot < self.slots:
+                raise ValueError(f"dropped must hold slots in [0, {self.slots}), got {slot!r} in dropped={dropped!r}")
+            flags[world + slot] = 1
         work = None if self._group is None else dist.all_reduce(flags, group=self._group, async_op=True)
         return PendingAgreement(self, flags, work, error)
 
@@ -102,7 +123,7 @@ class PendingAgreement:
         if self._decided is None:
             if self._work is not None:
                 self._work.wait()
-            codes = self._flags.tolist()
+            codes = self._flags.tolist()[: max(self._agreement.world_size, 1)]
             failed = [r for r, c in enumerate(codes) if c >= Status.FAILED]
             if failed:
                 stage = self._agreement.stages[codes[failed[0]] - Status.FAILED]
@@ -115,6 +136,13 @@ class PendingAgreement:
                 raise error
             self._decided = all(c == Status.OK for c in codes)
         return self._decided
+
+    def dropped(self) -> list[int]:
+        """The slots any rank reported dropped (ascending), once :meth:`result` returned."""
+        if self._decided is None:
+            raise RuntimeError("dropped() is known only after result() returned")
+        counts = self._flags.tolist()[max(self._agreement.world_size, 1) :]
+        return [slot for slot, count in enumerate(counts) if count]
 
 
 def renew_input_dist_groups() -> None:

@@ -3,7 +3,7 @@ batches ahead), then agreed across ranks so every rank stops at the same step (:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from tritonrec.dist.train_pipeline.agreement import PendingAgreement, Status, StepAgreement
@@ -67,16 +67,21 @@ class BatchFetcher:
         return self.start(iterator, error, failed_stage).result()
 
     def start(
-        self, iterator: Iterator[Any], error: BaseException | None = None, failed_stage: str | None = None
+        self,
+        iterator: Iterator[Any],
+        error: BaseException | None = None,
+        failed_stage: str | None = None,
+        dropped: Iterable[int] = (),
     ) -> PendingBatch:
         """:meth:`next` in two halves: read this rank's batch and launch the agreement now; ``.result()`` later
-        gives the agreed batch (or None) and raises as :meth:`next` does."""
+        gives the agreed batch (or None) and raises as :meth:`next` does. ``dropped``: this rank's dropped slots,
+        carried by the same agreement (:meth:`StepAgreement.start`; ``.dropped()`` afterwards)."""
         self._connect(iterator)
         batch, read_error = (None, None) if self.exhausted else self._read()
         status = Status.OK if batch is not None else Status.EXHAUSTED
         if read_error is not None and error is None:
             error, failed_stage = read_error, NEXT_BATCH
-        return PendingBatch(self, batch, self.agreement.start(status, error, failed_stage))
+        return PendingBatch(self, batch, self.agreement.start(status, error, failed_stage, dropped))
 
     def is_current(self, iterator: Iterator[Any]) -> bool:
         """Whether ``iterator`` is the one being read (another object starts afresh)."""
@@ -106,6 +111,10 @@ class PendingBatch:
             self.fetcher.close_thread()
             return None
         return self.local
+
+    def dropped(self) -> list[int]:
+        """The slots any rank dropped (:meth:`PendingAgreement.dropped`), once :meth:`result` returned."""
+        return self._agreement.dropped()
 
 
 __all__ = ["NEXT_BATCH", "BatchFetcher", "PendingBatch", "check_host_prefetch"]

@@ -28,56 +28,33 @@ on another batch, so their collectives pair with their peers'; then the agreemen
 one of them hanging. While the pipeline fills, the ranks agree after every stage instead, since a fill callback
 waits on its peers. A failure inside a stage after it entered a collective its peers are in is left to the
 collective timeout.
+
+The same agreement carries the batches each rank dropped (a stage returned None for them): a batch any rank dropped is
+dropped on every rank, right after the agreement of the step (or, while filling, of the stage) that dropped it, so
+no later stage runs on it anywhere and the ranks' later stages, input dists and forwards stay paired. A stage that
+keeps per-batch state (the input dist's in-flight contexts) hears of such a drop through its ``drop_callback``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from tritonrec.dist.record import record
-from tritonrec.dist.train_pipeline.agreement import Status, StepAgreement, renew_input_dist_groups
-from tritonrec.dist.train_pipeline.checks import check_bool, check_unsupported
-from tritonrec.dist.train_pipeline.fetch import NEXT_BATCH, BatchFetcher
+from tritonrec.dist.train_pipeline.agreement import PendingAgreement, Status, StepAgreement, renew_input_dist_groups
+from tritonrec.dist.train_pipeline.checks import check_bool
+from tritonrec.dist.train_pipeline.fetch import NEXT_BATCH, BatchFetcher, PendingBatch
 from tritonrec.dist.train_pipeline.pipelines import TrainPipeline
-from tritonrec.dist.train_pipeline.tracing import PipelinedModules, TrainPipelineContext, rewrite_model
+from tritonrec.dist.train_pipeline.stages import PipelineStage, SparseDataDistUtil
 from tritonrec.dist.train_pipeline.utils import current_stream, record_stream, stream_context
 
 logger = logging.getLogger(__name__)
 
 StageResult = tuple[Any, Any]  # (output, CUDA event or None)
-
-
-@dataclass
-class PipelineStage:
-    """One transform of a batch that needs no backward (device copy, feature processing, input dist).
-
-    Args:
-        name: shown in profiles and errors.
-        runnable: ``batch -> batch``.
-        stream: CUDA stream to run on (None on the CPU).
-        fill_callback: run after the runnable while the pipeline fills (e.g. finish the first input dist).
-        data_exhausted_callback: run when the stage gets no batch because the data is over.
-    """
-
-    name: str
-    runnable: Callable[[Any], Any]
-    stream: torch.cuda.Stream | None = None
-    fill_callback: Callable[[], None] | None = None
-    data_exhausted_callback: Callable[[], None] | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"name must be a non-empty str, got name={self.name!r}")
-        if not callable(self.runnable):
-            raise TypeError(f"stage {self.name!r}: runnable must be callable, got {type(self.runnable).__name__}")
 
 
 class StagedTrainPipeline(TrainPipeline[Any, Any]):
@@ -92,8 +69,9 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
         host_prefetch: host batches a background thread reads ahead (0: none).
         group: the ranks that agree on each step (default: the world).
 
-    A stage that returns None for a batch drops it; every rank must drop the same batches (their input dists pair
-    up across ranks), as every rank must request a flush at the same step.
+    A stage that returns None for a batch drops it, on every rank: the ranks may drop different batches (a filter
+    on each rank's own data), and the step's agreement drops the union everywhere (see the module docstring).
+    Every rank must request a flush at the same step.
     """
 
     def __init__(
@@ -124,11 +102,16 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
         names = [s.name for s in pipeline_stages]
         if len(set(names)) != len(names) or NEXT_BATCH in names:
             raise ValueError(f"stage names must be distinct and not {NEXT_BATCH!r}, got {names}")
-        self._fetcher = BatchFetcher(StepAgreement(group, [NEXT_BATCH, *names]), host_prefetch)
+        # the agreement also carries one drop flag per in-flight batch: still one all-reduce per step, no new one
+        agreement = StepAgreement(group, [NEXT_BATCH, *names], slots=len(pipeline_stages))
+        self._fetcher = BatchFetcher(agreement, host_prefetch)
         self._fetcher.agreement.on_failure.append(renew_input_dist_groups)
         self._error: BaseException | None = None  # this rank's stage failure, not yet reported to the others
         self._failed_stage = ""
         self._read_ahead: Any = None  # the next step's first batch, read and agreed at the end of this step
+        self._dropped: set[int] = set()  # slots of _outputs this rank dropped since its last agreement
+        # per slot of _outputs, the stages with a drop_callback that ran on its batch (told if it is dropped)
+        self._ran: list[list[int]] = [[] for _ in pipeline_stages]
         streams = [s.stream for s in pipeline_stages if s.stream is not None]
         self._compute_stream = compute_stream or (current_stream(streams[0].device) if streams else None)
 
@@ -140,17 +123,46 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
     def _next_batch(self, dataloader_iter: Iterator[Any]) -> Any:
         if self._flushing:
             return None  # every rank flushes at the same step: nothing to agree on
-        failed_stage = self._failed_stage
-        return self._fetcher.next(dataloader_iter, self._take_error(), failed_stage)
+        return self._agree(dataloader_iter)
 
     def _take_error(self) -> BaseException | None:
         error, self._error = self._error, None
         return error
 
     def _settle(self) -> None:
-        """Report this rank's failure (if any) to every rank; raises on all of them when one failed."""
-        failed_stage = self._failed_stage
-        self._fetcher.agreement.agree(Status.OK, self._take_error(), failed_stage)
+        """Report this rank's failure (if any) and drops to every rank; raises on all of them when one failed."""
+        self._agree(None)
+
+    def _agree(self, dataloader_iter: Iterator[Any] | None) -> Any:
+        """The ranks' agreement on this rank's failure and drops since the last one, and, given ``dataloader_iter``,
+        on the next batch (returned; None when some rank has none). The batches any rank dropped become holes here
+        before the caller runs another stage."""
+        failed_stage, error = self._failed_stage, self._take_error()
+        dropped, self._dropped = sorted(self._dropped), set()
+        batch = None
+        if dataloader_iter is None:
+            pending: PendingAgreement | PendingBatch = self._fetcher.agreement.start(
+                Status.OK, error, failed_stage, dropped
+            )
+            pending.result()
+        else:
+            pending = self._fetcher.start(dataloader_iter, error, failed_stage, dropped)
+            batch = pending.result()
+        self._drop(pending.dropped())
+        return batch
+
+    def _drop(self, slots: list[int]) -> None:
+        """Make ``slots`` holes (a rank dropped their batches), newest first: each stage that ran on such a batch gets
+        its drop_callback with the number of newer batches it ran on still in flight (the newer ones dropped now no
+        longer count)."""
+        for slot in reversed(slots):
+            self._outputs[slot] = (None, None)
+            for stage_idx in reversed(self._ran[slot]):
+                newer = sum(stage_idx in ran for ran in self._ran[slot + 1 :])
+                callback = self._stages[stage_idx].drop_callback
+                assert callback is not None
+                callback(newer)
+            self._ran[slot] = []
 
     def _run_with_event(self, stage: PipelineStage, event: Any, batch: Any) -> StageResult:
         with stream_context(stage.stream):
@@ -171,6 +183,7 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
         the last step), or reads and agrees on one while filling; the others take the previous stage's output."""
         if stage_idx != 0:
             return self._outputs[batch_offset] or (None, None)
+        self._ran[batch_offset] = []  # a new batch enters this slot
         batch, self._read_ahead = self._read_ahead, None
         if batch is None and fill:
             batch = self._next_batch(dataloader_iter)
@@ -186,6 +199,10 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
                     logger.info("stage %d (%s), batch %d", stage_idx, stage.name, batch_offset + self._num_steps)
                 try:
                     result = self._run_with_event(stage, event, batch)
+                    if result[0] is None:  # dropped: on every rank after the next agreement
+                        self._dropped.add(batch_offset)
+                    if stage.drop_callback is not None:
+                        self._ran[batch_offset].append(stage_idx)
                 except Exception as error:  # reported at the step's agreement (or before a fill callback)
                     if self._error is None:
                         self._error, self._failed_stage = error, stage.name
@@ -209,7 +226,8 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
 
     def _fill_pipeline(self, dataloader_iter: Iterator[Any]) -> None:
         """Batch ``k`` (``k < N``) runs stages ``0 .. N-1-k``: after filling, batch 0 is ready for the model (and
-        the first stage's next batch is read ahead)."""
+        the first stage's next batch is read ahead). A batch that a rank drops here becomes a hole on every rank
+        at the agreement right after that stage (before the next stage, and before its fill callback)."""
         for batch_offset in range(self.num_stages):
             for stage_idx in range(self.num_stages - batch_offset):
                 self._run_stage(batch_offset, stage_idx, dataloader_iter, fill=True)
@@ -219,6 +237,7 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
     def _advance(self) -> StageResult | None:
         out = self._outputs[0]
         self._outputs = [*self._outputs[1:], None]
+        self._ran = [*self._ran[1:], []]
         return out
 
     def _drained(self) -> bool:
@@ -235,8 +254,9 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         """The next batch through every stage (for the model's forward), or None when the data is over.
 
-        A batch a stage returned None for is skipped (the later stages do not run on it, as in torchrec): the
-        batches behind it still move on one stage per step, so each reaches the model with every stage run on it.
+        A batch a stage returned None for, on any rank, is skipped on every rank (the later stages do not run on
+        it, as in torchrec): the batches behind it still move on one stage per step, so each reaches the model with
+        every stage run on it, and every rank returns the same number of batches.
         After the end, a new iterator (another object) refills the pipeline and trains on; the same one gives None.
         """
         if self._initialized and self._drained() and not self._fetcher.is_current(dataloader_iter):
@@ -278,143 +298,6 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
 
     def close(self) -> None:
         self._fetcher.close_thread()
-
-
-class SparseDataDistUtil:
-    """Sparse input dist as a pipeline stage: :meth:`start_sparse_data_dist` launches a batch's input dists, the
-    model's forward (swapped on its sharded modules) consumes them, and a forward hook then finishes the next
-    batch's split-size round so its tensors travel during the backward.
-
-    Args (torchrec's, in its order):
-        model: the model the caller runs (DMP / DDP wrappers are looked through when tracing).
-        data_dist_stream: CUDA stream of the input dist (None on the CPU).
-        apply_jit, pipeline_postproc: False (not implemented: True raises NotImplementedError).
-        prefetch_stream, embedding_lookup_stream: None (prefetch and embedding-lookup stages are not implemented).
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        data_dist_stream: torch.cuda.Stream | None = None,
-        apply_jit: bool = False,
-        prefetch_stream: torch.cuda.Stream | None = None,
-        pipeline_postproc: bool = False,
-        embedding_lookup_stream: torch.cuda.Stream | None = None,
-    ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        check_unsupported(apply_jit=apply_jit, pipeline_postproc=pipeline_postproc)
-        streams = {"prefetch_stream": prefetch_stream, "embedding_lookup_stream": embedding_lookup_stream}
-        for name, stream in streams.items():
-            if stream is not None:
-                raise NotImplementedError(f"{name} is not supported (no such stage here); got {name}={stream!r}")
-        self.model = model
-        self.data_dist_stream = data_dist_stream
-        self.data_exhausted = False  # set by data_exhausted_callback, cleared by the next batch's input dist
-        self._waiting: deque[TrainPipelineContext] = deque()  # split sizes in flight
-        self._ready: deque[TrainPipelineContext] = deque()  # tensors in flight, next forward consumes [0]
-        self._next_index = 0
-        self._pipelined: PipelinedModules | None = None
-        self.fallback_reason: str | None = None
-        self._hooks: list[Any] = []
-
-    @property
-    def pipelined_modules(self) -> list[str]:
-        return list(self._pipelined.forwards) if self._pipelined is not None else []
-
-    def _initialize(self, context: TrainPipelineContext) -> None:
-        self._pipelined, self.fallback_reason = rewrite_model(self.model, context, self.data_dist_stream)
-        self._hooks = [
-            self.model.register_forward_pre_hook(self._before_forward),
-            self.model.register_forward_hook(self._after_forward),
-        ]
-
-    def start_sparse_data_dist(self, batch: Any) -> Any:
-        """Stage runnable: launch ``batch``'s input dists; returns ``batch``."""
-        context = TrainPipelineContext(index=self._next_index)
-        self._next_index += 1
-        self.data_exhausted = False
-        if self._pipelined is None:
-            self._initialize(context)
-        assert self._pipelined is not None
-        if self._pipelined.forwards:
-            with record(f"## start_sparse_data_dist {context.index} ##"):
-                self._pipelined.start_input_dist(batch, context, self.data_dist_stream)
-        self._waiting.append(context)
-        return batch
-
-    def wait_sparse_data_dist(self) -> None:
-        """Finish the oldest started batch's split-size round (launching its tensors)."""
-        if not self._waiting:
-            return
-        context = self._waiting.popleft()
-        if self._pipelined is not None and self._pipelined.forwards:
-            with record(f"## wait_sparse_data_dist {context.index} ##"):
-                self._pipelined.wait_splits(context, self.data_dist_stream)
-        self._ready.append(context)
-        if self._pipelined is not None:
-            self._pipelined.set_context(self._ready[0])
-
-    def wait_sdd_fill_callback(self) -> None:
-        """Fill callback of the input-dist stage (the model has not run yet, so no forward hook does it)."""
-        self.wait_sparse_data_dist()
-
-    def data_exhausted_callback(self) -> None:
-        """Data-exhausted callback of the input-dist stage (torchrec's; StagedTrainPipeline calls it when the stage
-        gets no batch: the data is over, or a flush empties the pipeline): no batch's input dist starts any more and
-        the pipeline drains, the forwards of the batches still in flight consuming the input dists already started
-        (each forward hook finishes the next one's split round while there is one). ``data_exhausted`` reads True
-        until a batch (of a new iterator, or after the flush) starts again."""
-        self.data_exhausted = True
-
-    def start_sparse_data_dist_stage(
-        self, name: str = "start_sparse_data_dist", runnable: Callable[[Any], Any] | None = None
-    ) -> PipelineStage:
-        """The input-dist :class:`PipelineStage` (torchrec's helper): ``runnable`` (default
-        :meth:`start_sparse_data_dist`) on ``data_dist_stream``, with the fill and data-exhausted callbacks."""
-        if runnable is not None and not callable(runnable):
-            raise TypeError(f"runnable must be callable or None, got runnable={runnable!r}")
-        return PipelineStage(
-            name=name,
-            runnable=runnable or self.start_sparse_data_dist,
-            stream=self.data_dist_stream,
-            fill_callback=self.wait_sdd_fill_callback,
-            data_exhausted_callback=self.data_exhausted_callback,
-        )
-
-    def _before_forward(self, module: nn.Module, input: Any) -> None:
-        # Normally the previous forward's hook (or the fill callback) finished this batch's split round. Not when the
-        # batch before it was skipped (a stage returned None for it): that forward's hook found no input dist
-        # started yet, so the round is finished here, before the pipelined modules consume it.
-        if not self._ready and self._waiting:
-            self.wait_sparse_data_dist()
-
-    def _after_forward(self, module: nn.Module, input: Any, output: Any) -> None:
-        if self._ready:
-            self._ready.popleft()
-        self.wait_sparse_data_dist()
-        if self._ready and self._pipelined is not None:
-            self._pipelined.set_context(self._ready[0])
-
-    def detach(self) -> nn.Module:
-        """Give the model its own forwards back (e.g. to evaluate it); in-flight input dists stay for :meth:`attach`."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
-        if self._pipelined is not None:
-            self._pipelined.detach()
-            self._pipelined = None
-        return self.model
-
-    def attach(self) -> None:
-        """Pipeline the model again after :meth:`detach`, continuing with the in-flight batches."""
-        if self._pipelined is not None:
-            return
-        contexts = [*self._ready, *self._waiting]
-        if contexts:
-            self._initialize(contexts[0])
-            if self._ready:
-                self._pipelined.set_context(self._ready[0])  # type: ignore[union-attr]
 
 
 __all__ = ["PipelineStage", "SparseDataDistUtil", "StagedTrainPipeline"]
