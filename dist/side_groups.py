@@ -13,6 +13,9 @@ there would pair with them.
 
 from __future__ import annotations
 
+import datetime
+
+import torch
 import torch.distributed as dist
 
 INPUT_DIST = "input_dist"  # the purpose of the sparse input dists' side groups
@@ -20,6 +23,19 @@ _GROUPS: dict[tuple[int, str], dist.ProcessGroup] = {}
 # id(renewed side group) -> (that group, the group that replaced it). The renewed group is held here so that its id
 # cannot be reused by a later group while the entry stands (which would redirect that group to a stranger).
 _SUCCESSORS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+
+def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
+    """``group``'s own collective timeout (what ``init_process_group(timeout=...)`` set), or None when torch does not
+    expose it (then ``new_group`` falls back to torch's default, 30 minutes for gloo). A side group gets its parent's:
+    without it, a rank waiting there for a peer that never comes (the pipelines' step agreement) waited 30 minutes
+    where the model's collectives give up after the job's timeout."""
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return None
 
 
 def same_ranks_group(group: dist.ProcessGroup, purpose: str, backend: str | None = None) -> dist.ProcessGroup:
@@ -32,7 +48,9 @@ def same_ranks_group(group: dist.ProcessGroup, purpose: str, backend: str | None
     key = (id(group), purpose)
     if key not in _GROUPS:
         ranks = dist.get_process_group_ranks(group)
-        _GROUPS[key] = dist.new_group(ranks=ranks, backend=backend or dist.get_backend(group))
+        _GROUPS[key] = dist.new_group(
+            ranks=ranks, backend=backend or dist.get_backend(group), timeout=group_timeout(group)
+        )
     return _GROUPS[key]
 
 
@@ -50,6 +68,8 @@ def renew_side_groups(purpose: str) -> None:
     were made, which is the same on every rank."""
     for key, group in list(_GROUPS.items()):
         if key[1] == purpose:
-            fresh = dist.new_group(ranks=dist.get_process_group_ranks(group), backend=dist.get_backend(group))
+            fresh = dist.new_group(
+                ranks=dist.get_process_group_ranks(group), backend=dist.get_backend(group), timeout=group_timeout(group)
+            )
             _GROUPS[key] = fresh
             _SUCCESSORS[id(group)] = (group, fresh)

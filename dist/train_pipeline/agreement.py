@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tritonrec.dist.comm_timeout import wait_for_work
 from tritonrec.dist.side_groups import INPUT_DIST, renew_side_groups, same_ranks_group
 
 
@@ -121,8 +122,8 @@ class PendingAgreement:
     def result(self) -> bool:
         """True when every rank has a batch; raises on every rank when one failed (as :meth:`StepAgreement.agree`)."""
         if self._decided is None:
-            if self._work is not None:
-                self._work.wait()
+            if self._work is not None:  # a rank that never comes: a CollectiveTimeoutError naming the agreement
+                wait_for_work(self._work, "train pipeline step agreement", self._agreement._group)
             codes = self._flags.tolist()[: max(self._agreement.world_size, 1)]
             failed = [r for r, c in enumerate(codes) if c >= Status.FAILED]
             if failed:
