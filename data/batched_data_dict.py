@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 from collections import UserDict
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Generic, Literal, TypedDict, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -27,77 +27,13 @@ from tritonrec.data.batch_sharding import (
     sequence_packing_plan,
     shard_rows,
 )
+from tritonrec.data.batched_data_args import DynamicBatchingArgs, SequencePackingArgs
+from tritonrec.data.batched_data_values import Indices, row_count, stack_values, take_rows
 from tritonrec.data.packing.checks import integers_as_int64
 from tritonrec.kernels.backend import Backend
 from tritonrec.kernels.pack_sequences import PackedSequences, make_packing_plan, pack_sequences
 
-try:
-    from typing import NotRequired
-except ImportError:  # Python 3.10
-    from typing_extensions import NotRequired
-
 DictT = TypeVar("DictT", bound=Mapping[str, Any])
-Indices = Sequence[int] | np.ndarray | torch.Tensor
-
-
-class SequencePackingArgs(TypedDict):
-    """Pass to ``shard_by_batch_size`` to pack each shard's sequences into microbatches."""
-
-    max_tokens_per_microbatch: int  # bin capacity, in padded tokens
-    input_key: str  # the [B, S, *] tensor to pack (used by make_microbatch_iterator_for_packable_sequences)
-    input_lengths_key: str  # per-sample sequence lengths
-    algorithm: str  # a tritonrec.data.packing algorithm name
-    microbatch_order: NotRequired[Literal["packer", "largest_first"]]  # run a rank's bins in packer order (default)
-    balance_ranks: NotRequired[bool]  # reorder bins so the round-robin deal balances tokens across ranks (tritonrec)
-    sequence_length_pad_multiple: int  # pad every sequence to a multiple of this (context-parallel alignment)
-
-
-class DynamicBatchingArgs(TypedDict):
-    """Pass to ``shard_by_batch_size`` to form microbatches of similar lengths under a token budget."""
-
-    max_tokens_per_microbatch: int  # rows x padded length of a microbatch stays at or below this
-    sequence_length_round: int  # round each microbatch's sequence length up to this multiple
-    input_key: str  # the [B, S, *] tensor (S bounds the padded lengths)
-    input_lengths_key: str  # per-sample sequence lengths
-
-
-def _rows(value: Any, key: str) -> int:
-    if isinstance(value, torch.Tensor):
-        if value.dim() == 0:
-            raise ValueError(f"value for key {key!r} must have a batch dimension, got a 0-d tensor")
-        return value.shape[0]
-    if isinstance(value, list):
-        return len(value)
-    raise TypeError(f"values must be tensors or lists, got {type(value).__name__} for key {key!r}")
-
-
-def _take(value: Any, rows: Indices) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value[torch.as_tensor(rows, dtype=torch.int64, device=value.device)]
-    positions = rows.tolist() if isinstance(rows, (torch.Tensor, np.ndarray)) else rows
-    return [value[i] for i in positions]
-
-
-def _stack(values: list[Any], key: str, pad_value: float) -> Any:
-    """One key of ``from_batches``: lists flatten, 1-D tensors concatenate, others pad dim 1 and concatenate."""
-    if all(isinstance(v, list) for v in values):
-        return [item for v in values for item in v]
-    if not all(isinstance(v, torch.Tensor) for v in values):
-        raise TypeError(f"key {key!r} mixes types {sorted({type(v).__name__ for v in values})}; use tensors or lists")
-    ranks = {v.dim() for v in values}
-    if ranks == {1}:
-        return torch.cat(values)
-    if len(ranks) > 1 or 0 in ranks:
-        raise ValueError(f"key {key!r} has tensors of ranks {sorted(ranks)}; they must share one rank >= 1")
-    trailing = {tuple(v.shape[2:]) for v in values}
-    if len(trailing) > 1:
-        raise ValueError(f"key {key!r} has tensors whose dims after the sequence dim differ: {sorted(trailing)}")
-    longest = max(v.shape[1] for v in values)
-    dims_after = 2 * (values[0].dim() - 2)
-    padded = [
-        torch.nn.functional.pad(v, (0,) * dims_after + (0, longest - v.shape[1]), value=pad_value) for v in values
-    ]
-    return torch.cat(padded)
 
 
 class BatchedDataDict(UserDict, Generic[DictT]):
@@ -114,13 +50,13 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         self._packed_sequences: PackedSequences | None = None
 
     def __setitem__(self, key: str, value: Any) -> None:
-        rows = _rows(value, key)
+        rows = row_count(value, key)
         for other, existing in self.data.items():
             if other != key:
-                if _rows(existing, other) != rows:
+                if row_count(existing, other) != rows:
                     raise ValueError(
-                        f"key {key!r} has {rows} rows but key {other!r} has {_rows(existing, other)}: every value of a "
-                        "BatchedDataDict holds one entry per sample"
+                        f"key {key!r} has {rows} rows but key {other!r} has {row_count(existing, other)}: every value "
+                        "of a BatchedDataDict holds one entry per sample"
                     )
                 break  # the stored keys already agree with each other
         self.data[key] = value
@@ -137,23 +73,25 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             return stacked
 
         def rows(batch: Mapping[str, Any]) -> int:
-            return _rows(next(iter(batch.values())), "first key") if batch else 0
+            return row_count(next(iter(batch.values())), "first key") if batch else 0
 
         for key in sorted({key for batch in batches for key in batch}):
             missing = [i for i, batch in enumerate(batches) if key not in batch and rows(batch)]
             if missing:
                 raise KeyError(f"Key {key!r} is missing from non-empty batches {missing}.")
-            stacked[key] = _stack([batch[key] for batch in batches if key in batch], key, pad_value_dict.get(key, 0))
+            stacked[key] = stack_values(
+                [batch[key] for batch in batches if key in batch], key, pad_value_dict.get(key, 0)
+            )
         return stacked
 
     def _uniform_size(self) -> int:
-        sizes = {key: _rows(value, key) for key, value in self.data.items()}
+        sizes = {key: row_count(value, key) for key, value in self.data.items()}
         if len(set(sizes.values())) > 1:
             raise ValueError(f"Batch sizes are not the same across the rollout batch, found sizes per key: {sizes}")
         return next(iter(sizes.values()), 0)
 
     def _select_rows(self, rows: Indices) -> dict[str, Any]:
-        return {key: _take(value, rows) for key, value in self.data.items()}
+        return {key: take_rows(value, rows) for key, value in self.data.items()}
 
     def _lengths(self, key: str, args_name: str) -> np.ndarray:
         if key not in self.data:
@@ -411,7 +349,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
     @property
     def size(self) -> int:
         """Rows of the first value (0 when empty)."""
-        return _rows(next(iter(self.data.values())), next(iter(self.data))) if self.data else 0
+        return row_count(next(iter(self.data.values())), next(iter(self.data))) if self.data else 0
 
     def to(self, device: str | torch.device) -> BatchedDataDict:
         """Move every tensor to ``device`` in place; returns self."""

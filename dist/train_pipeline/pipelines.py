@@ -1,7 +1,8 @@
 """Train pipelines (torchrec's names and semantics): ``TrainPipeline.progress(dataloader_iter) -> output`` runs one
 training step on the next batch and raises ``StopIteration`` when the data is over.
 
-* :class:`TrainPipelineBase`: copy batch ``i+1`` to the device (memcpy stream on CUDA) while batch ``i`` trains.
+* :class:`TrainPipelineBase` (:mod:`.base_pipeline`, with :class:`TrainPipeline`): copy batch ``i+1`` to the device
+  (memcpy stream on CUDA) while batch ``i`` trains.
 * :class:`TrainPipelineSparseDist`: while batch ``i`` runs forward and backward, batch ``i+1``'s sparse input dist is
   in flight and batch ``i+2`` is copied. Sharded modules' inputs are found by tracing the model
   (:mod:`.tracing`); their ``forward`` is swapped for one that consumes the prefetched input dist. On CPU the overlap
@@ -30,12 +31,11 @@ Example (every rank)::
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,7 @@ from torch import nn
 
 from tritonrec.dist.record import record
 from tritonrec.dist.train_pipeline.agreement import StepAgreement, renew_input_dist_groups
+from tritonrec.dist.train_pipeline.base_pipeline import In, Out, TrainPipeline, TrainPipelineBase, backward
 from tritonrec.dist.train_pipeline.checks import (
     check_bool,
     check_context_type,
@@ -58,100 +59,6 @@ from tritonrec.dist.train_pipeline.utils import new_stream, stream_context, to_d
 logger = logging.getLogger(__name__)
 
 START_SPARSE_DATA_DIST = "start_sparse_data_dist"
-
-In = TypeVar("In")
-Out = TypeVar("Out")
-
-
-def _forward(model: nn.Module, custom_model_fwd: Callable[[Any], Any] | None, batch: Any, training: bool) -> Any:
-    """``(losses, output)`` of ``custom_model_fwd(batch)`` or else ``model(batch)``, checked against the contract."""
-    if custom_model_fwd is None:
-        return split_model_output(model(batch), "model(batch)", training)
-    return split_model_output(custom_model_fwd(batch), "custom_model_fwd(batch)", training)
-
-
-def backward(losses: torch.Tensor) -> None:
-    """Backward of the step's loss (summed first when the model returns one per task, as torchrec)."""
-    with record("## backward ##"):
-        (losses if losses.dim() == 0 else torch.sum(losses, dim=0)).backward()
-
-
-class TrainPipeline(abc.ABC, Generic[In, Out]):
-    """One step per :meth:`progress` call; ``StopIteration`` when the data is over."""
-
-    @abc.abstractmethod
-    def progress(self, dataloader_iter: Iterator[In]) -> Out: ...
-
-    def close(self) -> None:
-        """Release what the pipeline holds between steps (background threads); the pipeline can run again."""
-
-
-class TrainPipelineBase(TrainPipeline[In, Out]):
-    """Two stages: the copy of batch ``i+1`` (memcpy stream on CUDA) overlaps forward/backward of batch ``i``.
-
-    Args:
-        model: called as ``losses, output = model(batch)``.
-        optimizer: stepped after each backward (``zero_grad`` before each forward).
-        device: where batches are copied and the model runs.
-        custom_model_fwd: called as ``losses, output = custom_model_fwd(batch)`` instead of the model (torchrec's
-            argument); it runs the model itself.
-        host_prefetch: host batches a background thread reads ahead (0: none; keyword-only).
-        group: the ranks that agree on each step (default: the world; keyword-only).
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        device: torch.device,
-        custom_model_fwd: Callable[[Any], tuple[torch.Tensor, Any]] | None = None,
-        *,
-        host_prefetch: int = 0,
-        group: dist.ProcessGroup | None = None,
-    ) -> None:
-        self._device = check_parts(model, optimizer, device)
-        self._model = model
-        self._optimizer = optimizer
-        self._custom_model_fwd = check_model_fwd(custom_model_fwd)
-        self._memcpy_stream = new_stream(self._device)
-        self._fetcher = BatchFetcher(StepAgreement(group, [NEXT_BATCH]), host_prefetch)
-        self._cur_batch: Any = None
-        self._connected = False
-
-    def _copy(self, batch: Any) -> Any:
-        with record("## copy_batch_to_device ##"), stream_context(self._memcpy_stream):
-            return to_device(batch, self._device, non_blocking=True)
-
-    def progress(self, dataloader_iter: Iterator[In]) -> Out:
-        if not self._connected:
-            first = self._fetcher.next(dataloader_iter)
-            self._cur_batch = None if first is None else self._copy(first)
-            self._connected = True
-        if self._cur_batch is None:
-            raise StopIteration
-        cur_batch = self._cur_batch
-        next_batch = self._fetcher.next(dataloader_iter)
-        if self._model.training:
-            self._optimizer.zero_grad()
-        wait_for_batch(cur_batch, self._memcpy_stream)
-        training = self._model.training
-        with record("## forward ##"):
-            losses, output = _forward(self._model, self._custom_model_fwd, cur_batch, training)
-        if training:
-            backward(losses)
-        self._cur_batch = None if next_batch is None else self._copy(next_batch)
-        if self._model.training:
-            with record("## optimizer ##"):
-                self._optimizer.step()
-        return output
-
-    def reset(self) -> None:
-        """Forget the iterator (the next ``progress`` starts from a fresh one)."""
-        self._fetcher.close()
-        self._cur_batch, self._connected = None, False
-
-    def close(self) -> None:
-        self._fetcher.close_thread()
 
 
 class TrainPipelineSparseDist(TrainPipeline[In, Out]):

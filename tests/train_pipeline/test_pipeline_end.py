@@ -4,7 +4,7 @@ iterator trains on), the eval pipeline runs every batch with the unpipelined mod
 stage that raises on one rank makes every rank raise (the failing one its own error, the others PipelineStageError
 naming it) instead of hanging, also when it is an input dist launched ahead (which leaves the model's own process
 group in step), with or without a second collection running its own input dist in the forward; after such a failure
-the same model trains on. Rank-side code: pipeline_cases.py.
+the same model trains on. Rank-side code: pipeline_cases.py, pipeline_error_cases.py.
 """
 
 from __future__ import annotations
