@@ -6,8 +6,8 @@ Separate from :mod:`tritonrec.data.batched_data_dict` to keep that module small;
 from there and from :mod:`tritonrec.data`.
 """
 
-from __future__ import annotations
-
+# no ``from __future__ import annotations``: TypedDict reads NotRequired from evaluated annotations, and with
+# postponed (string) ones it counted every key as required (``__optional_keys__`` was empty)
 from typing import Literal, TypedDict
 
 try:

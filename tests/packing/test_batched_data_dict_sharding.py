@@ -292,3 +292,11 @@ def test_sharding_argument_errors() -> None:
     shards, _ = batch.shard_by_batch_size(shards=2, sequence_packing_args=packing_args(16))
     with pytest.raises(ValueError, match=r"batch_idx must be in \[0, 1\), got batch_idx=1"):
         shards[0].get_batch(1)
+
+
+def test_argument_types_mark_their_optional_keys() -> None:
+    """NeMo-RL's TypedDicts: tritonrec's two extra packing keys are optional at runtime too (with postponed
+    annotations TypedDict had counted them as required)."""
+    assert SequencePackingArgs.__optional_keys__ == {"microbatch_order", "balance_ranks"}
+    assert "max_tokens_per_microbatch" in SequencePackingArgs.__required_keys__
+    assert not DynamicBatchingArgs.__optional_keys__
