@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from tests.train_pipeline.toy import staged_losses
+
 FEATURES = ["f0", "f1", "f2", "f3"]
 ROWS = [40, 7, 25, 60]
 DIM = 8
@@ -186,22 +188,9 @@ def train_staged(kind: str, world: int, data: Iterator[Any], extra_stage: bool =
     stages.append(PipelineStage("start_sparse_data_dist", sdd.start_sparse_data_dist,
                                 fill_callback=sdd.wait_sdd_fill_callback))  # fmt: skip
     pipeline = StagedTrainPipeline(stages, host_prefetch=1)
-    losses = _staged_losses(pipeline, model, optimizer, data)
+    losses = staged_losses(pipeline, model, optimizer, data)
     pipeline.close()
     return {"losses": losses, "weights": snapshot(model, sharded), "events": events, "pipelined": sdd.pipelined_modules}
-
-
-def _staged_losses(pipeline: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: Any) -> list[float]:
-    """The caller's half of a StagedTrainPipeline: forward, backward and step on every batch it hands out, until it
-    returns None (the data is over); the losses."""
-    losses = []
-    while (batch := pipeline.progress(data)) is not None:
-        optimizer.zero_grad()
-        loss, _ = model(batch)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
 
 
 def train_staged_skip_then_new_iterator(rank: int, world: int) -> dict[str, Any]:
@@ -220,7 +209,7 @@ def train_staged_skip_then_new_iterator(rank: int, world: int) -> dict[str, Any]
     losses = [
         loss
         for data in (batches(rank, 10), batches(rank, 5))
-        for loss in _staged_losses(pipeline, model, optimizer, data)
+        for loss in staged_losses(pipeline, model, optimizer, data)
     ]
     pipeline.close()
     return {"losses": losses, "weights": snapshot(model, sharded)}

@@ -28,6 +28,7 @@ from tests.train_pipeline.pipeline_cases import (
     snapshot,
     train,
 )
+from tests.train_pipeline.toy import staged_losses
 
 
 def missing_key(rank: int, count: int, at: int) -> Iterator[Any]:
@@ -90,13 +91,7 @@ def error_cases(rank: int, world: int) -> dict[str, Any]:
             *stages,
             PipelineStage("start_sparse_data_dist", start, fill_callback=sdd.wait_sdd_fill_callback),
         ])  # fmt: skip
-        steps = 0
-        while (batch := pipeline.progress(data)) is not None:
-            optimizer.zero_grad()
-            model(batch)[0].backward()
-            optimizer.step()
-            steps += 1
-        return steps
+        return len(staged_losses(pipeline, model, optimizer, data))
 
     copy_stage = PipelineStage("data_copy", lambda b: b)
     out["staged"] = _outcome(lambda: staged([copy_stage, PipelineStage("process", broken)], batches(rank, 10)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from tests.train_pipeline import pipeline_cases as pc
+from tests.train_pipeline.toy import staged_losses
 
 COUNT = 10
 
@@ -64,17 +65,13 @@ def run_case(rank: int, world: int, case: str) -> dict[str, Any]:
     trained: list[int] = []
     flushes: list[int] = []
     pipeline = StagedTrainPipeline([stages[s] for s in layout], on_flush_end=lambda: flushes.append(len(trained)))
-    losses = []
-    batches = iter(data)
-    while (batch := pipeline.progress(batches)) is not None:
+
+    def after_step(batch: Any, losses: list[float]) -> None:
         trained.append(index[id(batch)])
-        optimizer.zero_grad()
-        loss, _ = model(batch)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
         if len(losses) == flush_after:
             pipeline.set_flush(True)
+
+    losses = staged_losses(pipeline, model, optimizer, iter(data), after_step)
     pipeline.close()
     union = dropped_by_any(case)
     kept = (b for k, b in enumerate(pc.batches(rank, COUNT)) if k not in union)

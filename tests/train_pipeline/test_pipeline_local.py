@@ -17,6 +17,7 @@ from tests.train_pipeline.toy import (
     ToyModel,
     TwiceModel,
     progress_losses,
+    staged_losses,
     toy_batches,
 )
 from tritonrec.dist.train_pipeline import (
@@ -164,13 +165,7 @@ def test_staged_pipeline_with_a_user_stage_equals_base() -> None:
         PipelineStage("double_dense", double_dense),
         PipelineStage("start_sparse_data_dist", sdd.start_sparse_data_dist, fill_callback=sdd.wait_sdd_fill_callback),
     ], host_prefetch=2)  # fmt: skip
-    data, losses = toy_batches(7), []
-    while (batch := pipeline.progress(data)) is not None:
-        optimizer.zero_grad()
-        loss = model(batch)[0]
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    losses = staged_losses(pipeline, model, optimizer, toy_batches(7))
     pipeline.close()
     assert sdd.pipelined_modules == ["sharded"]
     assert losses == base_losses
@@ -187,18 +182,15 @@ def test_sparse_data_dist_util_detach_and_attach_mid_run() -> None:
         PipelineStage("data_copy", lambda b: b),
         PipelineStage("start_sparse_data_dist", sdd.start_sparse_data_dist, fill_callback=sdd.wait_sdd_fill_callback),
     ])  # fmt: skip
-    data, losses = toy_batches(7), []
-    while (batch := pipeline.progress(data)) is not None:
-        optimizer.zero_grad()
-        loss = model(batch)[0]
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+
+    def evaluate_after_step_3(batch: Any, losses: list[float]) -> None:
         if len(losses) == 3:
             sdd.detach()
             with torch.no_grad():
                 model(next(toy_batches(1, start=50)))
             sdd.attach()
+
+    losses = staged_losses(pipeline, model, optimizer, toy_batches(7), evaluate_after_step_3)
     assert losses == base_losses
     assert _same({n: p.detach() for n, p in model.named_parameters()}, base_weights)
 

@@ -23,6 +23,7 @@ from tests.train_pipeline.toy import (
     ToyModel,
     ToySharded,
     progress_losses,
+    staged_losses,
     toy_batches,
 )
 from tritonrec.dist.train_pipeline import (
@@ -225,14 +226,10 @@ def test_sparse_data_dist_stage_has_the_data_exhausted_callback() -> None:
     stage = sdd.start_sparse_data_dist_stage()
     assert stage.data_exhausted_callback == sdd.data_exhausted_callback
     pipeline = StagedTrainPipeline([PipelineStage("data_copy", lambda b: b), stage])
-    data, losses, exhausted = toy_batches(6), [], []
-    while (batch := pipeline.progress(data)) is not None:
-        optimizer.zero_grad()
-        loss = model(batch)[0]
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-        exhausted.append(sdd.data_exhausted)
+    exhausted: list[bool] = []
+    losses = staged_losses(
+        pipeline, model, optimizer, toy_batches(6), lambda b, _: exhausted.append(sdd.data_exhausted)
+    )
     assert losses == base_losses and _same(_weights(model), base_weights)
     assert exhausted[0] is False and exhausted[-1] is True
 

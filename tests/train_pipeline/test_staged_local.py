@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.train_pipeline.toy import ToyModel, progress_losses, toy_batches
+from tests.train_pipeline.toy import ToyModel, progress_losses, staged_losses, toy_batches
 from tritonrec.dist.train_pipeline import PipelineStage, SparseDataDistUtil, StagedTrainPipeline, TrainPipelineBase
 from tritonrec.dist.train_pipeline.agreement import Status, StepAgreement
 
@@ -81,30 +81,23 @@ def test_a_flush_trains_every_batch_once_in_order() -> None:
     optimizer_of = lambda model: torch.optim.SGD(model.parameters(), lr=0.1)
     base_model = ToyModel()
     base = TrainPipelineBase(base_model, optimizer_of(base_model), CPU)
-    data, base_losses = toy_batches(9), []
-    while True:
-        try:
-            base_losses.append(base.progress(data)[0].item())
-        except StopIteration:
-            break
+    base_losses = progress_losses(base, toy_batches(9))
     model = ToyModel()
     optimizer = optimizer_of(model)
     sdd = SparseDataDistUtil(model)
     flushes: list[int] = []
-    losses: list[float] = []
+    steps: list[int] = []  # steps done, read by the flush callback (which runs inside progress)
     pipeline = StagedTrainPipeline([
         PipelineStage("data_copy", lambda b: b),
         PipelineStage("start_sparse_data_dist", sdd.start_sparse_data_dist, fill_callback=sdd.wait_sdd_fill_callback),
-    ], on_flush_end=lambda: flushes.append(len(losses)), host_prefetch=1)  # fmt: skip
-    data = toy_batches(9)
-    while (batch := pipeline.progress(data)) is not None:
-        optimizer.zero_grad()
-        loss: Any = model(batch)[0]
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    ], on_flush_end=lambda: flushes.append(len(steps)), host_prefetch=1)  # fmt: skip
+
+    def after_step(batch: Any, losses: list[float]) -> None:
+        steps.append(len(losses))
         if len(losses) == 3:
             pipeline.set_flush(True)
+
+    losses = staged_losses(pipeline, model, optimizer, toy_batches(9), after_step)
     pipeline.close()
     # the batches in flight at the request (two in the stages, one read ahead) trained before the refill
     assert flushes == [6]
@@ -161,33 +154,9 @@ def test_a_skipped_batch_leaves_the_input_dists_in_step_with_the_forwards() -> N
     """The input-dist stage after a stage that drops batch 3: the forward of batch 4 finds its input dist (its split
     round was not finished by batch 2's forward hook, as batch 3 started none) and training equals the base
     pipeline on the other batches."""
-    optimizer_of = lambda model: torch.optim.SGD(model.parameters(), lr=0.1)
-    base_model = ToyModel()
-    base = TrainPipelineBase(base_model, optimizer_of(base_model), CPU)
-    data, base_losses = (b for k, b in enumerate(toy_batches(8)) if k != 3), []
-    while True:
-        try:
-            base_losses.append(base.progress(data)[0].item())
-        except StopIteration:
-            break
-    model = ToyModel()
-    optimizer = optimizer_of(model)
-    sdd = SparseDataDistUtil(model)
-    calls = iter(range(100))
-    pipeline = StagedTrainPipeline([
-        PipelineStage("data_copy", lambda b: b),
-        PipelineStage("drop", lambda b: None if next(calls) == 3 else b),
-        sdd.start_sparse_data_dist_stage(),
-    ])  # fmt: skip
-    data, losses = toy_batches(8), []
-    while (batch := pipeline.progress(data)) is not None:
-        optimizer.zero_grad()
-        loss: Any = model(batch)[0]
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    losses, base_losses, weights_equal = _train_with_a_drop(3, after_start=False, by_hand=False)
     assert losses == base_losses and len(losses) == 7
-    assert torch.equal(model.sharded.weight, base_model.sharded.weight)
+    assert weights_equal
 
 
 def test_staged_arguments_are_checked_and_tritonrec_ones_keyword_only() -> None:
@@ -232,9 +201,10 @@ def test_drops_cost_no_extra_agreement(monkeypatch: pytest.MonkeyPatch) -> None:
     assert counts[0] == counts[1]
 
 
-def _train_dropping_after_the_input_dist(drop_at: int, by_hand: bool) -> tuple[list[float], list[float], bool]:
-    """ToyModel through copy, input dist, then a stage that drops batch ``drop_at`` (its input dist started): the
-    losses, the base pipeline's on the other batches, and whether the weights are equal."""
+def _train_with_a_drop(drop_at: int, after_start: bool, by_hand: bool) -> tuple[list[float], list[float], bool]:
+    """ToyModel through copy, the input dist and a stage that drops batch ``drop_at``, before the input dist or
+    (``after_start``) after it started: the losses, the base pipeline's on the other batches, and whether the
+    weights are equal. ``by_hand``: the input-dist stage built from the util's method, not its stage helper."""
     optimizer_of = lambda model: torch.optim.SGD(model.parameters(), lr=0.1)
     base_model = ToyModel()
     base = TrainPipelineBase(base_model, optimizer_of(base_model), CPU)
@@ -248,18 +218,10 @@ def _train_dropping_after_the_input_dist(drop_at: int, by_hand: bool) -> tuple[l
             "start_sparse_data_dist", sdd.start_sparse_data_dist, fill_callback=sdd.wait_sdd_fill_callback
         )
     calls = iter(range(100))
-    pipeline = StagedTrainPipeline([
-        PipelineStage("data_copy", lambda b: b),
-        start,
-        PipelineStage("drop", lambda b: None if next(calls) == drop_at else b),
-    ])  # fmt: skip
-    data, losses = toy_batches(8), []
-    while (batch := pipeline.progress(data)) is not None:
-        optimizer.zero_grad()
-        loss: Any = model(batch)[0]
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    drop = PipelineStage("drop", lambda b: None if next(calls) == drop_at else b)
+    stages = [start, drop] if after_start else [drop, start]
+    pipeline = StagedTrainPipeline([PipelineStage("data_copy", lambda b: b), *stages])
+    losses = staged_losses(pipeline, model, optimizer, toy_batches(8))
     return losses, base_losses, torch.equal(model.sharded.weight, base_model.sharded.weight)
 
 
@@ -270,6 +232,6 @@ def test_a_batch_dropped_after_its_input_dist_started_leaves_the_next_batch_its_
 ) -> None:
     """Batch 0 is dropped while filling, 3 in a step, 7 the last. Before the drop callback, the dropped batch's
     context stayed queued and the next forward consumed it: batch 4 trained on batch 3's sparse features."""
-    losses, base_losses, weights_equal = _train_dropping_after_the_input_dist(drop_at, by_hand)
+    losses, base_losses, weights_equal = _train_with_a_drop(drop_at, after_start=True, by_hand=by_hand)
     assert losses == base_losses and len(losses) == 7
     assert weights_equal

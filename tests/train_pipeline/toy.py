@@ -3,7 +3,8 @@ it, to test tracing, pipelining and the pipelines' input checks without spawning
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -103,6 +104,28 @@ def progress_losses(pipeline: object, data: Iterator[Batch]) -> list[float]:
             losses.append(pipeline.progress(data)[0].item())  # type: ignore[attr-defined]
         except StopIteration:
             return losses
+
+
+def staged_losses(
+    pipeline: Any,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: Iterator[Any],
+    after_step: Callable[[Any, list[float]], None] | None = None,
+) -> list[float]:
+    """The caller's half of a StagedTrainPipeline: forward, backward and step on every batch ``progress`` hands out,
+    until it returns None (the data is over); the losses. ``after_step(batch, losses)`` runs after each step (a
+    flush request, a detach, a record of what trained)."""
+    losses: list[float] = []
+    while (batch := pipeline.progress(data)) is not None:
+        optimizer.zero_grad()
+        loss = model(batch)[0]
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        if after_step is not None:
+            after_step(batch, losses)
+    return losses
 
 
 class OwnGroupSharded(ToySharded):
