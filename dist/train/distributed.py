@@ -43,6 +43,7 @@ from tritonrec.dist.train.job_state import (
 from tritonrec.dist.train.launch import StopRequest, rank_device
 from tritonrec.dist.train.loop import TrainHistory, iterate_batches
 from tritonrec.dist.train.report import final_metrics, plot_curves, write_metrics
+from tritonrec.dist.train.step_agreement import StepAgreement
 
 
 def _chunk_size(cfg: TrainConfig, saved: int | None) -> int | None:
@@ -52,16 +53,6 @@ def _chunk_size(cfg: TrainConfig, saved: int | None) -> int | None:
     if saved is not None:
         return saved
     return cfg.data.chunk_size or cfg.batch_size
-
-
-def _stop_agreed(stop: StopRequest, group: dist.ProcessGroup) -> bool:
-    """True on every rank when any rank received SIGTERM (they may get it at different steps); every rank then
-    knows the signal."""
-    flag = torch.tensor([stop.signal or 0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if flag.item() and not stop.requested:
-        stop.signal = int(flag.item())
-    return bool(flag.item())
 
 
 def train_distributed(
@@ -97,6 +88,7 @@ def train_distributed(
     feed = BatchFeed(iterate_batches(batcher, sources.train, cfg.batch_size, cfg.drop_remainder), batcher)
     runner = StepRunner(cfg.pipeline.kind, dmp, dense_optimizer, device, cfg.pipeline.host_prefetch)
     metrics_sync = RankMetrics(history, side)
+    agreement = StepAgreement(stop, side, device)
     manager = CheckpointManager(out_dir / "checkpoints")
     report = JobReporter(cfg.name, out_dir, start, cfg.steps, cfg.progress, cfg.logger.kind, enabled=rank == 0)
     report.message(
@@ -118,7 +110,8 @@ def train_distributed(
             position, mask, num_valid = feed.pop()
             metrics_sync.record(step, output, mask, num_valid, time.perf_counter() - began)
             report.step_done()
-            stopped = _stop_agreed(stop, side)
+            agreement.note(step, output)
+            stopped = agreement.agree()  # NonFiniteLossError on every rank when one diverged
             last = step == cfg.steps or stopped
             if step % cfg.log_every == 0 or last:
                 metrics_sync.sync()

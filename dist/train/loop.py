@@ -78,8 +78,14 @@ def check_finite_step(step: int, loss: float, scores_are_nan: bool) -> None:
     (before they reach the AUROC metric, whose input check would name neither the step nor the cause)."""
     if math.isfinite(loss) and not scores_are_nan:
         return
+    raise NonFiniteLossError(nonfinite_step_message(step, str(loss), scores_are_nan))
+
+
+def nonfinite_step_message(step: int, loss: str, scores_are_nan: bool) -> str:
+    """The :class:`NonFiniteLossError` message for step ``step`` whose loss reads ``loss`` (a value, or values per
+    rank)."""
     scores = ", and the model's scores hold NaN" if scores_are_nan else ""
-    raise NonFiniteLossError(
+    return (
         f"step {step}: the training loss is {loss}{scores}: training diverged (the weights overflowed); lower the "
         "learning rates (optim.dense_lr, optim.sparse_lr), then start a new run or resume from a checkpoint taken "
         f"before step {step}"

@@ -1,6 +1,6 @@
 """Rank-side cases of the distributed training job (2 gloo ranks, one spawn for all): a tiny DLRM job under several
 sharding x pipeline x codec combinations, an exact resume at the same world size (through the checkpoint's pipeline
-and through the staged one), SIGTERM on one rank, and a diverging run."""
+and through the staged one), SIGTERM on one rank, a diverging run, and a loss that turns NaN on one rank only."""
 
 from __future__ import annotations
 
@@ -47,6 +47,26 @@ def _sigterm_when_training(log: Path) -> None:
         time.sleep(0.05)
 
 
+def _nan_loss_on_rank_1_at_step(rank: int, step: int) -> Any:
+    """Patch the job's step runner so that rank 1's ``step``-th step returns a NaN loss (the other rank's stay
+    finite: no rank could tell from its own loss); returns the undo and the count of steps run so far."""
+    import torch
+
+    from tritonrec.dist.train.dist_builders import StepRunner
+
+    original, calls = StepRunner.step, [0]
+
+    def step_with_nan(self: Any, batches: Any) -> Any:
+        output = original(self, batches)
+        calls[0] += 1
+        if rank == 1 and calls[0] == step:
+            return (torch.full_like(output[0], float("nan")), *output[1:])
+        return output
+
+    StepRunner.step = step_with_nan  # type: ignore[method-assign]
+    return (lambda: setattr(StepRunner, "step", original)), calls
+
+
 def run_suite(rank: int, world: int, root: str) -> dict[str, Any]:
     from tritonrec.dist.train.config import OptimConfig
     from tritonrec.dist.train.job_config import PipelineConfig, QCommConfig, ShardingConfig
@@ -77,4 +97,14 @@ def run_suite(rank: int, world: int, root: str) -> dict[str, Any]:
         out["diverged"] = None
     except Exception as error:
         out["diverged"] = f"{type(error).__name__}: {error}"
+    # one rank's loss turns NaN at step 3, between log steps: every rank stops there, not at the next log step
+    undo, steps_run = _nan_loss_on_rank_1_at_step(rank, 3)
+    try:
+        run_rank(tiny_config(base / "nan_one_rank", steps=10, log_every=5, eval_every=0, checkpoint_every=2))
+        out["nan_one_rank"] = None
+    except Exception as error:
+        out["nan_one_rank"] = f"{type(error).__name__}: {error}"
+    finally:
+        undo()
+    out["nan_one_rank_steps"] = steps_run[0]
     return out

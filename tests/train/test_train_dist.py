@@ -151,6 +151,18 @@ def test_diverging_run_raises_on_every_rank(ranks: list[dict[str, Any]], root: P
     assert f"NonFiniteLossError: step {found.group(1)}:" in (root / "diverged" / "train.log").read_text()
 
 
+def test_nan_on_one_rank_stops_every_rank_at_that_step(ranks: list[dict[str, Any]], root: Path) -> None:
+    """Rank 1's loss alone turns NaN at step 3 (log steps are 5, 10): both ranks raise at step 3, naming rank 1, and
+    no checkpoint is written after step 2."""
+    errors = [r["nan_one_rank"] for r in ranks]
+    assert [r["nan_one_rank_steps"] for r in ranks] == [3, 3]  # no rank trained past the NaN step
+    assert errors[0] == errors[1], errors
+    assert (errors[0] or "").startswith("NonFiniteLossError: step 3: the training loss is nan on rank 1:"), errors[0]
+    saved = sorted(p.name for p in (root / "nan_one_rank" / "checkpoints").glob("step_*"))
+    assert saved == ["step_00000002"], saved
+    assert "NonFiniteLossError: step 3:" in (root / "nan_one_rank" / "train.log").read_text()
+
+
 @pytest.mark.parametrize(("change", "pattern"), [
     ({"steps": 3}, "was taken after step 3, and steps=3 leaves nothing to train"),
     ({"data.seed": 7}, r"data.seed=0 in the checkpoint but 7 now"),
