@@ -187,7 +187,9 @@ _ASYNC_GROUPS: dict[Any, dist.ProcessGroup] = {}
 
 def _async_group(pg: dist.ProcessGroup | None) -> dist.ProcessGroup:
     """A gloo group of the same ranks for the background writer thread, whose collectives must not interleave with
-    the training step's on ``pg`` (created once per group; a collective)."""
+    the training step's on ``pg`` (created once per group; a collective). It keeps torch's default timeout (30
+    minutes for gloo) rather than ``pg``'s: the save's last collective waits for the slowest rank's writes, which
+    can take far longer than a training collective."""
     key = pg if pg is not None else dist.group.WORLD
     if key not in _ASYNC_GROUPS:
         ranks = dist.get_process_group_ranks(key) if pg is not None else None

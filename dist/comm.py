@@ -20,6 +20,8 @@ from typing import Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 
+from tritonrec.dist.side_groups import group_timeout
+
 logger: logging.Logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -103,7 +105,8 @@ def intra_and_cross_node_pg(
     """``(intra, cross)``: this rank's group of same-node ranks and its group of same-local-rank ranks across nodes.
 
     Collective: every rank must call it (``new_group`` is collective). The groups are built once per world and
-    cached. A ``meta`` device (shape-only runs) gets ``(None, None)``.
+    cached, with the world's timeout (``new_group`` alone would give them torch's default, 30 minutes for gloo). A
+    ``meta`` device (shape-only runs) gets ``(None, None)``.
     """
     global _NODE_GROUPS
     if device is not None and not isinstance(device, torch.device):
@@ -119,12 +122,16 @@ def intra_and_cross_node_pg(
     my_node, my_local_rank = rank // local_size, rank % local_size
     backend = backend if backend is not None else dist.get_backend()
     intra = cross = None
+    timeout = group_timeout(world)
     for node in range(num_groups):  # every rank creates every group, in the same order
-        group = dist.new_group(ranks=[node * local_size + r for r in range(local_size)], backend=backend)
+        ranks = [node * local_size + r for r in range(local_size)]
+        group = dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
         if node == my_node:
             intra = group
     for local_rank in range(local_size):
-        group = dist.new_group(ranks=[local_rank + node * local_size for node in range(num_groups)], backend=backend)
+        group = dist.new_group(
+            ranks=[local_rank + node * local_size for node in range(num_groups)], backend=backend, timeout=timeout
+        )
         if local_rank == my_local_rank:
             cross = group
     dist.barrier()

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from tritonrec.dist.side_groups import group_timeout
 from tritonrec.dist.train.config import TrainConfig, as_train_config, check_device
 from tritonrec.dist.train.launch import (
     StopRequest,
@@ -143,7 +144,8 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any] | None:
     created = not dist.is_initialized()
     init_process_group(resolve_backend(cfg.dist.backend, device), cfg.dist.timeout_s)
     try:
-        side = dist.new_group(backend="gloo")
+        # the job's own timeout (dist.timeout_s), as the model's collectives: new_group alone gives gloo's 30 minutes
+        side = dist.new_group(backend="gloo", timeout=group_timeout(dist.group.WORLD))
         out_dir = _agreed_output_dir(cfg, side)
         with _threads(cfg.num_threads), StopRequest().installed() as stop:
             return train_distributed(cfg, out_dir, stop, side)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from tritonrec.dist import comm
+from tritonrec.dist.side_groups import group_timeout
 
 
 def _whoami(tag: str) -> str:
@@ -32,6 +33,8 @@ def run_pg_cases(rank: int, world: int) -> dict[str, Any]:
         "intra_ranks": dist.get_process_group_ranks(intra),
         "cross_ranks": dist.get_process_group_ranks(cross),
         "cached": again[0] is intra and again[1] is cross,
+        # the world's timeout, not new_group's default (30 minutes for gloo)
+        "timeouts": [group_timeout(g) == group_timeout(dist.group.WORLD) is not None for g in (intra, cross)],
         "intra_sum": total.item(),
         "is_leader": comm.is_leader(dist.group.WORLD),
         "is_leader_of_intra_rank_1": comm.is_leader(intra, leader_rank=1),

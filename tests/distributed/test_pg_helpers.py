@@ -37,6 +37,7 @@ def test_node_groups_and_leader_calls_on_four_ranks() -> None:
         assert r["intra_ranks"] == [2 * node, 2 * node + 1], r
         assert r["cross_ranks"] == [local, local + 2], r
         assert r["cached"], "a second call must return the same groups"
+        assert r["timeouts"] == [True, True], "intra / cross groups keep the world's timeout (60 s here)"
         assert r["intra_sum"] == float(4 * node + 1), "all_reduce over the intra-node group"
         assert r["is_leader"] == (rank == 0)
         assert r["is_leader_of_intra_rank_1"] == (local == 1)

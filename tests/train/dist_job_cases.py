@@ -107,4 +107,23 @@ def run_suite(rank: int, world: int, root: str) -> dict[str, Any]:
     finally:
         undo()
     out["nan_one_rank_steps"] = steps_run[0]
+    out["side_group_timeout_s"] = _side_group_timeout_s(base / "side_timeout")
     return out
+
+
+def _side_group_timeout_s(output_dir: Path) -> float | None:
+    """The timeout of the gloo side group the job builds (metrics, step agreement), read in place of training."""
+    from tritonrec.dist.side_groups import group_timeout
+    from tritonrec.dist.train import distributed
+    from tritonrec.dist.train.run import run_rank
+
+    def report_timeout(cfg: Any, out_dir: Path, stop: Any, side: Any) -> float | None:
+        timeout = group_timeout(side)
+        return None if timeout is None else timeout.total_seconds()
+
+    original = distributed.train_distributed
+    distributed.train_distributed = report_timeout  # type: ignore[assignment]
+    try:
+        return run_rank(tiny_config(output_dir))
+    finally:
+        distributed.train_distributed = original

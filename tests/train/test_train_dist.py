@@ -163,6 +163,12 @@ def test_nan_on_one_rank_stops_every_rank_at_that_step(ranks: list[dict[str, Any
     assert "NonFiniteLossError: step 3:" in (root / "nan_one_rank" / "train.log").read_text()
 
 
+def test_the_jobs_side_group_keeps_the_world_timeout(ranks: list[dict[str, Any]]) -> None:
+    """The metrics / step-agreement group times out with the job's collectives (the spawn's 60 s group here), not
+    after gloo's default 30 minutes, when a rank never arrives."""
+    assert [r["side_group_timeout_s"] for r in ranks] == [60.0, 60.0]
+
+
 @pytest.mark.parametrize(("change", "pattern"), [
     ({"steps": 3}, "was taken after step 3, and steps=3 leaves nothing to train"),
     ({"data.seed": 7}, r"data.seed=0 in the checkpoint but 7 now"),
