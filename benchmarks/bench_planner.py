@@ -29,14 +29,14 @@ median over rounds is reported with its quartiles. Steps run with the cross-rank
 state a training job reaches after its first calls). The summary also says how well the perf model ranks the grid's
 plans: Spearman's rank correlation of its estimates with the screening times (all grid plans) and with the refined
 times (the grid finalists).
-Appends ``benchmarks/results/planner_quality_cpu.csv`` (``--plot``: ``planner_quality_cpu.png``).
+Appends ``benchmarks/results/planner_quality_cpu.csv`` (``--plot``: ``planner_quality_cpu.png``). The model and the
+plans (ours, grid, table-wise, torchrec's translated) are built in ``planner_plans``.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import logging
 import os
 import statistics
 import sys
@@ -48,10 +48,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import append_csv, print_table, spawn_ranks
+from planner_plans import (
+    GRID_TYPES,  # noqa: F401  (re-exported: it used to live here)
+    LR,  # noqa: F401  (re-exported: it used to live here)
+    Tables,
+    describe,
+    grid_plans,
+    our_plan,
+    sharder,
+    table_wise_plan,
+    torchrec_plan,
+    translate,  # noqa: F401  (re-exported: it used to live here)
+)
 
 # table set -> per table (rows, dim, pooling factor)
 TABLE_SETS: dict[str, list[tuple[int, int, float]]] = {
@@ -60,136 +71,6 @@ TABLE_SETS: dict[str, list[tuple[int, int, float]]] = {
     "skewed_pooling": [(50_000, 64, 80.0), (50_000, 64, 20.0), (50_000, 64, 5.0), (50_000, 64, 1.0)],
     "mixed_dim": [(50_000, 8, 10.0), (50_000, 32, 10.0), (50_000, 128, 10.0), (50_000, 256, 10.0)],
 }
-GRID_TYPES = ["table_wise", "row_wise", "column_wise", "data_parallel"]
-LR = 0.01
-
-
-class Tables(nn.Module):
-    """The benchmarked model: one EmbeddingBagCollection (``ebc``)."""
-
-    def __init__(self, specs: list[tuple[int, int, float]], device: str = "meta") -> None:
-        super().__init__()
-        from tritonrec.modules import EmbeddingBagCollection, EmbeddingBagConfig
-
-        configs = [EmbeddingBagConfig(num_embeddings=r, embedding_dim=d, name=f"t{i}", feature_names=[f"f{i}"])
-                   for i, (r, d, _) in enumerate(specs)]  # fmt: skip
-        self.ebc = EmbeddingBagCollection(configs, device=device)
-
-    def forward(self, features: Any) -> Any:
-        return self.ebc(features)
-
-
-def sharder() -> Any:
-    from tritonrec.dist import EmbeddingBagCollectionSharder
-
-    return EmbeddingBagCollectionSharder(fused_params={"optimizer": "EXACT_ROWWISE_ADAGRAD", "learning_rate": LR})
-
-
-def describe(plan: Any) -> str:
-    """``t0:TW@1 t1:RW ...`` of a plan."""
-    short = {"table_wise": "TW", "row_wise": "RW", "column_wise": "CW", "data_parallel": "DP",
-             "table_row_wise": "TWRW", "table_column_wise": "TWCW", "grid_shard": "GRID"}  # fmt: skip
-    parts = []
-    for name, p in plan.plan["ebc"].items():
-        where = f"@{p.ranks[0]}" if p.sharding_type == "table_wise" else ""
-        where = f"x{len(p.ranks)}" if p.sharding_type in ("column_wise", "table_column_wise") else where
-        parts.append(f"{name}:{short[p.sharding_type]}{where}")
-    return " ".join(parts)
-
-
-# --------------------------------------------------------------------------------------------------------- plans
-def _fused_only(plan: Any) -> Any:
-    for module_plan in plan.plan.values():
-        for sharding in module_plan.values():
-            sharding.compute_kernel = "fused"
-    return plan
-
-
-def our_plan(specs: list, batch: int, calibration: str | None) -> tuple[Any, float]:
-    from tritonrec.dist.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-
-    constraints = {f"t{i}": ParameterConstraints(pooling_factors=[f], compute_kernels=["fused"])
-                   for i, (_, _, f) in enumerate(specs)}  # fmt: skip
-    planner = EmbeddingShardingPlanner(Topology(2, "cpu", calibration=calibration), batch, constraints=constraints,
-                                       stats=[])  # fmt: skip
-    plan = planner.plan(Tables(specs), [sharder()])
-    return plan, planner.last_candidate.estimated_step_s  # type: ignore[union-attr]
-
-
-def grid_plans(specs: list, batch: int, calibration: str | None) -> list[tuple[Any, float]]:
-    from tritonrec.dist.planner import EmbeddingShardingPlanner, GridSearchProposer, ParameterConstraints, Topology
-
-    constraints = {f"t{i}": ParameterConstraints(sharding_types=GRID_TYPES, compute_kernels=["fused"],
-                                                 pooling_factors=[f]) for i, (_, _, f) in enumerate(specs)}  # fmt: skip
-    planner = EmbeddingShardingPlanner(Topology(2, "cpu", calibration=calibration), batch, constraints=constraints,
-                                       stats=[])  # fmt: skip
-    found = planner.candidate_plans(Tables(specs), [sharder()], GridSearchProposer(10_000))
-    return [(c.plan, c.estimated_step_s) for c in found]
-
-
-def table_wise_plan(specs: list) -> Any:
-    from tritonrec.dist import ShardingPlan, construct_module_sharding_plan, table_wise
-
-    gens = {f"t{i}": table_wise(rank=i % 2) for i in range(len(specs))}
-    return _fused_only(ShardingPlan({"ebc": construct_module_sharding_plan(Tables(specs).ebc, gens, sharder(), 2, 2,
-                                                                           "cpu")}))  # fmt: skip
-
-
-def torchrec_plan(specs: list, batch: int) -> tuple[Any, str]:
-    """torchrec's planner's plan, translated to ours, and a note (what it offered on CPU, or why it failed)."""
-    logging.disable(logging.WARNING)  # torchrec's planner warns about its own topology construction
-    try:
-        from fbgemm_gpu.split_embedding_configs import EmbOptimType
-        from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
-        from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-        from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-    except Exception as err:  # not installed: no anchor
-        return None, f"torchrec not importable: {type(err).__name__}"
-    try:
-        configs = [EmbeddingBagConfig(num_embeddings=r, embedding_dim=d, name=f"t{i}", feature_names=[f"f{i}"])
-                   for i, (r, d, _) in enumerate(specs)]  # fmt: skip
-        ebc = EmbeddingBagCollection(configs, device=torch.device("meta"))
-        their_sharder = EmbeddingBagCollectionSharder(
-            fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": LR}
-        )
-        offered = their_sharder.sharding_types("cpu")
-        constraints = {f"t{i}": ParameterConstraints(pooling_factors=[f]) for i, (_, _, f) in enumerate(specs)}
-        topology = Topology(world_size=2, compute_device="cpu", local_world_size=2)
-        planner = EmbeddingShardingPlanner(topology=topology, batch_size=batch, constraints=constraints)
-        their = planner.plan(ebc, [their_sharder])
-    except Exception as err:  # a planner refusing the workload is a result
-        return None, f"torchrec planner failed: {type(err).__name__}: {str(err).splitlines()[0][:120]}"
-    finally:
-        logging.disable(logging.NOTSET)
-    return translate(their, specs), f"torchrec offers {offered} on cpu (row-wise refused)"
-
-
-def translate(their: Any, specs: list) -> Any:
-    """A torchrec plan of the EBC as our plan of ``Tables`` (same types and ranks; every table on the fused kernel)."""
-    from tritonrec.dist import (
-        ShardingPlan,
-        column_wise,
-        construct_module_sharding_plan,
-        data_parallel,
-        row_wise,
-        table_column_wise,
-        table_row_wise,
-        table_wise,
-    )
-
-    gens = {}
-    for name, p in next(iter(their.plan.values())).items():
-        kind = p.sharding_type
-        gens[name] = {
-            "table_wise": lambda p=p: table_wise(rank=p.ranks[0]),
-            "row_wise": lambda p=p: row_wise(),
-            "column_wise": lambda p=p: column_wise(ranks=list(p.ranks)),
-            "table_column_wise": lambda p=p: table_column_wise(ranks=list(p.ranks)),
-            "table_row_wise": lambda p=p: table_row_wise(host_index=0),
-            "data_parallel": lambda p=p: data_parallel(),
-        }[kind]()
-    module_plan = construct_module_sharding_plan(Tables(specs).ebc, gens, sharder(), 2, 2, "cpu")
-    return _fused_only(ShardingPlan({"ebc": module_plan}))
 
 
 # ------------------------------------------------------------------------------------------------------- timing

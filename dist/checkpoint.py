@@ -4,7 +4,8 @@ plan and world size, published atomically, with a manifest of checksums.
 What is saved (:mod:`tritonrec.dist.checkpoint_state`): the model's state dict (sharded tables as ShardedTensors),
 the fused optimizers' state per table, every dense optimizer's state and hyperparameters, and any extra state (a data
 position, a history). How files are published and verified: :mod:`tritonrec.dist.checkpoint_files`; the readers that
-need no process group: :mod:`tritonrec.dist.checkpoint_read`.
+need no process group: :mod:`tritonrec.dist.checkpoint_read`; the collectives they run on:
+:mod:`tritonrec.dist.checkpoint_ranks`.
 
 Every rank calls each function at the same point (they are collectives over ``pg``, default the world; without an
 initialised process group they run in this process alone)::
@@ -48,6 +49,8 @@ from tritonrec.dist.checkpoint_files import (
     sweep_partials,
     write_manifest,
 )
+from tritonrec.dist.checkpoint_ranks import Ranks as _Ranks
+from tritonrec.dist.checkpoint_ranks import async_group as _async_group
 from tritonrec.dist.checkpoint_read import as_path as _as_path
 from tritonrec.dist.checkpoint_read import check_step as _check_step
 from tritonrec.dist.checkpoint_read import dcp_quietly as _dcp_quietly
@@ -71,46 +74,6 @@ __all__ = [
 ]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-class _Ranks:
-    """The collectives a checkpoint needs, over ``pg`` - or trivial ones in a single process."""
-
-    def __init__(self, pg: dist.ProcessGroup | None) -> None:
-        self.distributed = dist.is_available() and dist.is_initialized()
-        if pg is not None and not isinstance(pg, dist.ProcessGroup):
-            raise TypeError(f"pg must be a torch.distributed.ProcessGroup or None, got {type(pg).__name__}")
-        self.pg = (pg if pg is not None else dist.group.WORLD) if self.distributed else None
-        self.rank = dist.get_rank(self.pg) if self.distributed else 0
-        self.world = dist.get_world_size(self.pg) if self.distributed else 1
-
-    def broadcast(self, value: Any) -> Any:
-        if not self.distributed:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.pg, 0), group=self.pg)
-        return box[0]
-
-    def gather(self, value: Any) -> list[Any]:
-        """Every rank's ``value`` on rank 0 (``[]`` elsewhere)."""
-        if not self.distributed:
-            return [value]
-        out: list[Any] = [None] * self.world if self.rank == 0 else []
-        dist.gather_object(value, out if self.rank == 0 else None, dst=dist.get_global_rank(self.pg, 0), group=self.pg)
-        return out
-
-    def on_rank0(self, fn: Any) -> Any:
-        """Run ``fn`` on rank 0; every rank returns its result or raises its error."""
-        result, error = None, None
-        if self.rank == 0:
-            try:
-                result = fn()
-            except Exception as err:  # sent to the other ranks so that all raise the same error
-                error = err
-        result, error = self.broadcast((result, error))
-        if error is not None:
-            raise error
-        return result
 
 
 def _manifest_extra(model: nn.Module) -> dict[str, Any]:
@@ -180,21 +143,6 @@ class PendingCheckpoint:
         finally:
             self.done = True
         return self.final
-
-
-_ASYNC_GROUPS: dict[Any, dist.ProcessGroup] = {}
-
-
-def _async_group(pg: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    """A gloo group of the same ranks for the background writer thread, whose collectives must not interleave with
-    the training step's on ``pg`` (created once per group; a collective). It keeps torch's default timeout (30
-    minutes for gloo) rather than ``pg``'s: the save's last collective waits for the slowest rank's writes, which
-    can take far longer than a training collective."""
-    key = pg if pg is not None else dist.group.WORLD
-    if key not in _ASYNC_GROUPS:
-        ranks = dist.get_process_group_ranks(key) if pg is not None else None
-        _ASYNC_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo")
-    return _ASYNC_GROUPS[key]
 
 
 def save_checkpoint(

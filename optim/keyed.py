@@ -17,19 +17,22 @@
 Hyperparameters are validated when an optimizer is built, before every ``step`` and in ``load_state_dict``: a NaN,
 infinite or negative ``lr`` / ``eps`` / ``weight_decay`` or ``betas`` outside ``[0, 1)`` is a ``ValueError`` naming
 the field (an LR schedule that divides by zero is caught before it poisons the weights).
+The checks and the in-place copy of a loaded state live in :mod:`tritonrec.optim.keyed_state`.
 """
 
 from __future__ import annotations
 
 import copy
-from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from tritonrec.kernels.embedding.optim_state import check_hyperparameters
+from tritonrec.optim.keyed_state import check_loadable as _check_loadable
+from tritonrec.optim.keyed_state import check_param_groups
+from tritonrec.optim.keyed_state import copy_into as _copy_into
+from tritonrec.optim.keyed_state import init_torch_optimizer_fields as _init_torch_optimizer_fields
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 
@@ -41,55 +44,6 @@ __all__ = [
     "OptimizerFactory",
     "in_backward_optimizer_filter",
 ]
-
-
-def check_param_groups(param_groups: Collection[Mapping[str, Any]], what: str) -> None:
-    """Validate every group's ``lr`` / ``eps`` / ``weight_decay`` / ``betas`` (see module docstring)."""
-    for i, group in enumerate(param_groups):
-        check_hyperparameters(group, f"{what} param_groups[{i}]: ")
-
-
-def _init_torch_optimizer_fields(optimizer: torch.optim.Optimizer) -> None:
-    """The hook registries ``torch.optim.Optimizer.__init__`` creates (which we cannot call: it adds param groups
-    by position, while keyed optimizers take their groups as they are)."""
-    optimizer._optimizer_step_pre_hooks = OrderedDict()
-    optimizer._optimizer_step_post_hooks = OrderedDict()
-    optimizer._optimizer_state_dict_pre_hooks = OrderedDict()
-    optimizer._optimizer_state_dict_post_hooks = OrderedDict()
-    optimizer._optimizer_load_state_dict_pre_hooks = OrderedDict()
-    optimizer._optimizer_load_state_dict_post_hooks = OrderedDict()
-    optimizer._patch_step_function()  # step pre/post hooks and the profiler label, as torch's __init__ sets up
-
-
-def _check_loadable(current: Any, loaded: Any, path: str) -> None:
-    """Raise ``ValueError`` naming ``path`` when ``loaded`` cannot be copied into ``current`` (other keys or shapes)."""
-    if isinstance(current, dict):
-        if not isinstance(loaded, Mapping) or set(loaded) != set(current):
-            keys = sorted(loaded) if isinstance(loaded, Mapping) else type(loaded).__name__
-            raise ValueError(f"state {path} has keys {keys}, expected {sorted(current)}")
-        for key in current:
-            _check_loadable(current[key], loaded[key], f"{path}.{key}")
-    elif isinstance(current, torch.Tensor):
-        shape = tuple(torch.as_tensor(loaded).shape)
-        if shape != tuple(current.shape):
-            raise ValueError(f"state {path} has shape {shape}, expected {tuple(current.shape)}")
-
-
-def _copy_into(current: Any, loaded: Any) -> Any:
-    """Copy ``loaded`` into ``current`` in place where it is a tensor, a nested dict or a stateful object; return
-    the value to store for anything else (a deep copy)."""
-    if isinstance(current, dict):
-        for key in current:
-            current[key] = _copy_into(current[key], loaded[key])
-        return current
-    if isinstance(current, torch.Tensor):
-        with torch.no_grad():
-            current.copy_(torch.as_tensor(loaded))
-        return current
-    if hasattr(current, "load_state_dict") and callable(current.load_state_dict):
-        current.load_state_dict(loaded)
-        return current
-    return copy.deepcopy(loaded)
 
 
 class KeyedOptimizer(torch.optim.Optimizer):

@@ -16,8 +16,9 @@ fp16 / bf16 weights are updated in fp32 and rounded back (to nearest, or stochas
 
 Triton: one program per unique row walks its sorted run of contributions (``segment_grad``); when the widest table
 fits one column block the gradient is summed once, otherwise (rowwise Adagrad on very wide rows) it is re-summed per
-block after a first pass computes the row's mean square. Torch twin: chunks of unique rows, each summed by
-``embedding_bag`` (:func:`~tritonrec.kernels.embedding.row_gradients.iter_row_sums`), updated on the compact rows and
+block after a first pass computes the row's mean square; the per-block rules are the device functions of
+:mod:`~tritonrec.kernels.embedding.fused_update_rules`. Torch twin: chunks of unique rows, each summed by
+``embedding_bag`` (:func:`~tritonrec.kernels.embedding.row_sums.iter_row_sums`), updated on the compact rows and
 written back with one ``index_add_`` (fp32 SGD / rowwise Adagrad) or ``index_copy_``.
 """
 
@@ -27,11 +28,14 @@ import torch
 
 from tritonrec.kernels._triton import tl, triton
 from tritonrec.kernels.backend import autotune, grid_programs
+from tritonrec.kernels.embedding.fused_update_rules import load_grad_block as _load_grad_block
+from tritonrec.kernels.embedding.fused_update_rules import rowwise_multiplier as _rowwise_multiplier
+from tritonrec.kernels.embedding.fused_update_rules import update_and_store as _update_and_store
 from tritonrec.kernels.embedding.grad_plan import RowGradientPlan
 from tritonrec.kernels.embedding.layout import TableBatchedLayout
 from tritonrec.kernels.embedding.optim_state import FusedOptimizerState, OptimType, begin_step, optim_code
-from tritonrec.kernels.embedding.rounding import WEIGHT_CODES, round_fp32_to_storage, round_fp32_to_storage_reference
-from tritonrec.kernels.embedding.row_gradients import compact_offsets, iter_row_sums, segment_grad
+from tritonrec.kernels.embedding.rounding import WEIGHT_CODES, round_fp32_to_storage_reference
+from tritonrec.kernels.embedding.row_sums import compact_offsets, iter_row_sums
 from tritonrec.kernels.random_bits import stream_key_args
 
 # Columns per program above which rows are processed in several column blocks.
@@ -59,78 +63,6 @@ def _chunk_bytes(total_bytes: int) -> int:
     if torch.get_num_threads() > 1:
         return max(_CHUNK_BYTES_PER_THREAD * torch.get_num_threads(), -(-total_bytes // _MAX_CHUNKS_MULTITHREADED))
     return max(_CHUNK_BYTES_ONE_THREAD, -(-total_bytes // _MAX_CHUNKS_ONE_THREAD))
-
-
-@triton.jit
-def _load_grad_block(
-    weights_ptr,
-    grad_ptr,
-    goff_ptr,
-    scale_ptr,
-    start,
-    end,
-    row_start,
-    cols,
-    col_ok,
-    weight_decay,
-    HAS_SCALE: tl.constexpr,
-    HAS_DECAY: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    w = tl.load(weights_ptr + row_start + cols, mask=col_ok, other=0.0).to(tl.float32)
-    g = segment_grad(grad_ptr, goff_ptr, scale_ptr, start, end, cols, col_ok, HAS_SCALE, BLOCK_N, BLOCK_D)
-    if HAS_DECAY:
-        g = g + weight_decay * w
-    return w, g
-
-
-@triton.jit
-def _update_and_store(
-    w,
-    g,
-    multiplier,
-    weights_ptr,
-    mom1_ptr,
-    mom2_ptr,
-    element,
-    col_ok,
-    lr,
-    eps,
-    beta1,
-    one_minus_beta1,
-    beta2,
-    one_minus_beta2,
-    bias1,
-    bias2,
-    k1,
-    k2,
-    OPTIM: tl.constexpr,
-    WEIGHT_DTYPE: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
-):
-    """Apply the rule to one column block (rowwise Adagrad uses the row's ``multiplier``), round the new fp32
-    weights to storage and store them."""
-    if OPTIM == 0:
-        new = w - lr * g
-    elif OPTIM == 1:
-        new = w - multiplier * g
-    else:
-        m1 = beta1 * tl.load(mom1_ptr + element, mask=col_ok, other=0.0) + one_minus_beta1 * g
-        m2 = beta2 * tl.load(mom2_ptr + element, mask=col_ok, other=0.0) + one_minus_beta2 * (g * g)
-        tl.store(mom1_ptr + element, m1, mask=col_ok)
-        tl.store(mom2_ptr + element, m2, mask=col_ok)
-        new = w - lr * tl.div_rn(tl.div_rn(m1, bias1), tl.sqrt_rn(tl.div_rn(m2, bias2)) + eps)
-    stored = round_fp32_to_storage(new, element, k1, k2, WEIGHT_DTYPE, STOCHASTIC)
-    tl.store(weights_ptr + element, stored, mask=col_ok)
-
-
-@triton.jit
-def _rowwise_multiplier(mom1_ptr, state_row, sum_sq, dim, lr, eps):
-    """Rowwise Adagrad: accumulate the row's mean square gradient, return ``lr / (sqrt(m) + eps)``."""
-    m = tl.load(mom1_ptr + state_row) + tl.div_rn(sum_sq, dim.to(tl.float32))
-    tl.store(mom1_ptr + state_row, m)
-    return tl.div_rn(lr, tl.sqrt_rn(m) + eps)
 
 
 def _update_configs() -> list:

@@ -1,0 +1,90 @@
+"""The Triton device functions of :mod:`~tritonrec.kernels.embedding.fused_update`'s kernel, one column block of one
+unique row at a time: load the block's weights and summed gradient, rowwise Adagrad's per-row multiplier, and the
+update rules themselves (see that module's docstring), rounded to the storage dtype and stored in place.
+
+Kept apart from the kernel so the op module reads kernel, launcher, torch twin; the kernel calls these by their
+``_``-prefixed names, imported there.
+"""
+
+from __future__ import annotations
+
+from tritonrec.kernels._triton import tl, triton
+from tritonrec.kernels.embedding.rounding import round_fp32_to_storage
+from tritonrec.kernels.embedding.row_gradients import segment_grad
+
+
+@triton.jit
+def load_grad_block(
+    weights_ptr,
+    grad_ptr,
+    goff_ptr,
+    scale_ptr,
+    start,
+    end,
+    row_start,
+    cols,
+    col_ok,
+    weight_decay,
+    HAS_SCALE: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One column block of a row: its fp32 weights ``w`` and its summed gradient ``g`` (``[BLOCK_D]`` each), plus
+    ``weight_decay * w`` when ``HAS_DECAY``."""
+    w = tl.load(weights_ptr + row_start + cols, mask=col_ok, other=0.0).to(tl.float32)
+    g = segment_grad(grad_ptr, goff_ptr, scale_ptr, start, end, cols, col_ok, HAS_SCALE, BLOCK_N, BLOCK_D)
+    if HAS_DECAY:
+        g = g + weight_decay * w
+    return w, g
+
+
+@triton.jit
+def update_and_store(
+    w,
+    g,
+    multiplier,
+    weights_ptr,
+    mom1_ptr,
+    mom2_ptr,
+    element,
+    col_ok,
+    lr,
+    eps,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    bias1,
+    bias2,
+    k1,
+    k2,
+    OPTIM: tl.constexpr,
+    WEIGHT_DTYPE: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+):
+    """Apply the rule to one column block (rowwise Adagrad uses the row's ``multiplier``), round the new fp32
+    weights to storage and store them."""
+    if OPTIM == 0:
+        new = w - lr * g
+    elif OPTIM == 1:
+        new = w - multiplier * g
+    else:
+        m1 = beta1 * tl.load(mom1_ptr + element, mask=col_ok, other=0.0) + one_minus_beta1 * g
+        m2 = beta2 * tl.load(mom2_ptr + element, mask=col_ok, other=0.0) + one_minus_beta2 * (g * g)
+        tl.store(mom1_ptr + element, m1, mask=col_ok)
+        tl.store(mom2_ptr + element, m2, mask=col_ok)
+        new = w - lr * tl.div_rn(tl.div_rn(m1, bias1), tl.sqrt_rn(tl.div_rn(m2, bias2)) + eps)
+    stored = round_fp32_to_storage(new, element, k1, k2, WEIGHT_DTYPE, STOCHASTIC)
+    tl.store(weights_ptr + element, stored, mask=col_ok)
+
+
+@triton.jit
+def rowwise_multiplier(mom1_ptr, state_row, sum_sq, dim, lr, eps):
+    """Rowwise Adagrad: accumulate the row's mean square gradient, return ``lr / (sqrt(m) + eps)``."""
+    m = tl.load(mom1_ptr + state_row) + tl.div_rn(sum_sq, dim.to(tl.float32))
+    tl.store(mom1_ptr + state_row, m)
+    return tl.div_rn(lr, tl.sqrt_rn(m) + eps)
+
+
+__all__ = ["load_grad_block", "rowwise_multiplier", "update_and_store"]
