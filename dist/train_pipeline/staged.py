@@ -22,8 +22,15 @@ Example (every rank; the input-dist stage last, as the model's forward consumes 
 
 Once per step, after the stages, the ranks agree (:mod:`.agreement`) on whether a stage failed on any of them and
 whether every one has a next batch, which each reads then for the next step's first stage: one tiny all-reduce a
-step, as in the other pipelines, and nothing that may wait on a peer (the model's forward, the next stage) runs
-before it. A stage that raises on one rank loses only its own batch: the step's later stages still run there, each
+step, as in the other pipelines, and nothing that may wait on a peer (the next batch's input dist, the next stage)
+runs before it is read. With a :class:`SparseDataDistUtil` stage whose modules' input dists run on groups of their
+own (:attr:`StagedTrainPipeline.defers_agreement`), it is read during the caller's forward, as
+``TrainPipelineSparseDist`` does: the all-reduce travels while the forward computes, and the util's forward hook reads
+it before waiting on the next batch's input dist. A failure it reports is then raised by the next ``progress`` on
+every rank, after the caller trained the batch every rank had (the hook does not wait on an input dist the failed
+rank may not have launched). Otherwise ``progress`` reads it before returning.
+
+A stage that raises on one rank loses only its own batch: the step's later stages still run there, each
 on another batch, so their collectives pair with their peers'; then the agreement makes every rank raise instead of
 one of them hanging. While the pipeline fills, the ranks agree after every stage instead, since a fill callback
 waits on its peers. A failure inside a stage after it entered a collective its peers are in is left to the
@@ -109,6 +116,13 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
         self._error: BaseException | None = None  # this rank's stage failure, not yet reported to the others
         self._failed_stage = ""
         self._read_ahead: Any = None  # the next step's first batch, read and agreed at the end of this step
+        # the step's agreement while it is in flight during the caller's forward (see _end_step), and a failure it
+        # reported, raised by the next progress()
+        self._pending: PendingBatch | None = None
+        self._deferred_error: BaseException | None = None
+        self._sdd = _sparse_data_dist_of(pipeline_stages)
+        if self._sdd is not None:
+            self._sdd.before_next_split_wait = self._finish_deferred_agreement
         self._dropped: set[int] = set()  # slots of _outputs this rank dropped since its last agreement
         # per slot of _outputs, the stages with a drop_callback that ran on its batch (told if it is dropped)
         self._ran: list[list[int]] = [[] for _ in pipeline_stages]
@@ -151,6 +165,34 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
         self._drop(pending.dropped())
         return batch
 
+    @property
+    def defers_agreement(self) -> bool:
+        """Whether the step's agreement is read during the caller's forward instead of before ``progress`` returns:
+        when the input-dist stage's forward hook can read it before waiting on the next batch's input dist (the
+        one wait a failed rank's missing launch could hang), and no other sharded module runs an input dist in the
+        forward (:attr:`PipelinedModules.can_defer_agreement`, as for ``TrainPipelineSparseDist``)."""
+        pipelined = None if self._sdd is None else self._sdd._pipelined
+        return pipelined is not None and pipelined.can_defer_agreement and not self._flushing
+
+    def _finish_deferred_agreement(self) -> bool:
+        """The input-dist stage's forward hook: read the step's deferred agreement (:meth:`_read_deferred`), keeping
+        a failure on any rank for the next ``progress`` to raise (the forward that reads it trains a batch every
+        rank has, and its backward pairs everywhere). Returns whether the hook may wait on the next batch's input
+        dist (no rank failed: a failed rank may never have launched it)."""
+        try:
+            self._read_deferred()
+        except Exception as error:
+            self._deferred_error = error
+        return self._deferred_error is None
+
+    def _read_deferred(self) -> None:
+        """Read the step's deferred agreement, if one is in flight: the next batch, the drops (raises on every rank
+        when one failed). Called before anything uses them: the forward hook, or the next ``progress``."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._read_ahead = pending.result()
+            self._drop(pending.dropped())
+
     def _drop(self, slots: list[int]) -> None:
         """Make ``slots`` holes (a rank dropped their batches), newest first: each stage that ran on such a batch gets
         its drop_callback with the number of newer batches it ran on still in flight (the newer ones dropped now no
@@ -184,6 +226,7 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
         if stage_idx != 0:
             return self._outputs[batch_offset] or (None, None)
         self._ran[batch_offset] = []  # a new batch enters this slot
+        self._read_deferred()  # no forward ran since the last step's agreement (filling, or after a hole)
         batch, self._read_ahead = self._read_ahead, None
         if batch is None and fill:
             batch = self._next_batch(dataloader_iter)
@@ -221,6 +264,10 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
         next step's first batch, read now (none while flushing: only the failures are agreed)."""
         if self._flushing:
             self._settle()
+        elif self.defers_agreement:  # launched now, read by the input-dist stage's forward hook (or next progress)
+            failed_stage, error = self._failed_stage, self._take_error()
+            dropped, self._dropped = sorted(self._dropped), set()
+            self._pending = self._fetcher.start(dataloader_iter, error, failed_stage, dropped)
         else:
             self._read_ahead = self._next_batch(dataloader_iter)
 
@@ -235,6 +282,7 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
         self._initialized = True
 
     def _advance(self) -> StageResult | None:
+        self._read_deferred()  # its drops name the slots before this shift
         out = self._outputs[0]
         self._outputs = [*self._outputs[1:], None]
         self._ran = [*self._ran[1:], []]
@@ -242,6 +290,7 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
 
     def _drained(self) -> bool:
         """No batch left in any stage, and none read ahead."""
+        self._read_deferred()
         return self._read_ahead is None and all(out is None or out[0] is None for out in self._outputs)
 
     def _step(self, dataloader_iter: Iterator[Any]) -> None:
@@ -259,6 +308,10 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
         every stage run on it, and every rank returns the same number of batches.
         After the end, a new iterator (another object) refills the pipeline and trains on; the same one gives None.
         """
+        if self._deferred_error is not None:  # read by the last forward's hook
+            error, self._deferred_error = self._deferred_error, None
+            raise error
+        self._read_deferred()  # when no forward read it (the caller ran none since the last call)
         if self._initialized and self._drained() and not self._fetcher.is_current(dataloader_iter):
             self._initialized = False  # the data was over: start afresh on the new iterator, as after a flush
         if not self._initialized:
@@ -298,6 +351,15 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
 
     def close(self) -> None:
         self._fetcher.close_thread()
+
+
+def _sparse_data_dist_of(stages: list[PipelineStage]) -> SparseDataDistUtil | None:
+    """The :class:`SparseDataDistUtil` of the last stage whose drop callback is one's (its input-dist stage)."""
+    for stage in reversed(stages):
+        owner = getattr(stage.drop_callback, "__self__", None)
+        if isinstance(owner, SparseDataDistUtil):
+            return owner
+    return None
 
 
 __all__ = ["PipelineStage", "SparseDataDistUtil", "StagedTrainPipeline"]

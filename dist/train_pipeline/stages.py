@@ -96,6 +96,9 @@ class SparseDataDistUtil:
         self._pipelined: PipelinedModules | None = None
         self.fallback_reason: str | None = None
         self._hooks: list[Any] = []
+        # set by StagedTrainPipeline when it defers its step agreement into the forward: reads it, and returns False
+        # when some rank failed (then the next batch's input dist may be missing there and is not waited on)
+        self.before_next_split_wait: Callable[[], bool] | None = None
 
     @property
     def pipelined_modules(self) -> list[str]:
@@ -198,9 +201,11 @@ class SparseDataDistUtil:
             self.wait_sparse_data_dist()
 
     def _after_forward(self, module: nn.Module, input: Any, output: Any) -> None:
+        agreed = self.before_next_split_wait is None or self.before_next_split_wait()
         if self._ready:
             self._ready.popleft()
-        self.wait_sparse_data_dist()
+        if agreed:
+            self.wait_sparse_data_dist()
         if self._ready and self._pipelined is not None:
             self._pipelined.set_context(self._ready[0])
 

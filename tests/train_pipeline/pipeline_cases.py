@@ -190,7 +190,8 @@ def train_staged(kind: str, world: int, data: Iterator[Any], extra_stage: bool =
     pipeline = StagedTrainPipeline(stages, host_prefetch=1)
     losses = staged_losses(pipeline, model, optimizer, data)
     pipeline.close()
-    return {"losses": losses, "weights": snapshot(model, sharded), "events": events, "pipelined": sdd.pipelined_modules}
+    return {"losses": losses, "weights": snapshot(model, sharded), "events": events, "pipelined": sdd.pipelined_modules,
+            "defers": pipeline.defers_agreement}  # fmt: skip
 
 
 def train_staged_skip_then_new_iterator(rank: int, world: int) -> dict[str, Any]:
@@ -242,16 +243,17 @@ def exact_cases(rank: int, world: int) -> dict[str, Any]:
         }
         for name, run in runs.items():
             pipelined = run["pipeline"].pipelined_modules if "pipeline" in run else run["pipelined"]
+            defers = run["pipeline"].defers_agreement if "pipeline" in run else run["defers"]
             out[f"{kind}-{name}"] = {"losses": run["losses"], "base_losses": base["losses"],
                                      "differ": _differ(run, base), "prefetched": _prefetched(run["events"]),
-                                     "pipelined": pipelined}  # fmt: skip
+                                     "pipelined": pipelined, "defers": defers}  # fmt: skip
         out[f"{kind}-base"] = {"prefetched": _prefetched(base["events"]), "steps": len(base["losses"])}
     # a user stage (clip the dense features) equals the base pipeline on clipped batches
     base = train(lambda m, o: TrainPipelineBase(m, o, CPU), "tw", world, map(clip_dense, batches(rank, STEPS)))
     staged = train_staged("tw", world, batches(rank, STEPS), extra_stage=True)
     out["tw-staged_extra_stage"] = {"losses": staged["losses"], "base_losses": base["losses"],
                                     "differ": _differ(staged, base), "prefetched": _prefetched(staged["events"]),
-                                    "pipelined": staged["pipelined"]}  # fmt: skip
+                                    "pipelined": staged["pipelined"], "defers": staged["defers"]}  # fmt: skip
     # a stage that returns None for batch 3 (skipped), then a new iterator after the end: equals the base pipeline on
     # the other batches (before the fix, the batch after the skipped one reached the model without its input dist,
     # and after the end progress gave None for good)

@@ -122,6 +122,10 @@ def error_cases(rank: int, world: int) -> dict[str, Any]:
     # input dists' side groups themselves, so it does not depend on finding the util among the stages
     out["staged_input_dist"] = _outcome(lambda: staged([copy_stage], missing_key(rank, 16, 12), wrapped=True))
     out["after_staged_input_dist"] = train(sparse_dist, "tw", world, batches(rank, 14))["losses"] == reference
+    # the util's own method as the stage: the step's agreement is read in the forward hook (deferred), which must
+    # not wait on the input dist rank 1 never launched; every rank raises at its next progress
+    out["staged_input_dist_deferred"] = _outcome(lambda: staged([copy_stage], missing_key(rank, 16, 12)))
+    out["after_staged_deferred"] = train(sparse_dist, "tw", world, batches(rank, 14))["losses"] == reference
     from tritonrec.dist.side_groups import INPUT_DIST, same_ranks_group
 
     group = kept._shardings[0].input_dist_pg

@@ -95,6 +95,11 @@ def test_after_a_failed_input_dist_a_new_model_trains_as_before() -> None:
     assert other["type"] == "PipelineStageError" and "start_sparse_data_dist" in other["message"], other
     assert [r["after_input_dist"] for r in results] == [True, True]
     assert [r["after_staged_input_dist"] for r in results] == [True, True]
+    # the same with the step's agreement deferred into the forward (the util's method as the stage)
+    failed, other = (r["staged_input_dist_deferred"] for r in reversed(results))
+    assert failed["type"] == "ValueError" and "missing keys ['f3']" in failed["message"], failed
+    assert other["type"] == "PipelineStageError" and "start_sparse_data_dist" in other["message"], other
+    assert [r["after_staged_deferred"] for r in results] == [True, True]
     # a sharding built before the failures now sends on the renewed group, which pairs collectives
     assert [(r["kept_sharding_follows"], r["kept_group_sum"]) for r in results] == [(True, 3.0), (True, 3.0)]
 
