@@ -234,8 +234,12 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
 
     def _run_stage(self, batch_offset: int, stage_idx: int, dataloader_iter: Iterator[Any], fill: bool) -> None:
         stage = self._stages[stage_idx]
+        slot = self._outputs[batch_offset]
+        hole = stage_idx != 0 and slot is not None and slot[0] is None  # a dropped batch: the data goes on
         batch, event = self._stage_input(batch_offset, stage_idx, dataloader_iter, fill)
-        result: StageResult = (None, None)
+        # None: no batch came (the data is over, or a flush empties the pipeline); (None, _): a hole (the batch was
+        # dropped or its stage failed), which later stages skip without taking it for the end of the data
+        result: StageResult | None = (None, None) if batch is not None or hole else None
         with record(f"## pipeline stage {stage_idx}: {stage.name} ##"):
             if batch is not None:
                 if self._debug_mode:
@@ -251,7 +255,7 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
                         self._error, self._failed_stage = error, stage.name
                     else:
                         self._error.add_note(f"then stage {stage.name!r} failed too: {type(error).__name__}: {error}")
-            elif stage.data_exhausted_callback is not None:
+            elif stage.data_exhausted_callback is not None and not hole:
                 stage.data_exhausted_callback()
         self._outputs[batch_offset] = result  # a failed stage's batch is dropped here: no later stage gets it
         if fill:

@@ -132,6 +132,22 @@ def test_a_batch_a_stage_returns_none_for_is_skipped_and_every_later_batch_gets_
     assert seen == {"a": list(range(8)), "b": list(range(8)), "c": [0, 1, 2, 4, 5, 6, 7]}
 
 
+def test_a_dropped_batch_is_not_the_end_of_the_data_for_later_stages() -> None:
+    """Stage c's data_exhausted_callback runs only once the data is over, not at the hole batch 3 leaves."""
+    exhausted: list[int] = []
+    outs: list[Any] = []
+    pipeline = StagedTrainPipeline([
+        PipelineStage("a", _tagger("a", {})),
+        PipelineStage("b", _tagger("b", {}, none_on=3)),
+        PipelineStage("c", _tagger("c", {}), data_exhausted_callback=lambda: exhausted.append(len(outs))),
+    ])  # fmt: skip
+    data = iter(range(8))
+    while (out := pipeline.progress(data)) is not None:
+        outs.append(out)
+    assert [o[0] for o in outs] == [0, 1, 2, 4, 5, 6, 7]
+    assert exhausted and min(exhausted) == 6, exhausted  # from the step that returns batch 6: no batch 8 to run
+
+
 def test_a_cancelled_flush_leaves_no_batch_short_of_a_stage() -> None:
     seen: dict[str, list[int]] = {}
     pipeline = StagedTrainPipeline([PipelineStage(n, _tagger(n, seen)) for n in "abc"])
