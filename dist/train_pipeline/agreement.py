@@ -119,11 +119,17 @@ class PendingAgreement:
         self._agreement, self._flags, self._work, self._error = agreement, flags, work, error
         self._decided: bool | None = None
 
+    def wait(self) -> None:
+        """Wait for the all-reduce (a rank that never comes: a CollectiveTimeoutError naming the agreement), without
+        deciding yet."""
+        if self._work is not None:
+            wait_for_work(self._work, "train pipeline step agreement", self._agreement._group)
+            self._work = None
+
     def result(self) -> bool:
         """True when every rank has a batch; raises on every rank when one failed (as :meth:`StepAgreement.agree`)."""
         if self._decided is None:
-            if self._work is not None:  # a rank that never comes: a CollectiveTimeoutError naming the agreement
-                wait_for_work(self._work, "train pipeline step agreement", self._agreement._group)
+            self.wait()
             codes = self._flags.tolist()[: max(self._agreement.world_size, 1)]
             failed = [r for r, c in enumerate(codes) if c >= Status.FAILED]
             if failed:

@@ -104,6 +104,10 @@ class PendingBatch:
     def __init__(self, fetcher: BatchFetcher, local: Any, agreement: PendingAgreement) -> None:
         self.fetcher, self.local, self._agreement = fetcher, local, agreement
 
+    def wait(self) -> None:
+        """Wait for the agreement's all-reduce without deciding (:meth:`PendingAgreement.wait`)."""
+        self._agreement.wait()
+
     def result(self) -> Any:
         """The batch when every rank has one, else None (and the fetcher is exhausted from now on)."""
         if not self._agreement.result():

@@ -179,9 +179,11 @@ class StagedTrainPipeline(TrainPipeline[Any, Any]):
         a failure on any rank for the next ``progress`` to raise (the forward that reads it trains a batch every
         rank has, and its backward pairs everywhere). Returns whether the hook may wait on the next batch's input
         dist (no rank failed: a failed rank may never have launched it)."""
+        if self._pending is not None:
+            self._pending.wait()  # a rank that never comes raises here, from the forward: nothing more to wait on
         try:
             self._read_deferred()
-        except Exception as error:
+        except Exception as error:  # a stage failed on some rank: every rank raises it at the next progress
             self._deferred_error = error
         return self._deferred_error is None
 

@@ -27,6 +27,7 @@ from tritonrec.dist.comm_ops import alltoall_pooled, reduce_scatter_base_pooled
 from tritonrec.dist.comm_timeout import CollectiveTimeoutError, collective_timeout
 from tritonrec.dist.dist_data import KJTAllToAll
 from tritonrec.dist.side_groups import same_ranks_group
+from tritonrec.dist.train_pipeline import PipelineStage, StagedTrainPipeline
 from tritonrec.dist.train_pipeline.agreement import Status, StepAgreement
 
 pytestmark = pytest.mark.dist
@@ -51,6 +52,8 @@ def _stuck_collectives(rank: int, world: int) -> dict[str, tuple[str, str, float
     short_group = dist.new_group(timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
     side_group = same_ranks_group(short_group, "timeout_test")  # must time out as its parent does
     agreement = StepAgreement(short_group)  # its own side group of short_group
+    # a staged pipeline whose step agreement is in flight during the forward (deferred): the forward hook's wait
+    staged = StagedTrainPipeline([PipelineStage("copy", lambda b: b)], group=short_group)
     embs = torch.ones(2, 1, requires_grad=True)
     joined = alltoall_pooled(embs, [1, 1], [1, 1], group=backward_group).wait()  # both ranks join this one
     if rank == 1:
@@ -65,6 +68,8 @@ def _stuck_collectives(rank: int, world: int) -> dict[str, tuple[str, str, float
     outcomes["group_timeout"] = _outcome(lambda: reduce_scatter_base_pooled(torch.ones(2, 1), short_group).wait())
     outcomes["side_group"] = _outcome(lambda: dist.all_reduce(torch.ones(1), group=side_group))
     outcomes["agreement"] = _outcome(lambda: agreement.agree(Status.OK))
+    staged._pending = staged._fetcher.start(iter([1]), None, "", [])
+    outcomes["staged_deferred"] = _outcome(staged._finish_deferred_agreement)  # raises: nothing more to wait on
     os.environ["TRITONREC_DIST_CHECKS"] = "1"
     with collective_timeout(PER_COLLECTIVE_S):
         outcomes["check"] = _outcome(lambda: alltoall_pooled(embs, [1, 1], [1, 1], group=check_group).wait())
@@ -84,6 +89,7 @@ def outcomes() -> dict[str, tuple[str, str, float]]:
         ("backward", "alltoall_pooled backward timed out after 0.3 s", PER_COLLECTIVE_S),
         ("group_timeout", "reduce_scatter_base_pooled timed out (process group timeout)", GROUP_TIMEOUT_S),
         ("agreement", "train pipeline step agreement timed out (process group timeout)", GROUP_TIMEOUT_S),
+        ("staged_deferred", "train pipeline step agreement timed out (process group timeout)", GROUP_TIMEOUT_S),
         ("check", "alltoall_pooled (metadata check) timed out after 0.3 s", PER_COLLECTIVE_S),
     ],
 )
