@@ -145,10 +145,16 @@ class ShardedFeatureProcessedEmbeddingBagCollection(
             stride_per_key_per_rank=features.stride_per_key_per_rank() if features.variable_stride_per_key() else None,
             inverse_indices=features.inverse_indices_or_none(),
         )
+        return self._embedding_bag_collection.input_dist(ctx, positioned)
+
+    def _sync_position_weights(self, ctx: _ProcessedContext) -> None:
+        """The position weights this batch's lookups use, with the all-reduce of their gradients in the backward.
+        Taken when the batch is looked up, not at its input dist: a train pipeline starts batch ``i + 1``'s input
+        dist before batch ``i``'s optimizer step changes the weights in place."""
+        weights = self._weights()
         names = list(weights)
         synced = all_reduced_params([weights[n] for n in names], self._pg, average=False)  # type: ignore[arg-type]
         ctx.position_weights = dict(zip(names, synced, strict=True))
-        return self._embedding_bag_collection.input_dist(ctx, positioned)
 
     def _process(self, ctx: _ProcessedContext, sharding: Any, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """Positions (the distributed KJT's weights) -> each value's feature's position weight."""
@@ -175,6 +181,7 @@ class ShardedFeatureProcessedEmbeddingBagCollection(
         )
 
     def compute(self, ctx: _ProcessedContext, dist_input: list[KeyedJaggedTensor]) -> list[torch.Tensor]:
+        self._sync_position_weights(ctx)
         return self._embedding_bag_collection.compute(ctx, dist_input)
 
     def output_dist(self, ctx: _ProcessedContext, output: list[torch.Tensor]) -> LazyAwaitable[KeyedTensor]:
@@ -184,6 +191,7 @@ class ShardedFeatureProcessedEmbeddingBagCollection(
     def compute_and_output_dist(
         self, ctx: _ProcessedContext, input: list[KeyedJaggedTensor]
     ) -> LazyAwaitable[KeyedTensor]:
+        self._sync_position_weights(ctx)
         inner = self._embedding_bag_collection.compute_and_output_dist(ctx, input)
         return _WithPositionWeightGraph(inner, list(ctx.position_weights.values()))
 

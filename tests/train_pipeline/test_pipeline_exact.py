@@ -3,7 +3,7 @@ optimizer state after 20 steps) for TW and RW on 2 gloo ranks: TrainPipelineSpar
 batch thread, StagedTrainPipeline, and a staged pipeline with a user stage. Each pipelined run really prefetched:
 batch k+1's input dist started before batch k's lookup, which the base pipeline never does. A model with a second
 collection (fed the batch, or a KJT computed in the forward) trains exactly too, and so does a sequence model on a
-sharded EmbeddingCollection (sequence_cases.py). Rank-side code: pipeline_cases.py.
+sharded EmbeddingCollection and a feature-processed EBC (collection_cases.py). Rank-side code: pipeline_cases.py.
 """
 
 from __future__ import annotations
@@ -67,12 +67,17 @@ def test_a_collection_fed_a_computed_input_trains_exactly_and_stops_the_deferral
         assert got["pipelined"] == pipelined and got["deferred"] is deferred, f"rank {rank}: {got}"
 
 
-@pytest.mark.parametrize("run", ["tw-sparse_dist", "tw-staged", "rw-sparse_dist", "rw-staged"])
-def test_sequence_model_pipelined_equals_base_bit_for_bit(run: str) -> None:
-    """A sharded EmbeddingCollection (per-id embeddings) under the pipelines: prefetched, and exact."""
-    for rank, results in enumerate(suite_results("sequence")):
+COLLECTION_RUNS = [f"{c}-{k}-{p}" for c in ("ec", "fp_fused", "fp_dense") for k in ("tw", "rw")
+                   for p in ("sparse_dist", "staged")]  # fmt: skip
+
+
+@pytest.mark.parametrize("run", COLLECTION_RUNS)
+def test_other_collections_pipelined_equal_base_bit_for_bit(run: str) -> None:
+    """A sharded EmbeddingCollection (a sequence model) and a feature-processed EBC (position weights; fused and
+    dense tables) under the pipelines: prefetched, and exact."""
+    for rank, results in enumerate(suite_results("collections")):
         got = results[run]
         assert len(got["losses"]) == 10, f"rank {rank}: {len(got['losses'])} steps"
         assert got["losses"] == got["base_losses"], f"rank {rank}: losses differ from the base pipeline"
         assert got["differ"] == [], f"rank {rank}: weights or optimizer state differ: {got['differ']}"
-        assert got["pipelined"] == ["ec"], f"rank {rank}: {got['pipelined']}"
+        assert got["pipelined"] == [run.split("-")[0].split("_")[0]], f"rank {rank}: {got['pipelined']}"

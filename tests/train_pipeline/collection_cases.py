@@ -1,0 +1,189 @@
+"""Rank-side cases (2 gloo ranks): the other sharded collections under DistributedModelParallel, trained by
+TrainPipelineSparseDist and StagedTrainPipeline and compared with TrainPipelineBase bit for bit, table-wise and
+row-wise. The pipelines were built around the pooled collection; these must be traced and prefetched all the same:
+
+* a sequence model on a sharded ``EmbeddingCollection`` (per-id embeddings, no pooling; fused rowwise Adagrad);
+* a ``FeatureProcessedEmbeddingBagCollection`` (learned position weights, torchrec's DLRM v2 features), with fused
+  and with dense tables. Its position weights must be read when a batch is looked up: a pipeline starts the next
+  batch's input dist before this batch's optimizer step updates them in place (taking them at the input dist raised
+  autograd's in-place error).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tests.train_pipeline.pipeline_cases import CPU, DENSE, DIM, FEATURES, ROWS, batches, snapshot
+from tests.train_pipeline.toy import staged_losses
+
+STEPS = 10
+
+
+class SequenceModel(torch.nn.Module):
+    """Per sample: a linear score of the dense features plus, per feature, the sum of a linear score of each of its
+    ids' embeddings (so every looked-up row gets its own gradient)."""
+
+    def __init__(self, ec: torch.nn.Module) -> None:
+        super().__init__()
+        self.ec = ec
+        self.score = torch.nn.Linear(DIM, 1)
+        self.dense = torch.nn.Linear(DENSE, 1)
+
+    def forward(self, batch: Any) -> tuple[torch.Tensor, Any]:
+        from tritonrec.modules.dlrm import masked_bce_with_logits
+
+        sequences = self.ec(batch.sparse_features)  # {feature: JaggedTensor [ids, DIM]}
+        size = batch.dense_features.shape[0]
+        logits = self.dense(batch.dense_features).squeeze(-1)
+        for feature in FEATURES:
+            jt = sequences[feature]
+            sample = torch.repeat_interleave(torch.arange(size), jt.lengths().long(), output_size=jt.values().shape[0])
+            logits = logits + torch.zeros(size).index_add(0, sample, self.score(jt.values()).squeeze(-1))
+        loss = masked_bce_with_logits(logits, batch.labels, batch.valid_mask)
+        return loss, (loss.detach(), logits.detach(), batch.labels)
+
+
+def build_sequence_model(kind: str, world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    """(DistributedModelParallel over a SequenceModel, dense Adagrad, the sharded EC inside), the same initial weights
+    on every call."""
+    from tritonrec.dist import (
+        EmbeddingCollectionSharder,
+        ShardingPlan,
+        construct_module_sharding_plan,
+        row_wise,
+        table_wise,
+    )
+    from tritonrec.dist.embedding import ShardedEmbeddingCollection
+    from tritonrec.dist.model_parallel import DistributedModelParallel
+    from tritonrec.modules import EmbeddingConfig, FusedEmbeddingCollection
+    from tritonrec.optim.keyed import in_backward_optimizer_filter
+
+    torch.manual_seed(3)
+    tables = [EmbeddingConfig(num_embeddings=r, embedding_dim=DIM, name=f"t_{f}", feature_names=[f])
+              for f, r in zip(FEATURES, ROWS, strict=True)]  # fmt: skip
+    ec = FusedEmbeddingCollection(tables, "EXACT_ROWWISE_ADAGRAD", {"lr": 0.1}, backend="torch")
+    sharder = EmbeddingCollectionSharder()
+    plan = {f"t_{f}": table_wise(rank=i % world) if kind == "tw" else row_wise() for i, f in enumerate(FEATURES)}
+    module_plan = construct_module_sharding_plan(ec, plan, sharder, world, world, "cpu")
+    dmp = DistributedModelParallel(SequenceModel(ec), device=CPU, plan=ShardingPlan({"ec": module_plan}),
+                                   sharders=[sharder])  # fmt: skip
+    dense = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
+    sharded = next(m for m in dmp.modules() if isinstance(m, ShardedEmbeddingCollection))
+    return dmp, torch.optim.Adagrad(dense, lr=0.05), sharded
+
+
+class ProcessedModel(torch.nn.Module):
+    """A linear score of the pooled, position-weighted features and the dense features."""
+
+    def __init__(self, fp: torch.nn.Module) -> None:
+        super().__init__()
+        self.fp = fp
+        self.linear = torch.nn.Linear(len(FEATURES) * DIM + DENSE, 1)
+
+    def forward(self, batch: Any) -> tuple[torch.Tensor, Any]:
+        from tritonrec.modules.dlrm import masked_bce_with_logits
+
+        logits = self.linear(torch.cat([self.fp(batch.sparse_features).values(), batch.dense_features], 1)).squeeze(-1)
+        loss = masked_bce_with_logits(logits, batch.labels, batch.valid_mask)
+        return loss, (loss.detach(), logits.detach(), batch.labels)
+
+
+def build_processed_model(kind: str, world: int, fused: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    """(DistributedModelParallel over a ProcessedModel, dense Adagrad over the rest, the sharded EBC inside)."""
+    from tritonrec.dist import (
+        FeatureProcessedEmbeddingBagCollectionSharder,
+        ShardingPlan,
+        construct_module_sharding_plan,
+        row_wise,
+        table_wise,
+    )
+    from tritonrec.dist.embeddingbag import ShardedEmbeddingBagCollection
+    from tritonrec.dist.model_parallel import DistributedModelParallel
+    from tritonrec.modules import (
+        EmbeddingBagCollection,
+        EmbeddingBagConfig,
+        FeatureProcessedEmbeddingBagCollection,
+        PositionWeightedModuleCollection,
+    )
+    from tritonrec.optim.keyed import in_backward_optimizer_filter
+
+    torch.manual_seed(3)
+    tables = [EmbeddingBagConfig(num_embeddings=r, embedding_dim=DIM, name=f"t_{f}", feature_names=[f])
+              for f, r in zip(FEATURES, ROWS, strict=True)]  # fmt: skip
+    processors = PositionWeightedModuleCollection({f: 5 for f in FEATURES})  # bags hold 0-4 ids
+    with torch.no_grad():
+        for weight in processors.position_weights.values():
+            weight.copy_(torch.rand(weight.shape) + 0.5)  # not all ones, so they matter
+    fp = FeatureProcessedEmbeddingBagCollection(EmbeddingBagCollection(tables, is_weighted=True, backend="torch"),
+                                                processors)  # fmt: skip
+    fused_params = {"optimizer": "EXACT_ROWWISE_ADAGRAD", "lr": 0.1} if fused else None
+    sharder = FeatureProcessedEmbeddingBagCollectionSharder(fused_params=fused_params)
+    plan = {f"t_{f}": table_wise(rank=i % world) if kind == "tw" else row_wise() for i, f in enumerate(FEATURES)}
+    module_plan = construct_module_sharding_plan(fp, plan, sharder, world, world, "cpu")
+    for sharding in module_plan.values():
+        sharding.compute_kernel = "fused" if fused else "dense"
+    dmp = DistributedModelParallel(ProcessedModel(fp), device=CPU, plan=ShardingPlan({"fp": module_plan}),
+                                   sharders=[sharder])  # fmt: skip
+    dense = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
+    sharded = next(m for m in dmp.modules() if isinstance(m, ShardedEmbeddingBagCollection))
+    return dmp, torch.optim.Adagrad(dense, lr=0.05), sharded
+
+
+def _progress_losses(pipeline: Any, data: Any) -> list[float]:
+    losses = []
+    while True:
+        try:
+            losses.append(float(pipeline.progress(data)[0]))
+        except StopIteration:
+            return losses
+
+
+def _pipelines_vs_base(build: Callable[[], tuple[Any, Any, Any]], rank: int) -> dict[str, Any]:
+    """Per pipeline (sparse_dist, staged): its losses, the base pipeline's, the parameters and fused optimizer state
+    that differ from the base run's, and the modules it prefetched for."""
+    from tritonrec.dist.train_pipeline import (
+        PipelineStage,
+        SparseDataDistUtil,
+        StagedTrainPipeline,
+        TrainPipelineBase,
+        TrainPipelineSparseDist,
+    )
+
+    model, optimizer, sharded = build()
+    base = _progress_losses(TrainPipelineBase(model, optimizer, CPU), batches(rank, STEPS))
+    base_weights = snapshot(model, sharded)
+    model, optimizer, sharded = build()
+    pipeline = TrainPipelineSparseDist(model, optimizer, CPU)
+    losses = _progress_losses(pipeline, batches(rank, STEPS))
+    runs = {"sparse_dist": (losses, pipeline.pipelined_modules, snapshot(model, sharded))}
+    pipeline.close()
+    model, optimizer, sharded = build()
+    sdd = SparseDataDistUtil(model)
+    staged = StagedTrainPipeline([PipelineStage("data_copy", lambda b: b), sdd.start_sparse_data_dist_stage()])
+    losses = staged_losses(staged, model, optimizer, batches(rank, STEPS))
+    runs["staged"] = (losses, sdd.pipelined_modules, snapshot(model, sharded))
+    staged.close()
+    out = {}
+    for name, (losses, pipelined, weights) in runs.items():
+        differ = [k for k, v in base_weights.items() if not torch.equal(weights[k], v)]
+        out[name] = {"losses": losses, "base_losses": base, "differ": differ, "pipelined": pipelined}
+    return out
+
+
+def collection_cases(rank: int, world: int) -> dict[str, Any]:
+    """``{collection}-{sharding}-{pipeline}`` -> what :func:`_pipelines_vs_base` reports."""
+    builds: dict[str, Callable[[str], tuple[Any, Any, Any]]] = {
+        "ec": lambda kind: build_sequence_model(kind, world),
+        "fp_fused": lambda kind: build_processed_model(kind, world, fused=True),
+        "fp_dense": lambda kind: build_processed_model(kind, world, fused=False),
+    }
+    out: dict[str, Any] = {}
+    for collection, build in builds.items():
+        for kind in ("tw", "rw"):
+            for name, result in _pipelines_vs_base(functools.partial(build, kind), rank).items():
+                out[f"{collection}-{kind}-{name}"] = result
+    return out
