@@ -3,6 +3,7 @@ TrainPipelineSparseDist and StagedTrainPipeline and compared with TrainPipelineB
 row-wise. The pipelines were built around the pooled collection; these must be traced and prefetched all the same:
 
 * a sequence model on a sharded ``EmbeddingCollection`` (per-id embeddings, no pooling; fused rowwise Adagrad);
+* the DLRM's EBC on a mixed plan (table-, row-, column-wise and data-parallel tables at once) fed weighted KJTs;
 * a ``FeatureProcessedEmbeddingBagCollection`` (learned position weights, torchrec's DLRM v2 features), with fused
   and with dense tables. Its position weights must be read when a batch is looked up: a pipeline starts the next
   batch's input dist before this batch's optimizer step updates them in place (taking them at the input dist raised
@@ -12,7 +13,7 @@ row-wise. The pipelines were built around the pooled collection; these must be t
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -133,6 +134,50 @@ def build_processed_model(kind: str, world: int, fused: bool) -> tuple[torch.nn.
     return dmp, torch.optim.Adagrad(dense, lr=0.05), sharded
 
 
+def build_mixed_weighted(world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    """(DistributedModelParallel over the DLRM of pipeline_cases with a weighted EBC whose four tables are sharded
+    table-wise, row-wise, column-wise and data-parallel, dense Adagrad, the sharded EBC)."""
+    from tritonrec.dist import (
+        ShardingPlan,
+        column_wise,
+        construct_module_sharding_plan,
+        data_parallel,
+        row_wise,
+        table_wise,
+    )
+    from tritonrec.dist.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
+    from tritonrec.dist.model_parallel import DistributedModelParallel
+    from tritonrec.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection
+    from tritonrec.modules.dlrm import DLRM, DLRMTrain
+    from tritonrec.optim.keyed import in_backward_optimizer_filter
+
+    torch.manual_seed(3)
+    tables = [EmbeddingBagConfig(num_embeddings=r, embedding_dim=DIM, name=f"t_{f}", feature_names=[f])
+              for f, r in zip(FEATURES, ROWS, strict=True)]  # fmt: skip
+    ebc = FusedEmbeddingBagCollection(tables, "EXACT_ROWWISE_ADAGRAD", {"lr": 0.1}, backend="torch", is_weighted=True)
+    sharder = EmbeddingBagCollectionSharder()
+    kinds = [table_wise(rank=1 % world), row_wise(), column_wise(ranks=list(range(world))[::-1]),
+             data_parallel(compute_kernel="fused")]  # fmt: skip
+    module_plan = construct_module_sharding_plan(ebc, {f"t_{f}": g for f, g in zip(FEATURES, kinds, strict=True)},
+                                                 sharder, world, world, "cpu")  # fmt: skip
+    path = "model.sparse_arch.embedding_bag_collection"
+    dmp = DistributedModelParallel(DLRMTrain(DLRM(ebc, DENSE, [16, DIM], [16, 1])), device=CPU,
+                                   plan=ShardingPlan({path: module_plan}), sharders=[sharder])  # fmt: skip
+    dense = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
+    sharded = next(m for m in dmp.modules() if isinstance(m, ShardedEmbeddingBagCollection))
+    return dmp, torch.optim.Adagrad(dense, lr=0.05), sharded
+
+
+def weighted_batches(rank: int, count: int) -> Iterator[Any]:
+    """pipeline_cases' batches with a per-id weight in [0, 1) on every value."""
+    for batch in batches(rank, count):
+        kjt = batch.sparse_features
+        g = torch.Generator().manual_seed(rank * 1000 + int(kjt.values().sum()))
+        weights = torch.rand(kjt.values().shape, generator=g)
+        weighted = type(kjt)(kjt.keys(), kjt.values(), weights=weights, lengths=kjt.lengths())
+        yield type(batch)(batch.dense_features, weighted, batch.labels, batch.valid_mask)
+
+
 def _progress_losses(pipeline: Any, data: Any) -> list[float]:
     losses = []
     while True:
@@ -142,7 +187,7 @@ def _progress_losses(pipeline: Any, data: Any) -> list[float]:
             return losses
 
 
-def _pipelines_vs_base(build: Callable[[], tuple[Any, Any, Any]], rank: int) -> dict[str, Any]:
+def _pipelines_vs_base(build: Callable[[], tuple[Any, Any, Any]], data: Callable[[], Iterator[Any]]) -> dict[str, Any]:
     """Per pipeline (sparse_dist, staged): its losses, the base pipeline's, the parameters and fused optimizer state
     that differ from the base run's, and the modules it prefetched for."""
     from tritonrec.dist.train_pipeline import (
@@ -154,17 +199,17 @@ def _pipelines_vs_base(build: Callable[[], tuple[Any, Any, Any]], rank: int) -> 
     )
 
     model, optimizer, sharded = build()
-    base = _progress_losses(TrainPipelineBase(model, optimizer, CPU), batches(rank, STEPS))
+    base = _progress_losses(TrainPipelineBase(model, optimizer, CPU), data())
     base_weights = snapshot(model, sharded)
     model, optimizer, sharded = build()
     pipeline = TrainPipelineSparseDist(model, optimizer, CPU)
-    losses = _progress_losses(pipeline, batches(rank, STEPS))
+    losses = _progress_losses(pipeline, data())
     runs = {"sparse_dist": (losses, pipeline.pipelined_modules, snapshot(model, sharded))}
     pipeline.close()
     model, optimizer, sharded = build()
     sdd = SparseDataDistUtil(model)
     staged = StagedTrainPipeline([PipelineStage("data_copy", lambda b: b), sdd.start_sparse_data_dist_stage()])
-    losses = staged_losses(staged, model, optimizer, batches(rank, STEPS))
+    losses = staged_losses(staged, model, optimizer, data())
     runs["staged"] = (losses, sdd.pipelined_modules, snapshot(model, sharded))
     staged.close()
     out = {}
@@ -181,9 +226,14 @@ def collection_cases(rank: int, world: int) -> dict[str, Any]:
         "fp_fused": lambda kind: build_processed_model(kind, world, fused=True),
         "fp_dense": lambda kind: build_processed_model(kind, world, fused=False),
     }
+    plain = functools.partial(batches, rank, STEPS)
     out: dict[str, Any] = {}
     for collection, build in builds.items():
         for kind in ("tw", "rw"):
-            for name, result in _pipelines_vs_base(functools.partial(build, kind), rank).items():
+            for name, result in _pipelines_vs_base(functools.partial(build, kind), plain).items():
                 out[f"{collection}-{kind}-{name}"] = result
+    mixed = _pipelines_vs_base(
+        functools.partial(build_mixed_weighted, world), functools.partial(weighted_batches, rank, STEPS)
+    )
+    out.update({f"ebc_weighted-mixed-{name}": result for name, result in mixed.items()})
     return out

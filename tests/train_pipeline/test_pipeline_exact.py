@@ -67,17 +67,19 @@ def test_a_collection_fed_a_computed_input_trains_exactly_and_stops_the_deferral
         assert got["pipelined"] == pipelined and got["deferred"] is deferred, f"rank {rank}: {got}"
 
 
-COLLECTION_RUNS = [f"{c}-{k}-{p}" for c in ("ec", "fp_fused", "fp_dense") for k in ("tw", "rw")
-                   for p in ("sparse_dist", "staged")]  # fmt: skip
+COLLECTION_RUNS = [
+    f"{c}-{k}-{p}" for c in ("ec", "fp_fused", "fp_dense") for k in ("tw", "rw") for p in ("sparse_dist", "staged")
+] + ["ebc_weighted-mixed-sparse_dist", "ebc_weighted-mixed-staged"]
+PIPELINED = {"ec": "ec", "fp": "fp", "ebc": "model.sparse_arch.embedding_bag_collection"}
 
 
 @pytest.mark.parametrize("run", COLLECTION_RUNS)
 def test_other_collections_pipelined_equal_base_bit_for_bit(run: str) -> None:
-    """A sharded EmbeddingCollection (a sequence model) and a feature-processed EBC (position weights; fused and
-    dense tables) under the pipelines: prefetched, and exact."""
+    """A sharded EmbeddingCollection (a sequence model), a feature-processed EBC (position weights; fused and dense
+    tables) and a weighted EBC on a mixed plan (TW, RW, CW, DP) under the pipelines: prefetched, and exact."""
     for rank, results in enumerate(suite_results("collections")):
         got = results[run]
         assert len(got["losses"]) == 10, f"rank {rank}: {len(got['losses'])} steps"
         assert got["losses"] == got["base_losses"], f"rank {rank}: losses differ from the base pipeline"
         assert got["differ"] == [], f"rank {rank}: weights or optimizer state differ: {got['differ']}"
-        assert got["pipelined"] == [run.split("-")[0].split("_")[0]], f"rank {rank}: {got['pipelined']}"
+        assert got["pipelined"] == [PIPELINED[run.split("-")[0].split("_")[0]]], f"rank {rank}: {got['pipelined']}"
