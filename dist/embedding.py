@@ -228,6 +228,11 @@ class EmbeddingCollectionSharder(ModuleSharder[EmbeddingCollection]):
         self._fused_params = fused_params
         self._use_index_dedup = use_index_dedup
 
+    @property
+    def fused_params(self) -> dict[str, Any] | None:
+        """The ``fused_params`` the sharded tables get (the planner reads their optimizer)."""
+        return self._fused_params
+
     def shard(
         self,
         module: EmbeddingCollection,

@@ -214,6 +214,11 @@ class FeatureProcessedEmbeddingBagCollectionSharder(ModuleSharder[FeatureProcess
         super().__init__(qcomm_codecs_registry)
         self._fused_params = fused_params
 
+    @property
+    def fused_params(self) -> dict[str, Any] | None:
+        """The ``fused_params`` the sharded tables get (the planner reads their optimizer)."""
+        return self._fused_params
+
     def shard(
         self,
         module: FeatureProcessedEmbeddingBagCollection,

@@ -39,7 +39,7 @@ from tritonrec.dist.data_parallel import (
     join_name,
     sharded_parameter_names,
 )
-from tritonrec.dist.model_parallel_args import check_sharders, resolve_env, sharder_for
+from tritonrec.dist.model_parallel_args import check_sharders, dense_only_constraints, resolve_env, sharder_for
 from tritonrec.dist.module_tree import apply_outside_sharded, load_into, process_groups_not_copied
 from tritonrec.dist.sharding_plan import get_default_sharders
 from tritonrec.dist.types import (
@@ -163,7 +163,7 @@ class DistributedModelParallel(nn.Module, FusedOptimizerModule):
 
         world = self._env.world_size
         topology = Topology(world, compute_device=self.device.type, local_world_size=get_local_size(world))
-        planner = EmbeddingShardingPlanner(topology)
+        planner = EmbeddingShardingPlanner(topology, constraints=dense_only_constraints(module, self._sharder_map))
         if self._env.process_group is not None:
             return planner.collective_plan(module, self.sharders, self._env.process_group)
         return planner.plan(module, self.sharders)

@@ -81,12 +81,15 @@ def _table_config(module: nn.Module, name: str) -> tuple[Any, bool]:
     return None, True
 
 
-def _fused_optimizer_type(sharder: ModuleSharder[Any], module: nn.Module) -> Any:
+def fused_optimizer_type(sharder: ModuleSharder[Any], module: nn.Module) -> Any:
+    """The optimizer a fused kernel would apply to ``module``'s tables: the sharder's ``fused_params``, else the
+    module's own fused optimizer (the inner EBC's, for a feature-processed one); None when neither has one."""
     fused_params = getattr(sharder, "fused_params", None) or {}
     for key in ("optimizer", "optimizer_type"):
         if key in fused_params:
             return resolve_optimizer_type(fused_params[key])
-    return getattr(getattr(module, "fused_optimizer", None), "optimizer_type", None)
+    inner = getattr(module, "_embedding_bag_collection", module)
+    return getattr(getattr(inner, "fused_optimizer", None), "optimizer_type", None)
 
 
 def _per_feature(
@@ -167,7 +170,7 @@ class EmbeddingEnumerator:
         pooling = _per_feature(name, "pooling factors", c.pooling_factors if c else None, features, 1.0)
         poolings = _per_feature(name, "num_poolings", c.num_poolings if c else None, features, 1.0)
         batches = _per_feature(name, "batch sizes", c.batch_sizes if c else None, features, self._batch_size)
-        optimizer = _fused_optimizer_type(sharder, module)
+        optimizer = fused_optimizer_type(sharder, module)
         device = topo.compute_device
         for sharding_type in sharder.sharding_types(device):
             if c is not None and c.sharding_types is not None and sharding_type not in c.sharding_types:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tests.model_parallel.default_plan_cases import default_plan_kernels
 from tests.model_parallel.dlrm_cases import (
     BATCH_PER_RANK,
     SHARDED_PATH,
@@ -249,6 +250,7 @@ def run_suite(rank: int, world: int) -> dict[str, Any]:
         "copy": copies,
         "sparse_meta": sparse_names_and_meta,
         "bad_input": bad_input,
+        "default_plan": default_plan_kernels,
     }
     return {name: case(rank, world) for name, case in cases.items()}
 

@@ -121,3 +121,17 @@ def test_bad_input_without_process_group() -> None:
         DefaultDataParallelWrapper(allreduce_comm_precision="fp8")
     with pytest.raises(TypeError, match="static_graph must be a bool, got static_graph=1"):
         DefaultDataParallelWrapper(static_graph=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.dist
+def test_default_plan_fuses_only_collections_with_an_optimizer() -> None:
+    """No plan given: plain collections (EBC, EC, feature-processed) get the dense kernel and train with the caller's
+    optimizer; fused modules and a sharder with an optimizer keep the fused kernel (the planner used to pick it for
+    plain modules too, and sharding raised for want of an optimizer)."""
+    for rank, result in enumerate(_api("default_plan")):
+        for name in ("ebc", "ec", "fp"):
+            assert result[name]["kernels"] == ["dense"], (rank, name, result[name])
+        for name in ("fused_ebc", "fp_fused", "ec_sharder_optimizer"):
+            assert result[name]["kernels"] == ["fused"], (rank, name, result[name])
+        for name, got in result.items():
+            assert got["changed"] == got["tables"] > 0, (rank, name, got)  # every local table shard trained
