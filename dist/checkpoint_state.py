@@ -10,9 +10,10 @@ place into the same structure built from the objects being restored.
 Everything is keyed by name (table, parameter, module path), never by position or rank, so a checkpoint saved under
 one plan and world size loads under another, and sharded and unsharded models read each other's checkpoints. Fused
 optimizer state is keyed by table in both forms (sharded modules: :mod:`tritonrec.dist.sharded_state`). Dense
-optimizer state is replicated across ranks (DDP), so DCP writes it once. Extra state (a data position, a history)
-is an opaque blob written by rank 0: an object with ``state_dict`` / ``load_state_dict`` (or datarax's
-``get_state`` / ``set_state``) is restored through them, any other value is returned as loaded.
+optimizer state is replicated across ranks (DDP), so DCP writes it once, except that of sharded tables on the dense
+kernel, which is whole tables as ShardedTensors (:mod:`tritonrec.dist.dense_table_state`). Extra state (a data
+position, a history) is an opaque blob written by rank 0: an object with ``state_dict`` / ``load_state_dict`` (or
+datarax's ``get_state`` / ``set_state``) is restored through them, any other value is returned as loaded.
 """
 
 from __future__ import annotations
@@ -25,6 +26,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from tritonrec.dist.dense_table_state import (
+    copy_scalar_state,
+    dense_kernel_tables,
+    shard_parameter_ids,
+    shards_of_saved_tables,
+    table_state,
+)
 from tritonrec.dist.model_parallel import _KeyedFusedOptimizer, get_unwrapped_module
 from tritonrec.dist.sharded_state import fused_optimizer_state_dict, load_fused_optimizer_state_dict
 from tritonrec.dist.sharded_tables import NoLocalShardsOptimizer, ShardedTablesMixin
@@ -33,6 +41,7 @@ from tritonrec.modules.fused_embedding_modules import EmbeddingFusedOptimizer, _
 from tritonrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, check_param_groups
 
 _FUSED_OPTIMIZERS = (EmbeddingFusedOptimizer, _KeyedFusedOptimizer, NoLocalShardsOptimizer)
+_SHARDED_TABLES = "sharded_tables"  # in a saved param group: the keys of the dense-kernel sharded tables
 
 
 # ------------------------------------------------------------------------------------------------ fused optimizer
@@ -118,12 +127,16 @@ def _parameter_names(optimizer: torch.optim.Optimizer, model: nn.Module, name: s
 
 def _dense_entry(optimizer: torch.optim.Optimizer, model: nn.Module, name: str) -> dict[str, Any]:
     names = _parameter_names(optimizer, model, name)
+    tables = dense_kernel_tables(get_unwrapped_module(model))
+    shards = shard_parameter_ids(tables)
     groups = []
     for group in optimizer.param_groups:
         saved = _without_params(group)
-        saved["params"] = [names[id(p)] for p in group["params"]]
+        saved["params"] = [names[id(p)] for p in group["params"] if id(p) not in shards]  # the same on every rank
+        saved[_SHARDED_TABLES] = sorted(tables)  # every rank knows every table (not which group holds it)
         groups.append(saved)
-    state = {names[id(p)]: s for p, s in optimizer.state.items() if s}
+    state = {names[id(p)]: s for p, s in optimizer.state.items() if s and id(p) not in shards}
+    state.update(table_state(optimizer, tables))  # whole tables, as ShardedTensors (dist/dense_table_state.py)
     return {"state": state, "param_groups": _to_json(groups, f"optimizers[{name!r}]")}
 
 
@@ -177,12 +190,25 @@ def init_optimizer_state(
 def _apply_param_groups(optimizer: torch.optim.Optimizer, saved_json: str, model: nn.Module, name: str) -> None:
     saved = json.loads(saved_json)
     names = _parameter_names(optimizer, model, name)
-    by_params = {tuple(sorted(g["params"])): g for g in saved}
+    tables = dense_kernel_tables(get_unwrapped_module(model))
+    shards = shard_parameter_ids(tables)
+    # sharded tables (here, or when saved) take no part in matching groups: which group holds them depends on the rank
+    skip = set(tables) | {t for g in saved for t in g.pop(_SHARDED_TABLES, [])}
+    by_params = {tuple(sorted(n for n in g["params"] if n not in skip)): g for g in saved}
     pairs = []
-    for i, group in enumerate(optimizer.param_groups):
-        key = tuple(sorted(names[id(p)] for p in group["params"]))
+    keys = [
+        tuple(sorted(names[id(p)] for p in group["params"] if id(p) not in shards and names[id(p)] not in skip))
+        for group in optimizer.param_groups
+    ]
+    for i, (group, key) in enumerate(zip(optimizer.param_groups, keys, strict=True)):
         if key not in by_params:
             raise ValueError(f"optimizers[{name!r}] param_groups[{i}]: the checkpoint has no group over {list(key)}")
+        if keys.count(key) > 1:  # only sharded tables' shards tell them apart, and those differ by rank and plan
+            raise ValueError(
+                f"optimizers[{name!r}] has {keys.count(key)} param groups over the same parameters {list(key)} apart "
+                "from sharded tables' shards: a checkpoint cannot tell them apart; give each group a parameter of its "
+                "own"
+            )
         pairs.append((group, by_params[key]))
     check_param_groups([g for _, g in pairs], f"optimizers[{name!r}] in the checkpoint:")
     for group, loaded in pairs:
@@ -237,6 +263,7 @@ def build_state(
         if for_load:  # the live state must hold exactly the parameters the checkpoint has state for
             names = _parameter_names(optimizer, model, name)
             saved = saved_state_names(saved_keys, name, list(names.values()))  # type: ignore[arg-type]
+            saved |= shards_of_saved_tables(dense_kernel_tables(get_unwrapped_module(model)), names, saved)
             init_optimizer_state(optimizer, names, saved)
     fused, hyper = _fused_entries(model)
     return {
@@ -268,8 +295,10 @@ def apply_loaded_state(
         for key, value in hyper.items():
             live[key] = tuple(value) if key == "betas" else value
     dense = dense_optimizers(optimizers)
+    tables = dense_kernel_tables(get_unwrapped_module(model))
     for name, entry in state["optimizers"].items():
         _apply_param_groups(dense[name], entry["param_groups"], model, name)
+        copy_scalar_state(dense[name], tables)
     return {k: _restore_extra(v, state["extra"][str(k)], str(k)) for k, v in (extra_state or {}).items()}
 
 
