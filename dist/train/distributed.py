@@ -43,7 +43,7 @@ from tritonrec.dist.train.job_state import (
 from tritonrec.dist.train.launch import StopRequest, rank_device
 from tritonrec.dist.train.loop import TrainHistory, iterate_batches
 from tritonrec.dist.train.report import final_metrics, plot_curves, write_metrics
-from tritonrec.dist.train.step_agreement import StepAgreement
+from tritonrec.dist.train.step_agreement import JobStepAgreement
 
 
 def _chunk_size(cfg: TrainConfig, saved: int | None) -> int | None:
@@ -88,7 +88,7 @@ def train_distributed(
     feed = BatchFeed(iterate_batches(batcher, sources.train, cfg.batch_size, cfg.drop_remainder), batcher)
     runner = StepRunner(cfg.pipeline.kind, dmp, dense_optimizer, device, cfg.pipeline.host_prefetch)
     metrics_sync = RankMetrics(history, side)
-    agreement = StepAgreement(stop, side, device)
+    agreement = JobStepAgreement(stop, side, device)
     manager = CheckpointManager(out_dir / "checkpoints")
     report = JobReporter(cfg.name, out_dir, start, cfg.steps, cfg.progress, cfg.logger.kind, enabled=rank == 0)
     report.message(

@@ -54,8 +54,10 @@ class _StepCheck:
         return bool(flag), loss, bool(scores_nan)
 
 
-class StepAgreement:
-    """Call :meth:`note` with each step's output, then :meth:`agree` (every rank, every step)."""
+class JobStepAgreement:
+    """The training job's per-step agreement (see module docstring; the train pipelines' own agreement on batches
+    and stage failures is :class:`tritonrec.dist.train_pipeline.agreement.StepAgreement`). Call :meth:`note` with
+    each step's output, then :meth:`agree` (every rank, every step)."""
 
     def __init__(self, stop: StopRequest, group: dist.ProcessGroup | None, device: torch.device) -> None:
         self._stop = stop
@@ -110,4 +112,4 @@ def _format(loss: float) -> str:
     return str(loss) if not math.isfinite(loss) else f"{loss:.6g}"
 
 
-__all__ = ["StepAgreement"]
+__all__ = ["JobStepAgreement"]

@@ -1,4 +1,4 @@
-"""StepAgreement without a process group (one rank): the per-step SIGTERM flag and non-finite check, and the one-step
+"""JobStepAgreement without a process group (one rank): the per-step SIGTERM flag and non-finite check, and the one-step
 lag used on accelerators (exercised here with CPU tensors and the lag forced). Two-rank cases: test_train_dist.py."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from tritonrec.dist.train.launch import StopRequest
 from tritonrec.dist.train.loop import NonFiniteLossError
-from tritonrec.dist.train.step_agreement import StepAgreement
+from tritonrec.dist.train.step_agreement import JobStepAgreement
 
 
 def _output(loss: float, logits: list[float] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -19,7 +19,7 @@ def _output(loss: float, logits: list[float] | None = None) -> tuple[torch.Tenso
 
 
 def test_finite_steps_agree_to_go_on() -> None:
-    agreement = StepAgreement(StopRequest(), None, torch.device("cpu"))
+    agreement = JobStepAgreement(StopRequest(), None, torch.device("cpu"))
     for step in range(1, 4):
         agreement.note(step, _output(0.69))
         assert agreement.agree() is False
@@ -31,7 +31,7 @@ def test_finite_steps_agree_to_go_on() -> None:
     (0.7, [0.1, float("nan")], r"^step 2: the training loss is 0.7 on rank 0, and the model's scores hold NaN"),
 ])  # fmt: skip
 def test_a_nonfinite_step_raises_at_that_step(loss: float, logits: list[float] | None, pattern: str) -> None:
-    agreement = StepAgreement(StopRequest(), None, torch.device("cpu"))
+    agreement = JobStepAgreement(StopRequest(), None, torch.device("cpu"))
     agreement.note(1, _output(0.69))
     agreement.agree()
     agreement.note(2, _output(loss, logits))
@@ -41,7 +41,7 @@ def test_a_nonfinite_step_raises_at_that_step(loss: float, logits: list[float] |
 
 def test_lagged_check_reports_the_step_one_step_later() -> None:
     """On an accelerator the check of step s is read at step s + 1's agreement, and still names step s."""
-    agreement = StepAgreement(StopRequest(), None, torch.device("cpu"))
+    agreement = JobStepAgreement(StopRequest(), None, torch.device("cpu"))
     agreement._lagged = True  # what a CUDA device sets; the tensors stay on the CPU here
     agreement.note(1, _output(float("nan")))
     assert agreement.agree() is False  # step 1's check is not read yet
@@ -52,7 +52,7 @@ def test_lagged_check_reports_the_step_one_step_later() -> None:
 
 def test_sigterm_is_agreed() -> None:
     stop = StopRequest()
-    agreement = StepAgreement(stop, None, torch.device("cpu"))
+    agreement = JobStepAgreement(stop, None, torch.device("cpu"))
     agreement.note(1, _output(0.69))
     assert agreement.agree() is False
     stop.signal = signal.SIGTERM
