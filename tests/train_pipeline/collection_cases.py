@@ -48,33 +48,49 @@ class SequenceModel(torch.nn.Module):
         return loss, (loss.detach(), logits.detach(), batch.labels)
 
 
+def _configs(config_type: type) -> list[Any]:
+    """One table per feature of pipeline_cases' batches (``t_<feature>``, ``ROWS`` rows, ``DIM`` wide)."""
+    return [config_type(num_embeddings=r, embedding_dim=DIM, name=f"t_{f}", feature_names=[f])
+            for f, r in zip(FEATURES, ROWS, strict=True)]  # fmt: skip
+
+
+def _shard(
+    model: torch.nn.Module, path: str, generators: dict[str, Any], sharder: Any, world: int, kernel: str | None = None
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    """(DistributedModelParallel of ``model`` with the collection at ``path`` sharded by ``generators`` (table ->
+    sharding; ``kernel``: force a compute kernel), dense Adagrad over the rest, the sharded collection (the EBC
+    inside a feature-processed one))."""
+    from tritonrec.dist import ShardingPlan, construct_module_sharding_plan
+    from tritonrec.dist.embedding import ShardedEmbeddingCollection
+    from tritonrec.dist.embeddingbag import ShardedEmbeddingBagCollection
+    from tritonrec.dist.model_parallel import DistributedModelParallel
+    from tritonrec.optim.keyed import in_backward_optimizer_filter
+
+    module_plan = construct_module_sharding_plan(model.get_submodule(path), generators, sharder, world, world, "cpu")
+    for sharding in module_plan.values():
+        sharding.compute_kernel = kernel or sharding.compute_kernel
+    dmp = DistributedModelParallel(model, device=CPU, plan=ShardingPlan({path: module_plan}), sharders=[sharder])
+    dense = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
+    kinds = (ShardedEmbeddingCollection, ShardedEmbeddingBagCollection)
+    sharded = next(m for m in dmp.modules() if isinstance(m, kinds))
+    return dmp, torch.optim.Adagrad(dense, lr=0.05), sharded
+
+
+def _tw_or_rw(kind: str, world: int) -> dict[str, Any]:
+    from tritonrec.dist import row_wise, table_wise
+
+    return {f"t_{f}": table_wise(rank=i % world) if kind == "tw" else row_wise() for i, f in enumerate(FEATURES)}
+
+
 def build_sequence_model(kind: str, world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
     """(DistributedModelParallel over a SequenceModel, dense Adagrad, the sharded EC inside), the same initial weights
     on every call."""
-    from tritonrec.dist import (
-        EmbeddingCollectionSharder,
-        ShardingPlan,
-        construct_module_sharding_plan,
-        row_wise,
-        table_wise,
-    )
-    from tritonrec.dist.embedding import ShardedEmbeddingCollection
-    from tritonrec.dist.model_parallel import DistributedModelParallel
+    from tritonrec.dist import EmbeddingCollectionSharder
     from tritonrec.modules import EmbeddingConfig, FusedEmbeddingCollection
-    from tritonrec.optim.keyed import in_backward_optimizer_filter
 
     torch.manual_seed(3)
-    tables = [EmbeddingConfig(num_embeddings=r, embedding_dim=DIM, name=f"t_{f}", feature_names=[f])
-              for f, r in zip(FEATURES, ROWS, strict=True)]  # fmt: skip
-    ec = FusedEmbeddingCollection(tables, "EXACT_ROWWISE_ADAGRAD", {"lr": 0.1}, backend="torch")
-    sharder = EmbeddingCollectionSharder()
-    plan = {f"t_{f}": table_wise(rank=i % world) if kind == "tw" else row_wise() for i, f in enumerate(FEATURES)}
-    module_plan = construct_module_sharding_plan(ec, plan, sharder, world, world, "cpu")
-    dmp = DistributedModelParallel(SequenceModel(ec), device=CPU, plan=ShardingPlan({"ec": module_plan}),
-                                   sharders=[sharder])  # fmt: skip
-    dense = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
-    sharded = next(m for m in dmp.modules() if isinstance(m, ShardedEmbeddingCollection))
-    return dmp, torch.optim.Adagrad(dense, lr=0.05), sharded
+    ec = FusedEmbeddingCollection(_configs(EmbeddingConfig), "EXACT_ROWWISE_ADAGRAD", {"lr": 0.1}, backend="torch")
+    return _shard(SequenceModel(ec), "ec", _tw_or_rw(kind, world), EmbeddingCollectionSharder(), world)
 
 
 class ProcessedModel(torch.nn.Module):
@@ -95,77 +111,44 @@ class ProcessedModel(torch.nn.Module):
 
 def build_processed_model(kind: str, world: int, fused: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
     """(DistributedModelParallel over a ProcessedModel, dense Adagrad over the rest, the sharded EBC inside)."""
-    from tritonrec.dist import (
-        FeatureProcessedEmbeddingBagCollectionSharder,
-        ShardingPlan,
-        construct_module_sharding_plan,
-        row_wise,
-        table_wise,
-    )
-    from tritonrec.dist.embeddingbag import ShardedEmbeddingBagCollection
-    from tritonrec.dist.model_parallel import DistributedModelParallel
+    from tritonrec.dist import FeatureProcessedEmbeddingBagCollectionSharder
     from tritonrec.modules import (
         EmbeddingBagCollection,
         EmbeddingBagConfig,
         FeatureProcessedEmbeddingBagCollection,
         PositionWeightedModuleCollection,
     )
-    from tritonrec.optim.keyed import in_backward_optimizer_filter
 
     torch.manual_seed(3)
-    tables = [EmbeddingBagConfig(num_embeddings=r, embedding_dim=DIM, name=f"t_{f}", feature_names=[f])
-              for f, r in zip(FEATURES, ROWS, strict=True)]  # fmt: skip
     processors = PositionWeightedModuleCollection({f: 5 for f in FEATURES})  # bags hold 0-4 ids
     with torch.no_grad():
         for weight in processors.position_weights.values():
             weight.copy_(torch.rand(weight.shape) + 0.5)  # not all ones, so they matter
-    fp = FeatureProcessedEmbeddingBagCollection(EmbeddingBagCollection(tables, is_weighted=True, backend="torch"),
-                                                processors)  # fmt: skip
+    ebc = EmbeddingBagCollection(_configs(EmbeddingBagConfig), is_weighted=True, backend="torch")
+    fp = FeatureProcessedEmbeddingBagCollection(ebc, processors)
     fused_params = {"optimizer": "EXACT_ROWWISE_ADAGRAD", "lr": 0.1} if fused else None
     sharder = FeatureProcessedEmbeddingBagCollectionSharder(fused_params=fused_params)
-    plan = {f"t_{f}": table_wise(rank=i % world) if kind == "tw" else row_wise() for i, f in enumerate(FEATURES)}
-    module_plan = construct_module_sharding_plan(fp, plan, sharder, world, world, "cpu")
-    for sharding in module_plan.values():
-        sharding.compute_kernel = "fused" if fused else "dense"
-    dmp = DistributedModelParallel(ProcessedModel(fp), device=CPU, plan=ShardingPlan({"fp": module_plan}),
-                                   sharders=[sharder])  # fmt: skip
-    dense = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
-    sharded = next(m for m in dmp.modules() if isinstance(m, ShardedEmbeddingBagCollection))
-    return dmp, torch.optim.Adagrad(dense, lr=0.05), sharded
+    return _shard(ProcessedModel(fp), "fp", _tw_or_rw(kind, world), sharder, world, "fused" if fused else "dense")
 
 
 def build_mixed_weighted(world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
     """(DistributedModelParallel over the DLRM of pipeline_cases with a weighted EBC whose four tables are sharded
     table-wise, row-wise, column-wise and data-parallel, dense Adagrad, the sharded EBC)."""
-    from tritonrec.dist import (
-        ShardingPlan,
-        column_wise,
-        construct_module_sharding_plan,
-        data_parallel,
-        row_wise,
-        table_wise,
-    )
-    from tritonrec.dist.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
-    from tritonrec.dist.model_parallel import DistributedModelParallel
+    from tritonrec.dist import column_wise, data_parallel, row_wise, table_wise
+    from tritonrec.dist.embeddingbag import EmbeddingBagCollectionSharder
     from tritonrec.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection
     from tritonrec.modules.dlrm import DLRM, DLRMTrain
-    from tritonrec.optim.keyed import in_backward_optimizer_filter
 
     torch.manual_seed(3)
-    tables = [EmbeddingBagConfig(num_embeddings=r, embedding_dim=DIM, name=f"t_{f}", feature_names=[f])
-              for f, r in zip(FEATURES, ROWS, strict=True)]  # fmt: skip
-    ebc = FusedEmbeddingBagCollection(tables, "EXACT_ROWWISE_ADAGRAD", {"lr": 0.1}, backend="torch", is_weighted=True)
-    sharder = EmbeddingBagCollectionSharder()
+    ebc = FusedEmbeddingBagCollection(_configs(EmbeddingBagConfig), "EXACT_ROWWISE_ADAGRAD", {"lr": 0.1},
+                                      backend="torch", is_weighted=True)  # fmt: skip
     kinds = [table_wise(rank=1 % world), row_wise(), column_wise(ranks=list(range(world))[::-1]),
              data_parallel(compute_kernel="fused")]  # fmt: skip
-    module_plan = construct_module_sharding_plan(ebc, {f"t_{f}": g for f, g in zip(FEATURES, kinds, strict=True)},
-                                                 sharder, world, world, "cpu")  # fmt: skip
-    path = "model.sparse_arch.embedding_bag_collection"
-    dmp = DistributedModelParallel(DLRMTrain(DLRM(ebc, DENSE, [16, DIM], [16, 1])), device=CPU,
-                                   plan=ShardingPlan({path: module_plan}), sharders=[sharder])  # fmt: skip
-    dense = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
-    sharded = next(m for m in dmp.modules() if isinstance(m, ShardedEmbeddingBagCollection))
-    return dmp, torch.optim.Adagrad(dense, lr=0.05), sharded
+    generators = {f"t_{f}": g for f, g in zip(FEATURES, kinds, strict=True)}
+    model = DLRMTrain(DLRM(ebc, DENSE, [16, DIM], [16, 1]))
+    return _shard(
+        model, "model.sparse_arch.embedding_bag_collection", generators, EmbeddingBagCollectionSharder(), world
+    )
 
 
 def weighted_batches(rank: int, count: int) -> Iterator[Any]:
