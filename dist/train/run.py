@@ -105,7 +105,9 @@ def run(cfg: DictConfig | TrainConfig) -> dict[str, Any]:
         if launched > 1 or _is_distributed_checkpoint(cfg.resume):
             return run_rank(cfg)  # type: ignore[return-value]
     elif cfg.dist.nproc > 1 or _is_distributed_checkpoint(cfg.resume):
-        if cfg.resume:  # the ranks would check it too, but here no rank has started yet
+        # the ranks would check these too, but here no rank has started yet (one error, no rank's traceback)
+        resolve_backend(cfg.dist.backend, check_device(cfg.device))
+        if cfg.resume:
             from tritonrec.dist.train.distributed import precheck_resume
 
             precheck_resume(cfg, cfg.dist.nproc)

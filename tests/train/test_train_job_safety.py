@@ -5,6 +5,7 @@ the distributed job must refuse before it spawns ranks, and a sweep with a faile
 from __future__ import annotations
 
 import csv
+import importlib
 import os
 import re
 import signal
@@ -146,6 +147,21 @@ def test_distributed_job_checks_optim_before_spawning(
     cfg = tiny_config(tmp_path / "run", optim=OptimConfig(**change))
     cfg.dist.nproc = 2
     with pytest.raises(error, match=pattern):
+        run(cfg)
+    assert not (tmp_path / "run").exists()
+
+
+def test_distributed_job_checks_the_backend_before_spawning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """nccl on the CPU is refused in this process: no rank is spawned (it was, to fail in each) and no folder made."""
+    run_module = importlib.import_module("tritonrec.dist.train.run")  # the package exports run(), the function
+
+    def no_spawn(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a rank was spawned")
+
+    monkeypatch.setattr(run_module, "spawn", no_spawn)
+    cfg = tiny_config(tmp_path / "run")
+    cfg.dist.nproc, cfg.dist.backend = 2, "nccl"
+    with pytest.raises(ValueError, match=r"dist.backend=nccl needs device=cuda, got device='cpu'"):
         run(cfg)
     assert not (tmp_path / "run").exists()
 
