@@ -4,6 +4,7 @@ row-wise. The pipelines were built around the pooled collection; these must be t
 
 * a sequence model on a sharded ``EmbeddingCollection`` (per-id embeddings, no pooling; fused rowwise Adagrad);
 * the DLRM's EBC on a mixed plan (table-, row-, column-wise and data-parallel tables at once) fed weighted KJTs;
+* the DLRM's EBC fed int32 ids (torchrec's npy reader gives them), which must train as int64 ids do;
 * a ``FeatureProcessedEmbeddingBagCollection`` (learned position weights, torchrec's DLRM v2 features), with fused
   and with dense tables. Its position weights must be read when a batch is looked up: a pipeline starts the next
   batch's input dist before this batch's optimizer step updates them in place (taking them at the input dist raised
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tests.train_pipeline.pipeline_cases import CPU, DENSE, DIM, FEATURES, ROWS, batches, snapshot
+from tests.train_pipeline.pipeline_cases import CPU, DENSE, DIM, FEATURES, ROWS, batches, build_model, snapshot
 from tests.train_pipeline.toy import staged_losses
 
 STEPS = 10
@@ -204,6 +205,8 @@ def _pipelines_vs_base(build: Callable[[], tuple[Any, Any, Any]], data: Callable
 
 def collection_cases(rank: int, world: int) -> dict[str, Any]:
     """``{collection}-{sharding}-{pipeline}`` -> what :func:`_pipelines_vs_base` reports."""
+    from tritonrec.dist.train_pipeline import TrainPipelineBase
+
     builds: dict[str, Callable[[str], tuple[Any, Any, Any]]] = {
         "ec": lambda kind: build_sequence_model(kind, world),
         "fp_fused": lambda kind: build_processed_model(kind, world, fused=True),
@@ -219,4 +222,18 @@ def collection_cases(rank: int, world: int) -> dict[str, Any]:
         functools.partial(build_mixed_weighted, world), functools.partial(weighted_batches, rank, STEPS)
     )
     out.update({f"ebc_weighted-mixed-{name}": result for name, result in mixed.items()})
+    # int32 ids (torchrec's npy reader gives them): the same training as int64 ids, through every pipeline
+    for kind in ("tw", "rw"):
+        build = functools.partial(build_model, kind, world)
+        int64 = _progress_losses(TrainPipelineBase(*build()[:2], CPU), plain())
+        for name, result in _pipelines_vs_base(build, functools.partial(int32_batches, rank, STEPS)).items():
+            out[f"ebc_int32-{kind}-{name}"] = {**result, "int64_losses": int64}
     return out
+
+
+def int32_batches(rank: int, count: int) -> Iterator[Any]:
+    """pipeline_cases' batches with int32 ids."""
+    for batch in batches(rank, count):
+        kjt = batch.sparse_features
+        narrow = type(kjt)(kjt.keys(), kjt.values().int(), lengths=kjt.lengths())
+        yield type(batch)(batch.dense_features, narrow, batch.labels, batch.valid_mask)

@@ -70,10 +70,11 @@ def test_a_collection_fed_a_computed_input_trains_exactly_and_stops_the_deferral
 COLLECTION_RUNS = [
     f"{c}-{k}-{p}" for c in ("ec", "fp_fused", "fp_dense") for k in ("tw", "rw") for p in ("sparse_dist", "staged")
 ] + ["ebc_weighted-mixed-sparse_dist", "ebc_weighted-mixed-staged"]
+INT32_RUNS = [f"ebc_int32-{k}-{p}" for k in ("tw", "rw") for p in ("sparse_dist", "staged")]
 PIPELINED = {"ec": "ec", "fp": "fp", "ebc": "model.sparse_arch.embedding_bag_collection"}
 
 
-@pytest.mark.parametrize("run", COLLECTION_RUNS)
+@pytest.mark.parametrize("run", COLLECTION_RUNS + INT32_RUNS)
 def test_other_collections_pipelined_equal_base_bit_for_bit(run: str) -> None:
     """A sharded EmbeddingCollection (a sequence model), a feature-processed EBC (position weights; fused and dense
     tables) and a weighted EBC on a mixed plan (TW, RW, CW, DP) under the pipelines: prefetched, and exact."""
@@ -83,3 +84,10 @@ def test_other_collections_pipelined_equal_base_bit_for_bit(run: str) -> None:
         assert got["losses"] == got["base_losses"], f"rank {rank}: losses differ from the base pipeline"
         assert got["differ"] == [], f"rank {rank}: weights or optimizer state differ: {got['differ']}"
         assert got["pipelined"] == [PIPELINED[run.split("-")[0].split("_")[0]]], f"rank {rank}: {got['pipelined']}"
+
+
+@pytest.mark.parametrize("run", INT32_RUNS)
+def test_int32_ids_train_as_int64_ids(run: str) -> None:
+    for rank, results in enumerate(suite_results("collections")):
+        got = results[run]
+        assert got["base_losses"] == got["int64_losses"], f"rank {rank}: int32 ids trained differently"
