@@ -173,6 +173,7 @@ class SparseDataDistUtil:
         context.input_dist_splits_requests.clear()
         context.input_dist_tensors_requests.clear()
         context.module_contexts.clear()
+        context.input_sources.clear()
         if self._ready and self._pipelined is not None:
             self._pipelined.set_context(self._ready[0])
 

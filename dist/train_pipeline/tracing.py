@@ -22,6 +22,7 @@ import torch.fx
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from tritonrec.data import KeyedJaggedTensor
 from tritonrec.dist.awaitable import Awaitable
 from tritonrec.dist.train_pipeline.utils import current_stream, record_stream, stream_context
 from tritonrec.dist.types import Multistreamable, ShardedModule
@@ -35,13 +36,15 @@ class TrainPipelineContext:
 
     ``input_dist_splits_requests``: launched, split sizes in flight (``Awaitable[Awaitable[dist input]]``);
     ``input_dist_tensors_requests``: splits done, tensors in flight (``Awaitable[dist input]``);
-    ``module_contexts``: each module's per-batch context (made by ``create_context``).
+    ``module_contexts``: each module's per-batch context (made by ``create_context``);
+    ``input_sources``: the features each module's input dist was started from (to tell a call on other features).
     """
 
     index: int
     input_dist_splits_requests: dict[str, Awaitable[Any]] = field(default_factory=dict)
     input_dist_tensors_requests: dict[str, Awaitable[Any]] = field(default_factory=dict)
     module_contexts: dict[str, Multistreamable] = field(default_factory=dict)
+    input_sources: dict[str, Any] = field(default_factory=dict)
 
     @property
     def input_dist_started(self) -> bool:
@@ -187,6 +190,33 @@ def trace_sharded_inputs(model: nn.Module) -> TracedInputs:
 
 
 # ------------------------------------------------------------------------------------------- the swapped forward
+_OUTSIDE = (
+    "to run the model outside the pipeline (an evaluation between steps), call pipeline.detach() (or the "
+    "SparseDataDistUtil's detach()) before and attach() after"
+)
+
+
+def _features(args: Any, kwargs: Any) -> Any:
+    """The first KeyedJaggedTensor among a call's arguments (None without one)."""
+    return next((a for a in (*args, *kwargs.values()) if isinstance(a, KeyedJaggedTensor)), None)
+
+
+def _may_be_same(source: Any, given: Any) -> bool:
+    """Whether ``given`` may be the features ``source`` prefetched: the same object, or (a batch type that builds
+    its features on each access) the same keys, stride and number of ids. Only a difference is certain."""
+    if source is None or given is None or given is source:
+        return True
+    return (
+        list(given.keys()) == list(source.keys())
+        and given.stride() == source.stride()
+        and given.values().numel() == source.values().numel()
+    )
+
+
+def _describe(features: Any) -> str:
+    return f"{len(features.keys())} keys, stride {features.stride()}, {features.values().numel()} ids"
+
+
 class PipelinedForward:
     """Replaces a sharded module's ``forward``: ignores its arguments (their input dist is already in flight) and
     runs ``compute_and_output_dist`` on the prefetched input of the current context."""
@@ -213,7 +243,14 @@ class PipelinedForward:
         if self.name not in requests:
             raise RuntimeError(
                 f"pipelined module {self.name!r} has no input dist for batch {self.context.index}: it is called "
-                "more than once per forward, or the pipeline did not start its input dist"
+                f"more than once per forward, or outside the pipeline's steps ({_OUTSIDE})"
+            )
+        source, given = self.context.input_sources.pop(self.name, None), _features(input, kwargs)
+        if not _may_be_same(source, given):
+            self.context.input_sources[self.name] = source
+            raise RuntimeError(
+                f"pipelined module {self.name!r} was called on other features than batch {self.context.index}'s, "
+                f"whose input dist is prefetched ({_describe(given)} vs {_describe(source)}): {_OUTSIDE}"
             )
         request = requests.pop(self.name)
         with stream_context(self.stream):
@@ -264,6 +301,7 @@ class PipelinedModules:
                 args, kwargs = forward.call_args.build(batch)
                 module_context = forward.module.create_context()
                 context.module_contexts[name] = module_context
+                context.input_sources[name] = _features(args, kwargs)
                 context.input_dist_splits_requests[name] = forward.module.input_dist(module_context, *args, **kwargs)
 
     def wait_splits(self, context: TrainPipelineContext, stream: torch.cuda.Stream | None) -> None:

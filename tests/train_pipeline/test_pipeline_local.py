@@ -132,6 +132,21 @@ def test_detach_gives_back_the_forward_and_attach_resumes() -> None:
     assert _same({n: p.detach() for n, p in model.named_parameters()}, base_weights)
 
 
+def test_a_forward_outside_the_pipeline_is_refused_not_fed_the_next_batch() -> None:
+    """Calling the model between steps without detach() used to consume the next batch's prefetched input dist
+    (its lookup ran on the training batch's features) and fail a step later with a misleading error (staged: after
+    training 4 batches on their predecessors' features). Now that call raises, naming detach()."""
+    model = ToyModel()
+    pipeline = TrainPipelineSparseDist(model, torch.optim.SGD(model.parameters(), lr=0.1), CPU, host_prefetch=0)
+    data = toy_batches(8)
+    for _ in range(3):
+        pipeline.progress(data)
+    outside = next(toy_batches(1, start=100))
+    with pytest.raises(RuntimeError, match=r"called on other features than batch 3's.*pipeline.detach\(\)"):
+        model(outside)
+    pipeline.progress(data)  # the refused call consumed nothing: training goes on
+
+
 def test_eval_pipeline_runs_every_batch_without_changing_weights() -> None:
     model = ToyModel()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

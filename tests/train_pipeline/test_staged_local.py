@@ -251,3 +251,38 @@ def test_a_batch_dropped_after_its_input_dist_started_leaves_the_next_batch_its_
     losses, base_losses, weights_equal = _train_with_a_drop(drop_at, after_start=True, by_hand=by_hand)
     assert losses == base_losses and len(losses) == 7
     assert weights_equal
+
+
+def test_a_forward_outside_the_staged_pipeline_is_refused_not_fed_the_next_batch() -> None:
+    """SparseDataDistUtil's hook points the model at the next batch's prefetched input after each forward: a call
+    between steps used to consume it (then four batches trained on their predecessors' features before a step
+    failed). Now it raises, naming detach(); after sdd.detach() the call runs and training resumes as before."""
+    base = staged_losses_with(None)
+    with pytest.raises(RuntimeError, match=r"called on other features than batch \d+'s.*detach\(\)"):
+        staged_losses_with("call")
+    assert staged_losses_with("detach") == base
+
+
+def staged_losses_with(outside: str | None) -> list[float]:
+    """A 2-stage pipeline (copy, input dist) on 8 toy batches; after the 3rd step the model runs on another batch:
+    ``"call"`` as is, ``"detach"`` between the util's detach() and attach()."""
+    torch.manual_seed(0)
+    model = ToyModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sdd = SparseDataDistUtil(model)
+    pipeline = StagedTrainPipeline([PipelineStage("copy", lambda b: b), sdd.start_sparse_data_dist_stage()])
+    data, losses = toy_batches(8), []
+    while (batch := pipeline.progress(data)) is not None:
+        optimizer.zero_grad()
+        loss = model(batch)[0]
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        if outside is not None and len(losses) == 3:
+            if outside == "detach":
+                sdd.detach()
+            with torch.no_grad():
+                model(next(toy_batches(1, start=100)))
+            if outside == "detach":
+                sdd.attach()
+    return losses
