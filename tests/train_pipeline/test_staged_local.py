@@ -268,21 +268,17 @@ def staged_losses_with(outside: str | None) -> list[float]:
     ``"call"`` as is, ``"detach"`` between the util's detach() and attach()."""
     torch.manual_seed(0)
     model = ToyModel()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     sdd = SparseDataDistUtil(model)
     pipeline = StagedTrainPipeline([PipelineStage("copy", lambda b: b), sdd.start_sparse_data_dist_stage()])
-    data, losses = toy_batches(8), []
-    while (batch := pipeline.progress(data)) is not None:
-        optimizer.zero_grad()
-        loss = model(batch)[0]
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-        if outside is not None and len(losses) == 3:
-            if outside == "detach":
-                sdd.detach()
-            with torch.no_grad():
-                model(next(toy_batches(1, start=100)))
-            if outside == "detach":
-                sdd.attach()
-    return losses
+
+    def run_outside(batch: Any, losses: list[float]) -> None:
+        if outside is None or len(losses) != 3:
+            return
+        if outside == "detach":
+            sdd.detach()
+        with torch.no_grad():
+            model(next(toy_batches(1, start=100)))
+        if outside == "detach":
+            sdd.attach()
+
+    return staged_losses(pipeline, model, torch.optim.SGD(model.parameters(), lr=0.1), toy_batches(8), run_outside)
