@@ -77,10 +77,10 @@ def copy_scalar_state(optimizer: torch.optim.Optimizer, tables: dict[str, TableS
         first = states[0]
         for state in states[1:]:
             for name, value in first.items():  # type: ignore[union-attr]
-                if isinstance(value, torch.Tensor) and value.shape == state[name].shape and value.dim() == 0:  # type: ignore[index]
-                    state[name].copy_(value)  # type: ignore[index]
-                elif not isinstance(value, torch.Tensor):
+                if not isinstance(value, torch.Tensor):
                     state[name] = value  # type: ignore[index]
+                elif value.dim() == 0:  # per-shard tensors (shaped like the shard) came with the table's ShardedTensor
+                    state[name].copy_(value)  # type: ignore[index]
 
 
 __all__ = ["copy_scalar_state", "dense_kernel_tables", "shard_parameter_ids", "shards_of_saved_tables", "table_state"]

@@ -34,7 +34,7 @@ class _StepCheck:
         loss, logits = loss.detach(), logits.detach()
         values = torch.stack([
             (~torch.isfinite(loss).all() | torch.isnan(logits).any()).double(),
-            loss.double().reshape(-1)[0] if loss.numel() else loss.new_zeros((), dtype=torch.float64),
+            loss.double().sum(),  # the scalar loss itself
             torch.isnan(logits).any().double(),
         ])  # fmt: skip
         self.step = step

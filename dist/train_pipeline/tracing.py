@@ -245,13 +245,13 @@ class PipelinedForward:
                 f"pipelined module {self.name!r} has no input dist for batch {self.context.index}: it is called "
                 f"more than once per forward, or outside the pipeline's steps ({_OUTSIDE})"
             )
-        source, given = self.context.input_sources.pop(self.name, None), _features(input, kwargs)
+        source, given = self.context.input_sources.get(self.name), _features(input, kwargs)
         if not _may_be_same(source, given):
-            self.context.input_sources[self.name] = source
             raise RuntimeError(
                 f"pipelined module {self.name!r} was called on other features than batch {self.context.index}'s, "
                 f"whose input dist is prefetched ({_describe(given)} vs {_describe(source)}): {_OUTSIDE}"
             )
+        self.context.input_sources.pop(self.name, None)
         request = requests.pop(self.name)
         with stream_context(self.stream):
             data = request.wait()
