@@ -6,6 +6,7 @@ optional fp16 / bf16 all-reduce of the gradient buckets.
 from __future__ import annotations
 
 import abc
+import inspect
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,14 @@ __all__ = [
 ]
 
 _COMM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# No buffer broadcast before every forward. torch 2.13 spells it forward_sync_buffers=False (buffers still synced
+# once at init); older torch has only broadcast_buffers=False, which skips the init sync too: harmless for our
+# modules, whose dense buffers (interaction indices) are the same constants on every rank.
+_NO_FORWARD_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else {"broadcast_buffers": False}
+)
 
 
 def compressed_allreduce_hook(dtype: torch.dtype) -> Any:
@@ -112,7 +121,7 @@ class DefaultDataParallelWrapper(DataParallelWrapper):
             device_ids=None if device.type == "cpu" else [device],
             process_group=env.process_group,
             gradient_as_bucket_view=True,
-            forward_sync_buffers=False,
+            **_NO_FORWARD_BUFFER_SYNC,
             static_graph=self._static_graph,
             find_unused_parameters=self._find_unused_parameters,
             bucket_cap_mb=self._bucket_cap_mb,

@@ -73,7 +73,7 @@ class DLRM(nn.Module):
         self.sparse_arch = SparseArch(embedding_bag_collection)
         num_sparse = len(self.sparse_arch.sparse_feature_names)
         self.dense_arch = DenseArch(dense_in_features, dense_arch_layer_sizes, dense_device)
-        self.inter_arch: nn.Module = InteractionArch(num_sparse)
+        self.inter_arch: nn.Module = InteractionArch(num_sparse, dense_device)
         over_in = embedding_dim + math.comb(num_sparse, 2) + num_sparse
         self.over_arch = OverArch(over_in, over_arch_layer_sizes, dense_device)
 

@@ -128,12 +128,17 @@ class InteractionArch(nn.Module):
     """Dot-product interaction: ``[B, D]`` dense and ``[B, F, D]`` sparse -> ``[B, D + F + F choose 2]``: the
     dense vector followed by the pairwise dot products of all ``F + 1`` vectors (upper triangle, no diagonal)."""
 
-    def __init__(self, num_sparse_features: int) -> None:
+    def __init__(self, num_sparse_features: int, device: torch.device | str | None = None) -> None:
         super().__init__()
         if not isinstance(num_sparse_features, int) or isinstance(num_sparse_features, bool) or num_sparse_features < 0:
             raise ValueError(f"num_sparse_features must be a non-negative int, got {num_sparse_features!r}")
         self.F = num_sparse_features
-        self.register_buffer("triu_indices", torch.triu_indices(self.F + 1, self.F + 1, offset=1), persistent=False)
+        # on the dense layers' device (index_select needs its index where the Gram matrix is), except meta: a module
+        # materialised from meta gets zero-filled buffers, so these stay on the CPU until the model is moved
+        if device is not None and torch.device(device).type == "meta":
+            device = None
+        triu = torch.triu_indices(self.F + 1, self.F + 1, offset=1, device=device)
+        self.register_buffer("triu_indices", triu, persistent=False)
         # the same pairs as flat positions of the [F + 1, F + 1] Gram matrix, row by row
         self.register_buffer("_pair_positions", self.triu_indices[0] * (self.F + 1) + self.triu_indices[1],
                              persistent=False)  # fmt: skip

@@ -50,6 +50,22 @@ def test_interaction_arch_is_the_pairwise_dot_products() -> None:
     assert torch.equal(InteractionArch(0)(dense, sparse[:, :0]), dense)
 
 
+def test_interaction_indices_live_with_the_dense_layers_but_never_on_meta() -> None:
+    """The pair indices are built on the dense device (index_select on CUDA needs them there). On ``meta`` they stay
+    on the CPU: a meta-built model is materialised with zero-filled buffers, which would pair vector 0 with itself."""
+    expected = torch.triu_indices(4, 4, offset=1)
+    for device in ("cpu", "meta", None):
+        arch = InteractionArch(3, device)
+        assert arch.triu_indices.device.type == "cpu" and torch.equal(arch.triu_indices, expected), device
+        assert torch.equal(arch._pair_positions, expected[0] * 4 + expected[1])
+    ebc = FusedEmbeddingBagCollection(
+        [EmbeddingBagConfig(num_embeddings=10, embedding_dim=D, name="t0", feature_names=["f0"])],
+        "EXACT_SGD", {"lr": 0.1}, device="meta",
+    )  # fmt: skip
+    model = DLRM(ebc, 3, [D], [4, 1], dense_device="meta")
+    assert model.inter_arch.triu_indices.device.type == "cpu"
+
+
 @pytest.mark.parametrize("num_sparse", [1, 3, 8])
 def test_interaction_arch_gradient_matches_autograd_of_the_pairwise_formula(num_sparse: int) -> None:
     """Its one-bmm backward, against float64 finite differences and against autograd through the plain formula."""

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# What a lent GPU checks, in one go (~6 min on an H100/H200): the compiled-kernel test suite (tests marked gpu: Triton
+# kernels against their twins at production sizes, the train pipelines' CUDA streams and the training job on a
+# one-rank NCCL group), then the GPU benchmarks of the pooled lookups, the codecs and the jagged ops, each against its
+# anchor measured in the same run. Every step is time-boxed and runs even when an earlier one failed.
+#
+#   bash benchmarks/gpu_session.sh OUT_DIR       # logs, junit XML and benchmarks/results/runs/<date>/ CSVs land there
+#
+# Needs tritonrec importable (an install, or PYTHONPATH) and a CUDA device. The CSVs it writes are copied by hand to
+# benchmarks/results/ (with the device and date in their rows) when they are worth committing.
+set -uo pipefail
+OUT=${1:?usage: gpu_session.sh OUT_DIR}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+status=0
+
+step() {  # step NAME SECONDS COMMAND...: run, time-boxed, log to OUT/NAME.log; remember a failure
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (limit ${limit}s): $*"
+  local began=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name: rc $rc in $((SECONDS - began))s"
+  tail -n 25 "$OUT/$name.log"
+  [ "$rc" -eq 0 ] || status=1
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__, '|',
+torch.cuda.get_device_name(0))"
+
+step gpu_tests 210 env TRITON_INTERPRET=0 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 150 \
+  --junitxml="$OUT/gpu_tests.xml" tests
+step bench_embedding 80 python3 benchmarks/bench_embedding.py --device cuda --rounds 2 --plot
+step bench_codecs 50 python3 benchmarks/bench_codecs.py --device cuda --repeats 10 --plot
+step bench_jagged 40 python3 benchmarks/bench_jagged.py --device cuda --plot
+exit $status
