@@ -4,8 +4,10 @@ the anchor: the same DLRM whose tables are plain ``torch.nn.EmbeddingBag`` s (sp
 optimizer. A third row times batch production alone (synthetic source + Batcher).
 
     python benchmarks/bench_train.py [--repeats 30] [--out train_dlrm.csv] [overrides ...]
+    python benchmarks/bench_train.py --out train_dlrm_cuda.csv device=cuda      # both models on the GPU
 
-Overrides are hydra overrides of the job (e.g. ``batch_size=2048 experiment=synthetic_dcn``).
+Overrides are hydra overrides of the job (e.g. ``batch_size=2048 experiment=synthetic_dcn``). With ``device=cuda``
+each step copies its host batch to the GPU (as the job does) and is timed with CUDA events.
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ class TorchEmbeddingBagCollection(nn.Module):
         return KeyedTensor([f for _, f in self._features], [p.shape[1] for p in pooled], torch.cat(pooled, dim=1))
 
 
-def anchor_model(cfg: TrainConfig, num_embeddings: dict[str, int], dense_in: int) -> tuple[DLRMTrain, Callable]:
+def anchor_model(
+    cfg: TrainConfig, num_embeddings: dict[str, int], dense_in: int, device: str = "cpu"
+) -> tuple[DLRMTrain, Callable]:
     """The default DLRM over torch EmbeddingBags; tables and dense layers share the configured torch optimizer
     rule (sparse-gradient capable: Adagrad, SGD; Adam becomes SparseAdam on the tables)."""
     collection = TorchEmbeddingBagCollection(build_tables(num_embeddings, cfg.model))
@@ -66,7 +70,7 @@ def anchor_model(cfg: TrainConfig, num_embeddings: dict[str, int], dense_in: int
         dlrm: DLRM = DLRM(**layers)
     else:
         dlrm = DLRM_DCN(**layers, dcn_num_layers=cfg.model.dcn_num_layers, dcn_low_rank_dim=cfg.model.dcn_low_rank_dim)
-    model = DLRMTrain(dlrm)
+    model = DLRMTrain(dlrm).to(device)  # before the optimizers: Adagrad makes its state where the parameters are
     table_params = list(collection.parameters())
     dense_params = [p for p in model.parameters() if all(p is not t for t in table_params)]
     table_rule = torch.optim.SparseAdam if cfg.optim.dense == "adam" else DENSE_OPTIMIZERS[cfg.optim.dense]
@@ -104,18 +108,26 @@ def main() -> None:
     def batches() -> Iterator[Batch]:
         return iterate_batches(Batcher(sources.element_spec), sources.train, batch_size, cfg.drop_remainder)
 
-    ours = build_model(cfg.model, sources, cfg.optim)
+    device = cfg.device
+    ours = build_model(cfg.model, sources, cfg.optim, device)
     dense_optimizer = build_dense_optimizer(ours, cfg.optim)
-    _, anchor_step = anchor_model(cfg, dict(sources.num_embeddings), sources.element_spec.dense_dim)
+    _, anchor_step = anchor_model(cfg, dict(sources.num_embeddings), sources.element_spec.dense_dim, device)
     stream_ours, stream_anchor, stream_data = batches(), batches(), batches()
+
+    def on_device(batch: Batch) -> Batch:
+        return batch if device == "cpu" else batch.to(device, non_blocking=True)
+
     impls = {
-        "tritonrec DLRM (FusedEmbeddingBagCollection)": lambda: train_step(ours, dense_optimizer, next(stream_ours)),
-        "anchor: same DLRM, nn.EmbeddingBag + torch optimizer": lambda: anchor_step(next(stream_anchor)),
+        "tritonrec DLRM (FusedEmbeddingBagCollection)": lambda: train_step(
+            ours, dense_optimizer, on_device(next(stream_ours))
+        ),
+        "anchor: same DLRM, nn.EmbeddingBag + torch optimizer": lambda: anchor_step(on_device(next(stream_anchor))),
         "batch production only (source + Batcher)": lambda: next(stream_data),
     }
+    print(f"device: {device}; anchor: the same DLRM over nn.EmbeddingBag tables, measured in this run")
     rows = []
     for name, fn in impls.items():
-        timing = measure(fn, warmup=5, repeats=args.repeats, min_time_s=2.0)
+        timing = measure(fn, warmup=5, repeats=args.repeats, min_time_s=2.0, device=device)
         rows.append({
             "bench": "train_step", "experiment": cfg.name, "impl": name, "model": cfg.model.arch,
             "data": cfg.data.kind, "batch_size": batch_size, "backend": cfg.model.backend, **timing,
@@ -127,7 +139,7 @@ def main() -> None:
     rows[2]["speedup_vs_anchor"] = float("nan")
     print_table(rows, ["impl", "batch_size", "median_ms", "p10_ms", "p90_ms", "samples_per_s", "speedup_vs_anchor"])
     if args.out:
-        print("appended to", append_csv(args.out, rows))
+        print("appended to", append_csv(args.out, rows, device=device))  # device column: the GPU's name
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# What a lent GPU checks, in one go (~6 min on an H100/H200): the compiled-kernel test suite (tests marked gpu: Triton
+# What a lent GPU checks, in one go (~4 min on an H100/H200): the compiled-kernel test suite (tests marked gpu: Triton
 # kernels against their twins at production sizes, the train pipelines' CUDA streams and the training job on a
-# one-rank NCCL group), then the GPU benchmarks of the pooled lookups, the codecs and the jagged ops, each against its
-# anchor measured in the same run. Every step is time-boxed and runs even when an earlier one failed.
+# one-rank NCCL group), then the GPU benchmarks of the pooled lookups, the codecs, the jagged ops and the DLRM train
+# step, each against its anchor measured in the same run, and a profile of the ops' host overhead. Every step is
+# time-boxed and runs even when an earlier one failed.
 #
 #   bash benchmarks/gpu_session.sh OUT_DIR       # logs, junit XML and benchmarks/results/runs/<date>/ CSVs land there
 #
@@ -36,4 +37,6 @@ step gpu_tests 210 env TRITON_INTERPRET=0 python3 -m pytest -q -m gpu -p no:cach
 step bench_embedding 80 python3 benchmarks/bench_embedding.py --device cuda --rounds 2 --plot
 step bench_codecs 50 python3 benchmarks/bench_codecs.py --device cuda --repeats 10 --plot
 step bench_jagged 40 python3 benchmarks/bench_jagged.py --device cuda --plot
+step bench_train 90 python3 benchmarks/bench_train.py --out train_dlrm_cuda.csv device=cuda
+step profile_ops 60 python3 benchmarks/profile_gpu_ops.py --calls 30
 exit $status

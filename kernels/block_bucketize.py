@@ -30,9 +30,10 @@ from tritonrec.kernels.checks import (
     check_nonnegative,
     check_same_device,
     check_tensor,
+    host_ints,
     value_checks_enabled,
 )
-from tritonrec.kernels.lengths_to_offsets import lengths_to_offsets
+from tritonrec.kernels.lengths_to_offsets import _lengths_to_offsets_triton
 from tritonrec.kernels.library import custom_op, optional_outputs
 
 # Bags per program (one per lane of 4 warps); the launches use 4 warps.
@@ -133,13 +134,15 @@ def _block_bucketize_triton(
 ) -> Outputs:
     num_bags, n = lengths.numel(), indices.numel()
     batch = num_bags // max(block_sizes.numel(), 1)
-    offsets = lengths_to_offsets(lengths, backend="triton")
+    # lengths were checked by the op (one sync for all checks); the bucket counts are non-negative by construction:
+    # both scans skip the public op's value checks and their host syncs
+    offsets = _lengths_to_offsets_triton(lengths)
     new_lengths = torch.zeros(num_buckets * num_bags, dtype=lengths.dtype, device=lengths.device)
     indices, block_sizes = indices.contiguous(), block_sizes.contiguous()
     grid = (grid_programs(triton.cdiv(num_bags, _BAGS)),)
     if num_bags and n:
         _bucket_count_kernel[grid](offsets, indices, block_sizes, new_lengths, batch, num_bags, num_buckets, BAGS=_BAGS)
-    cursors = lengths_to_offsets(new_lengths, backend="triton")  # advanced in place by the scatter
+    cursors = _lengths_to_offsets_triton(new_lengths)  # advanced in place by the scatter
     new_indices = torch.empty_like(indices)
     new_weights = None if weights is None else torch.empty_like(weights)
     new_pos = torch.empty_like(indices) if bucketize_pos else None
@@ -223,7 +226,7 @@ def block_bucketize_sparse_features_reference(
     num_features = block_sizes.numel()
     idx, block_size = _index_and_block_size(lengths, indices, block_sizes, num_features, n)
     shared = isinstance(block_size, int)
-    low, high = (int(v) for v in torch.aminmax(idx)) if shared and n else (0, -1)
+    low, high = host_ints(*torch.aminmax(idx)) if shared and n else (0, -1)
     if shared and num_buckets <= _COMPARE_MAX_BUCKETS and low >= 0 and high < block_size * num_buckets:
         bucket = torch.ge(idx, block_size).to(idx.dtype)  # = floor(idx / block_size) for ids inside the blocks
     else:
@@ -303,13 +306,27 @@ def _check_bucketize_inputs(
 
 
 def _check_bucketize_values(lengths: torch.Tensor, indices: torch.Tensor, block_sizes: torch.Tensor) -> None:
-    """Value checks (read tensor contents): run inside the op, at run time."""
-    if value_checks_enabled():
+    """Value checks (read tensor contents): run inside the op, at run time. The happy path reads its four numbers in
+    one host sync; a failing check is then rerun by the function that names the offending entry."""
+    if not value_checks_enabled():
+        return
+    zero = torch.zeros((), dtype=torch.int64, device=lengths.device)
+    lengths_low, lengths_sum, indices_low, blocks_low = host_ints(
+        lengths.min() if lengths.numel() else zero,
+        lengths.sum(dtype=torch.int64) if lengths.numel() else zero,
+        indices.min() if indices.numel() else zero,
+        block_sizes.min() if block_sizes.numel() else zero + 1,
+    )
+    if lengths_low < 0 or lengths_sum != indices.numel():
         check_lengths_total(lengths, "lengths", indices.numel(), what="indices")
+    if indices_low < 0:
         check_nonnegative(indices, "indices")
-        if block_sizes.numel() and bool((block_sizes <= 0).any()):
-            where = int((block_sizes <= 0).nonzero()[0].item())
-            raise ValueError(f"block_sizes must be positive, got block_sizes[{where}] = {block_sizes[where].item()}")
+    if lengths.dtype == torch.int32 and lengths_sum > torch.iinfo(torch.int32).max:
+        raise ValueError(f"int32 lengths sum to {lengths_sum}, past the int32 maximum that int32 offsets can hold: "
+                         "pass int64 lengths")  # fmt: skip
+    if blocks_low <= 0:
+        where = int((block_sizes <= 0).nonzero()[0].item())
+        raise ValueError(f"block_sizes must be positive, got block_sizes[{where}] = {block_sizes[where].item()}")
 
 
 def block_bucketize_sparse_features(

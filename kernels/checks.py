@@ -71,6 +71,12 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
         raise ValueError(f"tensors must be on one device, got {listing}")
 
 
+def host_ints(*scalars: torch.Tensor) -> list[int]:
+    """0-d integer tensors read as Python ints together: one device sync on an accelerator instead of one each (a
+    sync also drains the launch queue, so on a GPU each costs far more than its copy)."""
+    return torch.stack([s.reshape(()).to(torch.int64) for s in scalars]).tolist()
+
+
 def check_nonnegative(t: torch.Tensor, name: str) -> None:
     """Value check: no entry below zero (lengths, sizes, indices). One reduction; the position is only searched
     for when there is an error to report."""
@@ -84,8 +90,8 @@ def check_index_range(t: torch.Tensor, name: str, high: torch.Tensor | int, what
     if not value_checks_enabled() or t.numel() == 0:
         return
     if isinstance(high, int):
-        low_value, high_value = torch.aminmax(t)
-        if int(low_value) >= 0 and int(high_value) < high:
+        low_value, high_value = host_ints(*torch.aminmax(t))
+        if low_value >= 0 and high_value < high:
             return
     bad = (t < 0) | (t >= high)
     if bool(bad.any()):

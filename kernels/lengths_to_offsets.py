@@ -12,7 +12,7 @@ import torch
 
 from tritonrec.kernels._triton import tl, triton
 from tritonrec.kernels.backend import Backend, autotune, resolve_backend
-from tritonrec.kernels.checks import check_nonnegative, check_tensor, value_checks_enabled
+from tritonrec.kernels.checks import check_nonnegative, check_tensor, host_ints, value_checks_enabled
 from tritonrec.kernels.library import custom_op
 
 # A row with more than this many entries takes the three-launch path (launchers accept an override for tests).
@@ -103,7 +103,7 @@ def _check_lengths_values(lengths: torch.Tensor) -> None:
     would wrap negative). One min/max reduction; the row sums are only taken when the max could overflow."""
     if not value_checks_enabled() or lengths.numel() == 0:
         return
-    low, high = (int(v) for v in torch.aminmax(lengths))
+    low, high = host_ints(*torch.aminmax(lengths))
     if low < 0:
         check_nonnegative(lengths, "lengths")  # finds and names the first negative entry
     if lengths.dtype == torch.int32 and high * lengths.shape[-1] > _INT32_MAX:

@@ -19,9 +19,10 @@ from tritonrec.kernels.checks import (
     check_nonnegative,
     check_same_device,
     check_tensor,
+    host_ints,
     value_checks_enabled,
 )
-from tritonrec.kernels.lengths_to_offsets import lengths_to_offsets
+from tritonrec.kernels.lengths_to_offsets import _lengths_to_offsets_triton
 from tritonrec.kernels.library import custom_op, dynamic_size
 
 
@@ -112,8 +113,9 @@ def _permute_2d_triton(
         _key_lengths_kernel[(max(num_keys, num_out),)](
             lengths, permute, out_lengths, in_key_len, out_key_len, num_keys, num_out, batch, BLOCK=block
         )
-    in_key_offsets = lengths_to_offsets(in_key_len, backend="triton")
-    out_key_offsets = lengths_to_offsets(out_key_len, backend="triton")
+    # the key totals are sums of checked lengths: scan them without the public op's value checks (host syncs)
+    in_key_offsets = _lengths_to_offsets_triton(in_key_len)
+    out_key_offsets = _lengths_to_offsets_triton(out_key_len)
     total = int(out_key_offsets[-1].item()) if permuted_lengths_sum is None else permuted_lengths_sum
     out_values = values.new_empty((total, *values.shape[1:]))
     out_weights = None if weights is None else weights.new_empty((total, *weights.shape[1:]))
@@ -195,14 +197,27 @@ def _check_permute_inputs(
         raise ValueError(f"permuted_lengths_sum must be a non-negative int or None, got {permuted_lengths_sum!r}")
 
 
-def _check_permute_values(permute: torch.Tensor, lengths: torch.Tensor, values: torch.Tensor) -> None:
-    """Value checks (read tensor contents): run inside the op, at run time."""
-    if value_checks_enabled():
-        check_index_range(permute, "permute", lengths.shape[0], what="number of keys T")
+def _check_permute_values(permute: torch.Tensor, lengths: torch.Tensor, values: torch.Tensor) -> int | None:
+    """Value checks (read tensor contents): run inside the op, at run time. Everything they need is read in one host
+    sync, which also reads the number of permuted values (returned; None when the checks are off or a side is
+    empty): the Triton path needs that size and would otherwise sync once more for it."""
+    if not value_checks_enabled():
+        return None
+    num_keys = lengths.shape[0]
+    if permute.numel() == 0 or lengths.numel() == 0:
+        check_index_range(permute, "permute", num_keys, what="number of keys T")
+        return None
+    key_sizes = lengths.sum(dim=1, dtype=torch.int64)
+    p_low, p_high = torch.aminmax(permute)
+    picked = key_sizes.index_select(0, permute.long().clamp(0, num_keys - 1))  # clamped: read before the range check
+    p_low, p_high, l_low, total, permuted = host_ints(p_low, p_high, lengths.min(), key_sizes.sum(), picked.sum())
+    if p_low < 0 or p_high >= num_keys:
+        check_index_range(permute, "permute", num_keys, what="number of keys T")  # names the first bad entry
+    if l_low < 0:
         check_nonnegative(lengths, "lengths")
-        total = int(lengths.sum().item()) if lengths.numel() else 0
-        if total > values.shape[0]:
-            raise ValueError(f"values has {values.shape[0]} rows but sum(lengths) = {total}")
+    if total > values.shape[0]:
+        raise ValueError(f"values has {values.shape[0]} rows but sum(lengths) = {total}")
+    return permuted
 
 
 def permute_2d_sparse_data(
@@ -254,9 +269,14 @@ def _permute_2d_op(
     backend: str,
 ) -> list[torch.Tensor]:
     """``[lengths, values]`` plus ``weights`` when given (an op returns no ``None`` inside a list)."""
-    _check_permute_values(permute, lengths, values)
-    run = _permute_2d_triton if backend == "triton" else permute_2d_sparse_data_reference
-    out_lengths, out_values, out_weights = run(permute, lengths, values, weights, permuted_lengths_sum)
+    permuted = _check_permute_values(permute, lengths, values)
+    if backend == "triton":
+        size = permuted_lengths_sum if permuted_lengths_sum is not None else permuted
+        out_lengths, out_values, out_weights = _permute_2d_triton(permute, lengths, values, weights, size)
+    else:
+        out_lengths, out_values, out_weights = permute_2d_sparse_data_reference(
+            permute, lengths, values, weights, permuted_lengths_sum
+        )
     return [out_lengths, out_values] + ([] if out_weights is None else [out_weights])
 
 

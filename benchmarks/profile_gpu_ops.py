@@ -1,0 +1,115 @@
+"""Where the time of our GPU ops goes at small and medium sizes: per op, the wall time per call with value checks on
+and off, the torch twin on the same CUDA tensors, host syncs (``aten::_local_scalar_dense``: ``.item()`` /
+``.tolist()``) and kernel launches per call, and the profiler's top host-side entries.
+
+    python benchmarks/profile_gpu_ops.py [--calls 50] [--top 12]      # needs CUDA
+
+Prints only (a diagnosis aid, not a benchmark of record: bench_jagged.py / bench_embedding.py are those).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from tritonrec.data import KeyedJaggedTensor
+from tritonrec.kernels import (
+    block_bucketize_sparse_features,
+    jagged_to_padded_dense,
+    lengths_to_offsets,
+    permute_2d_sparse_data,
+)
+from tritonrec.kernels.checks import set_value_checks
+from tritonrec.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, OptimType
+
+
+def cases(device: str) -> dict[str, Callable[[str], object]]:
+    """name -> fn(backend) on fixed CUDA inputs of a medium size."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(0, 40, (32, 512), generator=g, dtype=torch.int32).to(device)
+    n = int(lengths.sum())
+    values = torch.randint(0, 10**6, (n,), generator=g).to(device)
+    weights = torch.rand(n, generator=g).to(device)
+    permute = torch.randperm(32, generator=g).to(device=device, dtype=torch.int32)
+    jl = torch.randint(0, 40, (512,), generator=g)
+    offsets = lengths_to_offsets(jl).to(device)
+    jvalues = torch.randn(int(jl.sum()), 64, generator=g).to(device)
+    flat = lengths.reshape(-1)
+    block_sizes = torch.full((32,), -(-(10**6) // 8), dtype=torch.int64, device=device)
+    tables = [EmbeddingBagConfig(num_embeddings=100_000, embedding_dim=64, name=f"t{t}", feature_names=[f"f{t}"])
+              for t in range(8)]  # fmt: skip
+    ebcs = {b: FusedEmbeddingBagCollection(tables, OptimType.EXACT_ROWWISE_ADAGRAD, {"lr": 0.01}, device=device,
+                                           backend=b) for b in ("triton", "torch")}  # fmt: skip
+    kl = torch.randint(0, 40, (8 * 512,), generator=g, dtype=torch.int32)
+    kjt = KeyedJaggedTensor([f"f{t}" for t in range(8)], torch.randint(0, 100_000, (int(kl.sum()),), generator=g),
+                            lengths=kl).to(device)  # fmt: skip
+
+    def ebc_train(backend: str) -> object:
+        out = ebcs[backend](kjt).values()
+        out.sum().backward()
+        return out
+
+    return {
+        "permute_2d_sparse_data": lambda b: permute_2d_sparse_data(permute, lengths, values, weights, backend=b),
+        "jagged_to_padded_dense": lambda b: jagged_to_padded_dense(jvalues, offsets, 40, backend=b),
+        "block_bucketize": partial(_bucketize, flat, values, block_sizes, weights),
+        "ebc_forward": lambda b: ebcs[b](kjt).values(),
+        "ebc_fwd_bwd_update": ebc_train,
+        "kjt_permute": lambda b: kjt.permute(list(range(7, -1, -1))),
+    }
+
+
+def _bucketize(lengths: torch.Tensor, indices: torch.Tensor, block_sizes: torch.Tensor, weights: torch.Tensor,
+               backend: str) -> object:  # fmt: skip
+    return block_bucketize_sparse_features(lengths, indices, block_sizes, 8, weights, True, True, backend=backend)
+
+
+def per_call_ms(fn: Callable[[], object], calls: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - began) / calls * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--top", type=int, default=12)
+    args = parser.parse_args()
+    for name, fn in cases("cuda").items():
+        row = {}
+        for label, backend, checks in (("triton", "triton", True), ("triton_nochecks", "triton", False),
+                                       ("torch_twin", "torch", True)):  # fmt: skip
+            set_value_checks(checks)
+            try:
+                row[label] = per_call_ms(partial(fn, backend), args.calls)
+            except TypeError:  # an entry without a backend argument
+                row[label] = per_call_ms(partial(fn), args.calls) if label == "triton" else float("nan")
+        set_value_checks(True)
+        print(f"\n##### {name}: ms/call " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()))
+        call = partial(fn, "triton")
+        call()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                call()
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        syncs = sum(e.count for e in events if e.key == "aten::_local_scalar_dense") / 10
+        launches = sum(e.count for e in events if e.key in ("cuLaunchKernel", "cudaLaunchKernel", "cuLaunchKernelEx",
+                                                            "cudaLaunchKernelExC")) / 10  # fmt: skip
+        print(f"host syncs per call {syncs:.1f}, kernel launches per call {launches:.1f}")
+        print(events.table(sort_by="cpu_time_total", row_limit=args.top, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()

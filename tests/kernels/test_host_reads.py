@@ -1,0 +1,110 @@
+"""How often an op reads a device value back to the host (``.item()``, ``.tolist()``, ``int(t)``, ...). On a GPU each
+read is a sync that drains the launch queue: the first H200 profile (benchmarks/profile_gpu_ops.py) showed
+``permute_2d_sparse_data`` spending half its 0.5 ms call in 9 of them. The Triton paths now read once per call: the
+value checks gather everything they test into one read, and the permute's output size comes with it. Counted here
+on CPU tensors under the interpreter, where each read is the same Python call it is on a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from tritonrec.kernels import block_bucketize_sparse_features, lengths_to_offsets, permute_2d_sparse_data
+from tritonrec.kernels.checks import set_value_checks
+
+_READS = ("item", "tolist", "__int__", "__bool__", "__float__", "__index__")
+
+
+@contextmanager
+def counted_reads() -> Iterator[list[int]]:
+    """Counts every tensor -> Python conversion while the block runs."""
+    calls = [0]
+    originals = {name: getattr(torch.Tensor, name) for name in _READS}
+
+    def counting(name: str):
+        original = originals[name]
+
+        def read(self, *args, **kwargs):
+            calls[0] += 1
+            return original(self, *args, **kwargs)
+
+        return read
+
+    for name in _READS:
+        setattr(torch.Tensor, name, counting(name))
+    try:
+        yield calls
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+@pytest.fixture
+def inputs() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(0, 5, (4, 3), generator=g, dtype=torch.int32)
+    n = int(lengths.sum())
+    return {"lengths": lengths, "values": torch.arange(n), "weights": torch.rand(n, generator=g)}
+
+
+@pytest.mark.parametrize(("checks", "expected"), [(True, 1), (False, 1)])
+def test_permute_reads_the_host_once(inputs: dict[str, torch.Tensor], checks: bool, expected: int) -> None:
+    """Checks on: their one read also yields the output size. Off: the size alone (it shapes the output)."""
+    permute = torch.tensor([2, 0, 3, 2], dtype=torch.int32)
+    set_value_checks(checks)
+    try:
+        with counted_reads() as reads:
+            out = permute_2d_sparse_data(
+                permute, inputs["lengths"], inputs["values"], inputs["weights"], backend="triton"
+            )
+    finally:
+        set_value_checks(None)
+    assert reads[0] == expected
+    expected_lengths = inputs["lengths"][permute.long()]
+    assert torch.equal(out[0], expected_lengths) and out[1].numel() == int(expected_lengths.sum())
+    size = int(expected_lengths.sum())
+    with counted_reads() as reads:  # a caller who knows the size: no read for it
+        permute_2d_sparse_data(permute, inputs["lengths"], inputs["values"], None, size, backend="triton")
+    assert reads[0] == 1  # the checks' read
+
+
+@pytest.mark.parametrize(("checks", "expected"), [(True, 1), (False, 0)])
+def test_bucketize_and_offsets_read_the_host_at_most_once(
+    inputs: dict[str, torch.Tensor], checks: bool, expected: int
+) -> None:
+    lengths = inputs["lengths"].reshape(-1)
+    set_value_checks(checks)
+    try:
+        with counted_reads() as reads:
+            block_bucketize_sparse_features(lengths, inputs["values"], torch.full((4,), 10), 2, inputs["weights"],
+                                            True, True, backend="triton")  # fmt: skip
+        bucketize_reads = reads[0]
+        with counted_reads() as reads:
+            lengths_to_offsets(lengths, backend="triton")
+    finally:
+        set_value_checks(None)
+    assert (bucketize_reads, reads[0]) == (expected, expected)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"permute": [0, 4]}, r"permute out of range: permute\[1\] = 4 is outside \[0, 4\)"),
+        ({"permute": [-1, 0]}, r"permute out of range: permute\[0\] = -1"),
+        ({"negative_at": 5}, r"lengths must be non-negative, got -1 at position 5"),
+        ({"short_values": True}, r"values has \d+ rows but sum\(lengths\) = \d+"),
+    ],
+)
+def test_the_one_read_still_names_each_bad_input(inputs: dict[str, torch.Tensor], change: dict, message: str) -> None:
+    lengths, values = inputs["lengths"].clone(), inputs["values"]
+    permute = torch.tensor(change.get("permute", [1, 0]), dtype=torch.int32)
+    if "negative_at" in change:
+        lengths.view(-1)[change["negative_at"]] = -1
+    if change.get("short_values"):
+        values = values[:-1]
+    with pytest.raises(ValueError, match=message):
+        permute_2d_sparse_data(permute, lengths, values, backend="triton")
