@@ -259,13 +259,16 @@ def sequence_fingerprints(info: ValueGradientInfo, layout: TableBatchedLayout, g
     return fingerprints
 
 
-def _duplicated_runs(segment_offsets: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _duplicated_runs(
+    segment_offsets: torch.Tensor, counts: torch.Tensor, num_contributions: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Sorted positions ``[K]`` of the contributions in runs of two or more (rows looked up more than once), each
     one's run rank among those runs ``[K]``, and the number of such runs. Costs O(duplicates) after one pass over
     ``counts [U]``."""
     runs = (counts > 1).nonzero().squeeze(1)
     lengths = counts.index_select(0, runs)
-    total = int(lengths.sum()) if runs.numel() else 0
+    # every other run holds one contribution, so K follows from sizes the host knows (reading it is a GPU sync)
+    total = num_contributions - (counts.numel() - runs.numel())
     rank = torch.repeat_interleave(torch.arange(runs.numel(), device=counts.device), lengths, output_size=total)
     # position = the run's first contribution + the index within the run = k + (run start - k of the run's first)
     shift = segment_offsets.index_select(0, runs) - (torch.cumsum(lengths, dim=0) - lengths)
@@ -285,7 +288,7 @@ def _canonical_order(rows: torch.Tensor, fingerprints: Fingerprints) -> tuple[to
     segment_offsets[:1] = 0
     torch.cumsum(counts, dim=0, out=segment_offsets[1:])
     if unique_rows.numel() < rows.numel():
-        positions, rank, num_runs = _duplicated_runs(segment_offsets, counts)
+        positions, rank, num_runs = _duplicated_runs(segment_offsets, counts, rows.numel())
         in_runs = order.index_select(0, positions)
         fingerprint_bits = 63 - max(num_runs - 1, 1).bit_length()
         top_bits = (fingerprints(in_runs) >> (64 - fingerprint_bits)) & ((1 << fingerprint_bits) - 1)
@@ -315,13 +318,16 @@ def build_row_gradient_plan(
 
     order, unique_rows, segment_offsets = _canonical_order(global_rows, fingerprints)
     table_unique = torch.searchsorted(unique_rows, meta.table_row_offsets)
+    # both per-table boundaries in one host read (one GPU sync instead of two)
+    bounds = torch.cat([table_unique, segment_offsets.index_select(0, table_unique)]).tolist()
+    num_bounds = table_unique.numel()
     return RowGradientPlan(
         sorted_grad_offsets=grad_offsets.index_select(0, order),
         sorted_scales=None if scales is None else scales.index_select(0, order),
         segment_offsets=segment_offsets,
         unique_rows=unique_rows,
         table_row_offsets=meta.table_row_offsets,
-        table_unique_offsets=table_unique.tolist(),
-        table_contribution_offsets=segment_offsets.index_select(0, table_unique).tolist(),
+        table_unique_offsets=bounds[:num_bounds],
+        table_contribution_offsets=bounds[num_bounds:],
         grad_row_stride=info.grad_row_stride,
     )

@@ -108,3 +108,24 @@ def test_the_one_read_still_names_each_bad_input(inputs: dict[str, torch.Tensor]
         values = values[:-1]
     with pytest.raises(ValueError, match=message):
         permute_2d_sparse_data(permute, lengths, values, backend="triton")
+
+
+def test_fused_backward_reads_the_host_once() -> None:
+    """The backward plan of a fused rowwise-Adagrad lookup with repeated rows: one read (each table's first unique
+    row and contribution, together). Its duplicate count follows from sizes the host knows, and the optimizer's
+    float32 hyper-parameters are rounded without tensors."""
+    from tritonrec.data import KeyedJaggedTensor
+    from tritonrec.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, OptimType
+
+    tables = [EmbeddingBagConfig(num_embeddings=6, embedding_dim=4, name=f"t{t}", feature_names=[f"f{t}"])
+              for t in range(3)]  # fmt: skip
+    ebc = FusedEmbeddingBagCollection(tables, OptimType.EXACT_ROWWISE_ADAGRAD, {"lr": 0.1}, backend="triton")
+    lengths = torch.tensor([3, 0, 2, 4, 1, 2], dtype=torch.int32)  # 12 ids over 6 rows per table: rows repeat
+    ids = torch.tensor([1, 1, 5, 0, 1, 2, 2, 2, 3, 4, 4, 0])
+    kjt = KeyedJaggedTensor(["f0", "f1", "f2"], ids, lengths=lengths)
+    before = [p.detach().clone() for p in ebc.parameters()]
+    out = ebc(kjt).values()
+    with counted_reads() as reads:
+        out.sum().backward()
+    assert reads[0] == 1
+    assert any(not torch.equal(a, p.detach()) for a, p in zip(before, ebc.parameters(), strict=True))  # it updated
