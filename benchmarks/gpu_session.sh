@@ -38,5 +38,5 @@ step bench_embedding 80 python3 benchmarks/bench_embedding.py --device cuda --ro
 step bench_codecs 50 python3 benchmarks/bench_codecs.py --device cuda --repeats 10 --plot
 step bench_jagged 40 python3 benchmarks/bench_jagged.py --device cuda --plot
 step bench_train 90 python3 benchmarks/bench_train.py --out train_dlrm_cuda.csv device=cuda
-step profile_ops 60 python3 benchmarks/profile_gpu_ops.py --calls 30
+step profile_ops 90 python3 benchmarks/profile_gpu_ops.py --calls 30 --train-step
 exit $status

@@ -1,8 +1,9 @@
 """Where the time of our GPU ops goes at small and medium sizes: per op, the wall time per call with value checks on
-and off, the torch twin on the same CUDA tensors, host syncs (``aten::_local_scalar_dense``: ``.item()`` /
-``.tolist()``) and kernel launches per call, and the profiler's top host-side entries.
+and off, the torch twin on the same CUDA tensors, stream syncs (``.item()``, ``.tolist()``, data-dependent output
+sizes) and kernel launches per call, and the profiler's top host-side entries; with ``--train-step``, the same for
+the default job's DLRM train step.
 
-    python benchmarks/profile_gpu_ops.py [--calls 50] [--top 12]      # needs CUDA
+    python benchmarks/profile_gpu_ops.py [--calls 50] [--top 12] [--train-step]     # needs CUDA
 
 Prints only (a diagnosis aid, not a benchmark of record: bench_jagged.py / bench_embedding.py are those).
 """
@@ -13,6 +14,7 @@ import argparse
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -84,6 +86,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--train-step", action="store_true", help="also profile the default job's DLRM train step")
     args = parser.parse_args()
     for name, fn in cases("cuda").items():
         row = {}
@@ -103,12 +106,47 @@ def main() -> None:
             for _ in range(10):
                 call()
             torch.cuda.synchronize()
-        events = prof.key_averages()
-        syncs = sum(e.count for e in events if e.key == "aten::_local_scalar_dense") / 10
-        launches = sum(e.count for e in events if e.key in ("cuLaunchKernel", "cudaLaunchKernel", "cuLaunchKernelEx",
-                                                            "cudaLaunchKernelExC")) / 10  # fmt: skip
-        print(f"host syncs per call {syncs:.1f}, kernel launches per call {launches:.1f}")
-        print(events.table(sort_by="cpu_time_total", row_limit=args.top, max_name_column_width=60))
+        report(prof, 10, args.top)
+    if args.train_step:
+        profile_train_step(args.top)
+
+
+def report(prof: profile, calls: int, top: int) -> None:
+    """Stream syncs (``.item()``, ``.tolist()``, data-dependent sizes) and kernel launches per call, then the top
+    host-side entries."""
+    events = prof.key_averages()
+    syncs = sum(e.count for e in events if e.key == "cudaStreamSynchronize") / calls
+    launches = sum(e.count for e in events if e.key in ("cuLaunchKernel", "cudaLaunchKernel", "cuLaunchKernelEx",
+                                                        "cudaLaunchKernelExC")) / calls  # fmt: skip
+    print(f"stream syncs per call {syncs:.1f}, kernel launches per call {launches:.1f}")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
+
+
+def profile_train_step(top: int) -> None:
+    """The default job's DLRM train step on CUDA (bench_train.py's ``tritonrec`` row), 10 profiled steps."""
+    from hydra import compose, initialize_config_dir
+
+    from tritonrec.data.batcher import Batcher
+    from tritonrec.dist.train.builders import build_data, build_dense_optimizer, build_model
+    from tritonrec.dist.train.config import as_train_config, register_configs
+    from tritonrec.dist.train.loop import iterate_batches, train_step
+
+    register_configs()
+    configs = str(Path(__file__).resolve().parents[1] / "configs")
+    with initialize_config_dir(config_dir=configs, version_base="1.3"):
+        cfg = as_train_config(compose(config_name="train", overrides=["device=cuda"]))
+    sources = build_data(cfg.data)
+    model = build_model(cfg.model, sources, cfg.optim, "cuda")
+    optimizer = build_dense_optimizer(model, cfg.optim)
+    stream = iterate_batches(Batcher(sources.element_spec), sources.train, cfg.batch_size, cfg.drop_remainder)
+    step = lambda: train_step(model, optimizer, next(stream).to("cuda", non_blocking=True))
+    ms = per_call_ms(step, 30)
+    print(f"\n##### dlrm_train_step (default job, batch {cfg.batch_size}): {ms:.3f} ms/step")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            step()
+        torch.cuda.synchronize()
+    report(prof, 10, top)
 
 
 if __name__ == "__main__":
