@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from tritonrec.kernels import checks
 from tritonrec.kernels._triton import tl, triton
 from tritonrec.kernels.backend import Backend, autotune, pow2_bucket, resolve_backend
 from tritonrec.kernels.checks import (
@@ -204,8 +205,13 @@ def _check_permute_values(permute: torch.Tensor, lengths: torch.Tensor, values: 
     if not value_checks_enabled():
         return None
     num_keys = lengths.shape[0]
-    if permute.numel() == 0 or lengths.numel() == 0:
+    if permute.numel() == 0 or lengths.numel() == 0 or checks.reads_are_free(lengths):
+        # on the CPU reads are free: the plain checks, without the extra reductions that batch them into one read
         check_index_range(permute, "permute", num_keys, what="number of keys T")
+        check_nonnegative(lengths, "lengths")
+        total = int(lengths.sum()) if lengths.numel() else 0
+        if total > values.shape[0]:
+            raise ValueError(f"values has {values.shape[0]} rows but sum(lengths) = {total}")
         return None
     key_sizes = lengths.sum(dim=1, dtype=torch.int64)
     p_low, p_high = torch.aminmax(permute)

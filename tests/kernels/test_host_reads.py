@@ -2,7 +2,8 @@
 read is a sync that drains the launch queue: the first H200 profile (benchmarks/profile_gpu_ops.py) showed
 ``permute_2d_sparse_data`` spending half its 0.5 ms call in 9 of them. The Triton paths now read once per call: the
 value checks gather everything they test into one read, and the permute's output size comes with it. Counted here
-on CPU tensors under the interpreter, where each read is the same Python call it is on a GPU.
+on CPU tensors under the interpreter, where each read is the same Python call it is on a GPU, with the ops told
+that reads are not free (on real CPU tensors they skip the batching, which only adds work there).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from tritonrec.kernels import block_bucketize_sparse_features, lengths_to_offsets, permute_2d_sparse_data
+from tritonrec.kernels import block_bucketize_sparse_features, checks, lengths_to_offsets, permute_2d_sparse_data
 from tritonrec.kernels.checks import set_value_checks
 
 _READS = ("item", "tolist", "__int__", "__bool__", "__float__", "__index__")
@@ -41,6 +42,12 @@ def counted_reads() -> Iterator[list[int]]:
     finally:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
+
+
+@pytest.fixture(autouse=True)
+def accelerator_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ops' accelerator path: every read is a sync, so they batch them."""
+    monkeypatch.setattr(checks, "reads_are_free", lambda t: False)
 
 
 @pytest.fixture
@@ -129,3 +136,14 @@ def test_fused_backward_reads_the_host_once() -> None:
         out.sum().backward()
     assert reads[0] == 1
     assert any(not torch.equal(a, p.detach()) for a, p in zip(before, ebc.parameters(), strict=True))  # it updated
+
+
+def test_on_cpu_tensors_the_checks_read_one_value_at_a_time(inputs: dict[str, torch.Tensor], monkeypatch) -> None:
+    """Real CPU tensors (reads are free): the plain checks, no stacking. Same results, same errors."""
+    monkeypatch.setattr(checks, "reads_are_free", lambda t: t.device.type == "cpu")
+    permute = torch.tensor([2, 0, 3, 2], dtype=torch.int32)
+    with counted_reads() as reads:
+        out = permute_2d_sparse_data(permute, inputs["lengths"], inputs["values"], inputs["weights"], backend="triton")
+    assert reads[0] > 1 and torch.equal(out[0], inputs["lengths"][permute.long()])
+    with pytest.raises(ValueError, match=r"permute out of range: permute\[1\] = 4"):
+        permute_2d_sparse_data(torch.tensor([0, 4]), inputs["lengths"], inputs["values"], backend="triton")
