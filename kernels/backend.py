@@ -82,6 +82,7 @@ class ConfigChooser:
 
     def __init__(self, name: str, key: Sequence[str], fits: Callable[[dict, dict], bool] | None) -> None:
         self.name, self.key, self.fits = name, list(key), fits
+        self.last_count = 0  # configs the last call kept (read by _ChosenConfigBench)
 
     def fitting(self, configs: list[Any], args: dict[str, Any]) -> list[Any]:
         if self.fits is None:
@@ -92,6 +93,11 @@ class ConfigChooser:
         return kept
 
     def __call__(self, configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
+        chosen = self._choose(configs, named_args, **kwargs)
+        self.last_count = len(chosen)
+        return chosen
+
+    def _choose(self, configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
         args = {**named_args, **kwargs}
         fitting = self.fitting(configs, args)
         if _all_configs_depth:
@@ -151,11 +157,33 @@ def autotune(
 
     def decorate(fn: Callable) -> Callable:
         chooser = ConfigChooser(_function_name(fn), key, fits)
+        kwargs.setdefault("do_bench", _ChosenConfigBench(chooser))
         return triton.autotune(
             configs=list(configs), key=key, prune_configs_by={"early_config_prune": chooser}, **kwargs
         )(fn)
 
     return decorate
+
+
+class _ChosenConfigBench:
+    """The autotuner's timer: times nothing when the chooser kept one config. Triton 3.9 then skips the benchmark
+    itself; Triton 3.6 (torch 2.11's) times the lone config anyway, running the kernel over and over at the first
+    launch of every key, and under the interpreter on a machine without a GPU driver it fails."""
+
+    def __init__(self, chooser: ConfigChooser) -> None:
+        self.chooser = chooser
+
+    def __call__(self, kernel_call: Callable[[], Any], quantiles: Sequence[float]) -> list[float]:
+        if self.chooser.last_count <= 1:
+            return [0.0] * len(quantiles)
+        return _default_benchmarker()(kernel_call, quantiles=quantiles)
+
+
+def _default_benchmarker() -> Callable[..., list[float]]:
+    """What ``triton.autotune`` times with when given no ``do_bench`` (the active driver's benchmarker)."""
+    from triton.runtime import driver
+
+    return driver.active.get_benchmarker()
 
 
 def _function_name(fn: Any) -> str:

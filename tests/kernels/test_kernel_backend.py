@@ -98,3 +98,28 @@ def test_library_works_without_triton() -> None:
 def test_public_op_rejects_float_lengths() -> None:
     with pytest.raises(TypeError, match="lengths must be int32 or int64"):
         lengths_to_offsets(torch.tensor([1.0, 2.0]))
+
+
+def test_a_lone_chosen_config_is_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton 3.6 (torch 2.11's) times even the one config our chooser kept, running the kernel again and again at
+    each key's first launch (and failing without a GPU driver under the interpreter): the timer we hand it skips
+    that case. With several configs it defers to Triton's own benchmarker."""
+    from types import SimpleNamespace
+
+    chooser = backend_mod.ConfigChooser("k", ["N"], None)
+    bench = backend_mod._ChosenConfigBench(chooser)
+    configs = [SimpleNamespace(all_kwargs=lambda b=b: {"BLOCK": b}) for b in (64, 128)]
+
+    def must_not_run() -> None:
+        raise AssertionError("the lone config was run to be timed")
+
+    monkeypatch.setattr(backend_mod, "autotune_enabled", lambda: False)
+    assert len(chooser(configs, {"N": 8})) == 1
+    assert bench(must_not_run, (0.5, 0.2, 0.8)) == [0.0, 0.0, 0.0]
+
+    calls: list[tuple] = []
+    benchmarker = lambda fn, quantiles: calls.append((fn, quantiles)) or [1.0, 0.5, 1.5]
+    monkeypatch.setattr(backend_mod, "_default_benchmarker", lambda: benchmarker)
+    monkeypatch.setattr(backend_mod, "autotune_enabled", lambda: True)
+    assert len(chooser(configs, {"N": 8})) == 2
+    assert bench(must_not_run, (0.5, 0.2, 0.8)) == [1.0, 0.5, 1.5] and calls == [(must_not_run, (0.5, 0.2, 0.8))]
