@@ -199,9 +199,9 @@ def _check_permute_inputs(
 
 
 def _check_permute_values(permute: torch.Tensor, lengths: torch.Tensor, values: torch.Tensor) -> int | None:
-    """Value checks (read tensor contents): run inside the op, at run time. Everything they need is read in one host
-    sync, which also reads the number of permuted values (returned; None when the checks are off or a side is
-    empty): the Triton path needs that size and would otherwise sync once more for it."""
+    """Value checks (read tensor contents): run inside the op, at run time. On an accelerator everything they need is
+    read in one host sync, which also reads the number of permuted values (returned; None on the CPU, when the
+    checks are off or a side is empty): the Triton path needs that size and would otherwise sync once more for it."""
     if not value_checks_enabled():
         return None
     num_keys = lengths.shape[0]
