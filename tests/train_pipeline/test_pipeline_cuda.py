@@ -118,11 +118,19 @@ def run_case(device_name: str, backend: str, kind: str, qcomm: str) -> None:
 
 @pytest.fixture(scope="module")
 def nccl_group() -> Iterator[None]:
+    """The one-rank group ``run_case`` joins; torchrun's variables it sets are restored afterwards."""
     import torch.distributed as dist
 
+    names = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    saved = {name: os.environ.get(name) for name in names}
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.mark.parametrize(("kind", "qcomm"), [("tw", "fp32"), ("rw", "fp32"), ("tw", "fp16")])
