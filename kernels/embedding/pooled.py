@@ -72,8 +72,8 @@ def _pooled_lookup_op(
 ) -> torch.Tensor:
     lay = layout_from_op_key(layout)
     batch_size = (offsets.numel() - 1) // lay.num_features
-    op_checks.check_pooled_values(offsets, bag_divisors, indices.numel())
-    all_valid = bounds_checked(lay, indices, feature_value_offsets(offsets, lay.num_features, batch_size), bounds_check)
+    starts = op_checks.checked_feature_starts(offsets, bag_divisors, indices.numel(), lay.num_features, batch_size)
+    all_valid = bounds_checked(lay, indices, starts, bounds_check)
     if backend == "triton":
         return pooled_forward_triton(weights, lay, indices, offsets, per_sample_weights, bag_divisors, batch_size)
     return pooled_forward_reference(

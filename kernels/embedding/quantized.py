@@ -259,8 +259,8 @@ def _quantized_lookup_op(
 ) -> torch.Tensor:
     q = QuantizedTables(layout_from_op_key(layout), bits, codes, scale, bias)
     batch_size = (offsets.numel() - 1) // q.layout.num_features
-    op_checks.check_pooled_values(offsets, bag_divisors, indices.numel())
-    bounds_checked(q.layout, indices, feature_value_offsets(offsets, q.layout.num_features, batch_size), bounds_check)
+    starts = op_checks.checked_feature_starts(offsets, bag_divisors, indices.numel(), q.layout.num_features, batch_size)
+    bounds_checked(q.layout, indices, starts, bounds_check)
     if backend == "triton":
         return _quantized_triton(q, indices, offsets, per_sample_weights, bag_divisors, batch_size)
     return quantized_pooled_lookup_reference(q, indices, offsets, per_sample_weights, bag_divisors, batch_size)

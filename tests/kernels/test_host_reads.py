@@ -147,3 +147,41 @@ def test_on_cpu_tensors_the_checks_read_one_value_at_a_time(inputs: dict[str, to
     assert reads[0] > 1 and torch.equal(out[0], inputs["lengths"][permute.long()])
     with pytest.raises(ValueError, match=r"permute out of range: permute\[1\] = 4"):
         permute_2d_sparse_data(torch.tensor([0, 4]), inputs["lengths"], inputs["values"], backend="triton")
+
+
+def test_pooled_forward_reads_the_host_twice() -> None:
+    """The forward: one read for the offsets' checks with each feature's first value, one for the id range."""
+    from tritonrec.data import KeyedJaggedTensor
+    from tritonrec.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, OptimType
+
+    tables = [EmbeddingBagConfig(num_embeddings=6, embedding_dim=4, name=f"t{t}", feature_names=[f"f{t}"])
+              for t in range(3)]  # fmt: skip
+    ebc = FusedEmbeddingBagCollection(tables, OptimType.EXACT_ROWWISE_ADAGRAD, {"lr": 0.1}, backend="triton")
+    twin = FusedEmbeddingBagCollection(tables, OptimType.EXACT_ROWWISE_ADAGRAD, {"lr": 0.1}, backend="torch")
+    twin.load_state_dict(ebc.state_dict())
+    kjt = KeyedJaggedTensor(["f0", "f1", "f2"], torch.tensor([1, 1, 5, 0, 1, 2, 2, 2, 3, 4, 4, 0]),
+                            lengths=torch.tensor([3, 0, 2, 4, 1, 2], dtype=torch.int32))  # fmt: skip
+    kjt.offsets()  # the KJT's own offsets (one read of their checks), as a batch brings them
+    with counted_reads() as reads:
+        out = ebc(kjt).values()
+    assert reads[0] == 2
+    torch.testing.assert_close(out, twin(kjt).values())
+
+
+@pytest.mark.parametrize(
+    ("offsets", "divisors", "message"),
+    [
+        ([0, 3, 3, 5, 9, 8, 12], None, r"offsets must be non-decreasing, got offsets\[4\] = 9 > offsets\[5\] = 8"),
+        ([1, 3, 3, 5, 9, 10, 12], None, r"offsets must start at 0, got offsets\[0\] = 1"),
+        ([0, 3, 3, 5, 9, 10, 11], None, r"offsets must end at 12"),
+        ([0, 3, 3, 5, 9, 10, 12], [1.0, 0.0, 2.0, 0.0, 1.0, 2.0], r"bag_divisors must be positive .*bag_divisors\[3\]"),
+    ],
+)
+def test_the_forward_read_still_names_each_bad_offset(offsets: list, divisors: list | None, message: str) -> None:
+    from tritonrec.kernels.embedding.op_checks import checked_feature_starts
+
+    good = checked_feature_starts(torch.tensor([0, 3, 3, 5, 9, 10, 12]), None, 12, 3, 2)
+    assert good == [0, 3, 9, 12]
+    bag_divisors = None if divisors is None else torch.tensor(divisors)
+    with pytest.raises(ValueError, match=message):
+        checked_feature_starts(torch.tensor(offsets), bag_divisors, 12, 3, 2)
