@@ -134,8 +134,7 @@ def _block_bucketize_triton(
 ) -> Outputs:
     num_bags, n = lengths.numel(), indices.numel()
     batch = num_bags // max(block_sizes.numel(), 1)
-    # lengths were checked by the op (one sync for all checks); the bucket counts are non-negative by construction:
-    # both scans skip the public op's value checks and their host syncs
+    # lengths were checked by the op, bucket counts are non-negative: neither scan re-checks (a host sync each)
     offsets = _lengths_to_offsets_triton(lengths)
     new_lengths = torch.zeros(num_buckets * num_bags, dtype=lengths.dtype, device=lengths.device)
     indices, block_sizes = indices.contiguous(), block_sizes.contiguous()
@@ -306,24 +305,21 @@ def _check_bucketize_inputs(
 
 
 def _check_bucketize_values(lengths: torch.Tensor, indices: torch.Tensor, block_sizes: torch.Tensor) -> None:
-    """Value checks (read tensor contents): run inside the op, at run time. The happy path reads its four numbers in
-    one host sync; a failing check is then rerun by the function that names the offending entry."""
+    """Value checks (read tensor contents), inside the op: four numbers in one host read (one sync on a GPU); a
+    failing check is rerun by the function that names the offending entry."""
     if not value_checks_enabled():
         return
-    zero = torch.zeros((), dtype=torch.int64, device=lengths.device)
+    one = torch.ones((), dtype=torch.int64, device=lengths.device)
+    low = lambda t: t.min() if t.numel() else one  # an empty tensor has nothing below zero
     lengths_low, lengths_sum, indices_low, blocks_low = host_ints(
-        lengths.min() if lengths.numel() else zero,
-        lengths.sum(dtype=torch.int64) if lengths.numel() else zero,
-        indices.min() if indices.numel() else zero,
-        block_sizes.min() if block_sizes.numel() else zero + 1,
+        low(lengths), lengths.sum(dtype=torch.int64), low(indices), low(block_sizes)
     )
     if lengths_low < 0 or lengths_sum != indices.numel():
         check_lengths_total(lengths, "lengths", indices.numel(), what="indices")
     if indices_low < 0:
         check_nonnegative(indices, "indices")
     if lengths.dtype == torch.int32 and lengths_sum > torch.iinfo(torch.int32).max:
-        raise ValueError(f"int32 lengths sum to {lengths_sum}, past the int32 maximum that int32 offsets can hold: "
-                         "pass int64 lengths")  # fmt: skip
+        raise ValueError(f"int32 lengths sum to {lengths_sum}, past what int32 offsets hold: pass int64 lengths")
     if blocks_low <= 0:
         where = int((block_sizes <= 0).nonzero()[0].item())
         raise ValueError(f"block_sizes must be positive, got block_sizes[{where}] = {block_sizes[where].item()}")
