@@ -9,6 +9,13 @@
 #
 # Needs tritonrec importable (an install, or PYTHONPATH) and a CUDA device. The CSVs it writes are copied by hand to
 # benchmarks/results/ (with the device and date in their rows) when they are worth committing.
+#
+# On a machine with torch but no network and no install of ours (as the lent H200 was): carry the wheels of
+# hydra-core, omegaconf, antlr4-python3-runtime (built with `pip wheel`) and torchdata, then
+#   pip install --no-index --no-deps --target /tmp/site WHEELS
+#   mkdir -p /tmp/ns/tritonrec && for p in data dist kernels modules optim; do ln -s $PWD/$p /tmp/ns/tritonrec/$p; done
+#   PYTHONPATH=/tmp/site:/tmp/ns:$PWD bash benchmarks/gpu_session.sh OUT_DIR
+# (tritonrec is a namespace package over those folders, as pyproject's package-dir maps them).
 set -uo pipefail
 OUT=${1:?usage: gpu_session.sh OUT_DIR}
 mkdir -p "$OUT"
