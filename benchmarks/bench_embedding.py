@@ -233,9 +233,9 @@ def run_shape(
     return rows
 
 
-def plot(rows: list[dict], path: Path, device: str) -> None:
-    """One panel per phase; bars per implementation for each (case, thread count); ours labelled with its speedup
-    over FBGEMM's TBE."""
+def plot(rows: list[dict], path: Path, device: str, cpu: bool = True) -> None:
+    """One panel per phase; bars per implementation for each (case, thread count on ``cpu``); ours labelled with its
+    speedup over FBGEMM's TBE, or over per-table sparse ``nn.EmbeddingBag`` where FBGEMM is absent."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -245,21 +245,26 @@ def plot(rows: list[dict], path: Path, device: str) -> None:
     impls = sorted({r["impl"] for r in rows}, key=lambda i: (i != "ours", i))
     fig, axes = plt.subplots(1, len(PHASES), figsize=(1.8 * len(groups) * len(PHASES) + 2, 4.4))
     width = 0.8 / len(impls)
+    anchor_impl = "fbgemm_tbe" if "fbgemm_tbe" in impls else "torch_per_table_sparse"
+    anchor_label = {"fbgemm_tbe": "FBGEMM TBE", "torch_per_table_sparse": "per-table sparse nn.EmbeddingBag"}
     for ax, phase in zip(axes, PHASES, strict=True):
         mine = {(r["case"], r["threads"], r["impl"]): r for r in rows if r["phase"] == phase}
         for k, impl in enumerate(impls):
             xs = [i + k * width for i in range(len(groups))]
-            values = [mine[(*g, impl)]["gbps"] if (*g, impl) in mine else 0.0 for g in groups]
+            values = [float(mine[(*g, impl)]["gbps"]) if (*g, impl) in mine else 0.0 for g in groups]
             ax.bar(xs, values, width, label=impl)
             if impl != "ours":
                 continue
             for x, g, value in zip(xs, groups, values, strict=True):
-                anchor = mine.get((*g, "fbgemm_tbe"))
+                anchor = mine.get((*g, anchor_impl))
                 if anchor is not None:
-                    ax.annotate(f"{anchor['ours_speedup']:.2f}x", (x, value), ha="center", va="bottom", fontsize=7)
-        labels = [f"{case}\n{threads} thread{'s' if threads > 1 else ''}" for case, threads in groups]
+                    speedup = float(anchor["ours_speedup"])
+                    ax.annotate(f"{speedup:.2f}x", (x, value), ha="center", va="bottom", fontsize=7)
+        labels = [
+            f"{case}\n{threads} thread{'s' if int(threads) > 1 else ''}" if cpu else case for case, threads in groups
+        ]
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))], labels, fontsize=7)
-        ax.set_title(f"{phase} (ours: speedup over FBGEMM TBE)", fontsize=9)
+        ax.set_title(f"{phase} (ours: speedup over {anchor_label[anchor_impl]})", fontsize=9)
         ax.set_ylabel("GB/s (FBGEMM formula)")
     axes[0].legend(fontsize=7)
     fig.suptitle(f"Pooled embedding lookups on {device}, stream of distinct batches", fontsize=10)
@@ -299,7 +304,7 @@ def main() -> None:
     print(f"\nappended {len(all_rows)} rows to {path}")
     if args.plot and path is not None:
         png = Path(path).with_suffix(".png")
-        plot(all_rows, png, device_name(args.device))
+        plot(all_rows, png, device_name(args.device), cpu=args.device == "cpu")
         print(f"wrote {png}")
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-from harness import append_csv, copy_bandwidth_gbps, gbps, measure, print_table, tensor_bytes
+from harness import append_csv, copy_bandwidth_gbps, device_name, gbps, measure, print_table, tensor_bytes
 
 from tritonrec.kernels import (
     block_bucketize_sparse_features,
@@ -150,10 +150,10 @@ def main() -> None:
     path = append_csv(args.out or f"jagged_{args.device}.csv", rows, device=args.device)
     print(f"appended {len(rows)} rows to {path}")
     if args.plot:
-        _plot(rows, path.with_suffix(".png"))
+        _plot(rows, path.with_suffix(".png"), device_name(args.device))
 
 
-def _plot(rows: list[dict], path: object) -> None:
+def _plot(rows: list[dict], path: object, device: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -161,11 +161,12 @@ def _plot(rows: list[dict], path: object) -> None:
 
     labels = [f"{r['op'].split('_')[0]}\n{r['shape']}" for r in rows]
     fig, ax = plt.subplots(figsize=(12, 4.5))
-    ax.bar(range(len(rows)), [r["speedup_vs_anchor"] for r in rows], color="tab:blue")
+    ax.bar(range(len(rows)), [float(r["speedup_vs_anchor"]) for r in rows], color="tab:blue")
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("anchor time / our time (>1: ours faster)")
-    ax.set_title(f"tritonrec jagged ops vs {rows[0]['anchor'].split('.')[0]} (CPU twin)")
+    anchors = "FBGEMM's ops" if rows[0]["anchor"].startswith("fbgemm") else "torch built-ins"
+    ax.set_title(f"tritonrec jagged ops vs {anchors} on {device} (same run)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
