@@ -11,6 +11,7 @@ Prints only (a diagnosis aid, not a benchmark of record: bench_jagged.py / bench
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 from collections.abc import Callable
 from functools import partial
@@ -30,45 +31,62 @@ from tritonrec.kernels.checks import set_value_checks
 from tritonrec.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, OptimType
 
 
-def cases(device: str) -> dict[str, Callable[[str], object]]:
-    """name -> fn(backend) on fixed CUDA inputs of a medium size."""
+def cases(device: str, variants: int = 8) -> dict[str, Callable[[str], object]]:
+    """name -> fn(backend), each call on the next of ``variants`` distinct inputs of a medium size (cycled, so no
+    call reads what the previous one just touched)."""
     g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(0, 40, (32, 512), generator=g, dtype=torch.int32).to(device)
-    n = int(lengths.sum())
-    values = torch.randint(0, 10**6, (n,), generator=g).to(device)
-    weights = torch.rand(n, generator=g).to(device)
-    permute = torch.randperm(32, generator=g).to(device=device, dtype=torch.int32)
-    jl = torch.randint(0, 40, (512,), generator=g)
-    offsets = lengths_to_offsets(jl).to(device)
-    jvalues = torch.randn(int(jl.sum()), 64, generator=g).to(device)
-    flat = lengths.reshape(-1)
-    block_sizes = torch.full((32,), -(-(10**6) // 8), dtype=torch.int64, device=device)
     tables = [EmbeddingBagConfig(num_embeddings=100_000, embedding_dim=64, name=f"t{t}", feature_names=[f"f{t}"])
               for t in range(8)]  # fmt: skip
     ebcs = {b: FusedEmbeddingBagCollection(tables, OptimType.EXACT_ROWWISE_ADAGRAD, {"lr": 0.01}, device=device,
                                            backend=b) for b in ("triton", "torch")}  # fmt: skip
-    kl = torch.randint(0, 40, (8 * 512,), generator=g, dtype=torch.int32)
-    kjt = KeyedJaggedTensor([f"f{t}" for t in range(8)], torch.randint(0, 100_000, (int(kl.sum()),), generator=g),
-                            lengths=kl).to(device)  # fmt: skip
+    block_sizes = torch.full((32,), -(-(10**6) // 8), dtype=torch.int64, device=device)
+
+    def sparse() -> dict[str, torch.Tensor]:
+        lengths = torch.randint(0, 40, (32, 512), generator=g, dtype=torch.int32)
+        n = int(lengths.sum())
+        out = {"lengths": lengths, "values": torch.randint(0, 10**6, (n,), generator=g),
+               "weights": torch.rand(n, generator=g), "permute": torch.randperm(32, generator=g).int()}  # fmt: skip
+        return {k: v.to(device) for k, v in out.items()}
+
+    def jagged() -> tuple[torch.Tensor, torch.Tensor]:
+        lengths = torch.randint(0, 40, (512,), generator=g)
+        return torch.randn(int(lengths.sum()), 64, generator=g).to(device), lengths_to_offsets(lengths).to(device)
+
+    def kjt() -> KeyedJaggedTensor:
+        lengths = torch.randint(0, 40, (8 * 512,), generator=g, dtype=torch.int32)
+        ids = torch.randint(0, 100_000, (int(lengths.sum()),), generator=g)
+        return KeyedJaggedTensor([f"f{t}" for t in range(8)], ids, lengths=lengths).to(device)
+
+    sparse_in, jagged_in, kjt_in = (_cycle([make() for _ in range(variants)]) for make in (sparse, jagged, kjt))
+
+    def permute(backend: str) -> object:
+        x = sparse_in()
+        return permute_2d_sparse_data(x["permute"], x["lengths"], x["values"], x["weights"], backend=backend)
+
+    def bucketize(backend: str) -> object:
+        x = sparse_in()
+        return block_bucketize_sparse_features(x["lengths"].reshape(-1), x["values"], block_sizes, 8, x["weights"],
+                                               True, True, backend=backend)  # fmt: skip
 
     def ebc_train(backend: str) -> object:
-        out = ebcs[backend](kjt).values()
+        out = ebcs[backend](kjt_in()).values()
         out.sum().backward()
         return out
 
     return {
-        "permute_2d_sparse_data": lambda b: permute_2d_sparse_data(permute, lengths, values, weights, backend=b),
-        "jagged_to_padded_dense": lambda b: jagged_to_padded_dense(jvalues, offsets, 40, backend=b),
-        "block_bucketize": partial(_bucketize, flat, values, block_sizes, weights),
-        "ebc_forward": lambda b: ebcs[b](kjt).values(),
+        "permute_2d_sparse_data": permute,
+        "jagged_to_padded_dense": lambda b: jagged_to_padded_dense(*jagged_in(), 40, backend=b),
+        "block_bucketize": bucketize,
+        "ebc_forward": lambda b: ebcs[b](kjt_in()).values(),
         "ebc_fwd_bwd_update": ebc_train,
-        "kjt_permute": lambda b: kjt.permute(list(range(7, -1, -1))),
+        "kjt_permute": lambda b: kjt_in().permute(list(range(7, -1, -1))),
     }
 
 
-def _bucketize(lengths: torch.Tensor, indices: torch.Tensor, block_sizes: torch.Tensor, weights: torch.Tensor,
-               backend: str) -> object:  # fmt: skip
-    return block_bucketize_sparse_features(lengths, indices, block_sizes, 8, weights, True, True, backend=backend)
+def _cycle(items: list) -> Callable[[], object]:
+    """A function returning ``items`` in turn, forever."""
+    it = itertools.cycle(items)
+    return lambda: next(it)
 
 
 def per_call_ms(fn: Callable[[], object], calls: int) -> float:
@@ -135,6 +153,8 @@ def profile_train_step(top: int) -> None:
     configs = str(Path(__file__).resolve().parents[1] / "configs")
     with initialize_config_dir(config_dir=configs, version_base="1.3"):
         cfg = as_train_config(compose(config_name="train", overrides=["device=cuda"]))
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)  # as the job (and bench_train.py) run it
     sources = build_data(cfg.data)
     model = build_model(cfg.model, sources, cfg.optim, "cuda")
     optimizer = build_dense_optimizer(model, cfg.optim)

@@ -140,12 +140,20 @@ def merge_spans(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]
     return merged
 
 
-def check_offsets(offsets: torch.Tensor, name: str, total: int | None = None, capacity: int | None = None) -> None:
+def check_offsets(
+    offsets: torch.Tensor,
+    name: str,
+    total: int | None = None,
+    capacity: int | None = None,
+    read_also: torch.Tensor | None = None,
+) -> list[int]:
     """Value check: offsets start at 0, never decrease, and end at ``total`` (or at most at ``capacity``).
-    One host sync on the happy path; the failing position is only searched for when there is an error."""
+    One host sync on the happy path; the failing position is only searched for when there is an error.
+    ``read_also``: an integer tensor a caller needs on the host, read in that same sync; its values are returned
+    (``[]`` without one), also when value checks are off."""
     if not value_checks_enabled() or offsets.numel() == 0:
-        return
-    first, last, min_step = _offsets_summary(offsets)
+        return [] if read_also is None else read_also.tolist()
+    first, last, min_step, also = _offsets_summary(offsets, read_also)
     if first != 0:
         raise ValueError(f"{name} must start at 0, got {name}[0] = {first}")
     if min_step < 0:
@@ -158,20 +166,24 @@ def check_offsets(offsets: torch.Tensor, name: str, total: int | None = None, ca
         raise ValueError(f"{name} must end at {total} (the number of values), got {name}[-1] = {last}")
     if capacity is not None and last > capacity:
         raise ValueError(f"{name}[-1] = {last} exceeds the number of values ({capacity})")
+    return also
 
 
-def _offsets_summary(offsets: torch.Tensor) -> tuple[int, int, int]:
-    """``(first, last, smallest step)`` of non-empty ``offsets`` (step 0 for a single entry), read the cheapest way
-    for the device: one sync on accelerators; on CPU, where a read is free, no stack (short lists are walked in
-    Python, ~4x cheaper than the tensor ops for a few dozen entries)."""
-    if offsets.device.type != "cpu":
+def _offsets_summary(offsets: torch.Tensor, read_also: torch.Tensor | None) -> tuple[int, int, int, list[int]]:
+    """``(first, last, smallest step, read_also's values)`` of non-empty ``offsets`` (step 0 for a single entry),
+    read the cheapest way for the device: one sync on accelerators; on CPU, where a read is free, no stack (short
+    lists are walked in Python, ~4x cheaper than the tensor ops for a few dozen entries)."""
+    if not reads_are_free(offsets):
         min_step = torch.diff(offsets).min() if offsets.numel() > 1 else offsets[0] * 0
-        first, last, min_step = torch.stack([offsets[0], offsets[-1], min_step]).tolist()
-        return first, last, min_step
+        parts = [torch.stack([offsets[0], offsets[-1], min_step])]
+        parts += [] if read_also is None else [read_also.reshape(-1)]
+        first, last, min_step, *also = torch.cat([p.to(torch.int64) for p in parts]).tolist()
+        return first, last, min_step, also
+    also = [] if read_also is None else read_also.tolist()
     if offsets.numel() <= 128:
         vals = offsets.tolist()
-        return vals[0], vals[-1], min((b - a for a, b in pairwise(vals)), default=0)
-    return int(offsets[0]), int(offsets[-1]), int(torch.diff(offsets).min())
+        return vals[0], vals[-1], min((b - a for a, b in pairwise(vals)), default=0), also
+    return int(offsets[0]), int(offsets[-1]), int(torch.diff(offsets).min()), also
 
 
 def check_lengths_total(

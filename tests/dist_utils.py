@@ -27,7 +27,8 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,24 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextmanager
+def one_rank_environment() -> Iterator[None]:
+    """torchrun's variables for a world of one rank (this process) on a free port, restored afterwards: what
+    ``init_process_group`` and the training job read. One GPU holds one NCCL rank, so GPU tests run a world of 1."""
+    variables = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
+                 "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}  # fmt: skip
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _rank_main(

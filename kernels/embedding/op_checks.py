@@ -6,7 +6,6 @@ from collections.abc import Sequence
 
 import torch
 
-from tritonrec.kernels import checks
 from tritonrec.kernels.checks import check_offsets, check_same_device, check_tensor, value_checks_enabled
 from tritonrec.kernels.embedding.layout import BoundsCheckMode, TableBatchedLayout, feature_value_offsets
 from tritonrec.kernels.embedding.optim_state import FusedOptimizerState, OptimType
@@ -67,12 +66,13 @@ def check_bag_divisors(bag_divisors: torch.Tensor | None, layout: TableBatchedLa
         raise ValueError(f"bag_divisors must have one entry per bag (F * B = {num_bags}), got {bag_divisors.numel()}")
 
 
-def check_pooled_values(offsets: torch.Tensor, bag_divisors: torch.Tensor | None, num_values: int) -> None:
-    """Value checks of a pooled lookup's offsets and divisors (read tensor contents: run inside the ops)."""
-    if not value_checks_enabled():
-        return
-    check_offsets(offsets, "offsets", total=num_values)
-    if bag_divisors is not None and bag_divisors.numel():
+def check_pooled_values(
+    offsets: torch.Tensor, bag_divisors: torch.Tensor | None, num_values: int, read_also: torch.Tensor | None = None
+) -> list[int]:
+    """Value checks of a pooled lookup's offsets and divisors (read tensor contents: run inside the ops).
+    ``read_also`` is read in the offsets' sync and returned (see :func:`~tritonrec.kernels.checks.check_offsets`)."""
+    also = check_offsets(offsets, "offsets", total=num_values, read_also=read_also)
+    if value_checks_enabled() and bag_divisors is not None and bag_divisors.numel():
         nonempty = (offsets[1:] - offsets[:-1]) > 0
         bad = nonempty & (bag_divisors <= 0)
         if bool(bad.any()):
@@ -81,27 +81,19 @@ def check_pooled_values(offsets: torch.Tensor, bag_divisors: torch.Tensor | None
                 f"bag_divisors must be positive for non-empty bags, got bag_divisors[{where}] = "
                 f"{bag_divisors[where].item()} for a bag of {int((offsets[where + 1] - offsets[where]).item())} values"
             )
+    return also
 
 
 def checked_feature_starts(
     offsets: torch.Tensor, bag_divisors: torch.Tensor | None, num_values: int, num_features: int, batch_size: int
 ) -> list[int]:
-    """:func:`check_pooled_values`, then each feature's first value (``[F + 1]`` host ints, as
-    :func:`~tritonrec.kernels.embedding.layout.feature_value_offsets`). On an accelerator both come from one host
-    read (a GPU sync) instead of two; a failing check is rerun by the function that names the offending entry."""
-    if not value_checks_enabled() or batch_size == 0 or offsets.numel() < 2 or checks.reads_are_free(offsets):
+    """:func:`check_pooled_values`, and each feature's first value (``[F + 1]`` host ints, as
+    :func:`~tritonrec.kernels.embedding.layout.feature_value_offsets`) read in the same sync: one host read on an
+    accelerator instead of two."""
+    if batch_size == 0:
         check_pooled_values(offsets, bag_divisors, num_values)
         return feature_value_offsets(offsets, num_features, batch_size)
-    steps = offsets[1:] - offsets[:-1]
-    parts = [offsets[:1], offsets[-1:], steps.min().reshape(1), offsets[::batch_size]]
-    if bag_divisors is not None and bag_divisors.numel():
-        parts.append(((steps > 0) & (bag_divisors <= 0)).any().reshape(1).to(offsets.dtype))
-    read = torch.cat([part.to(torch.int64) for part in parts]).tolist()
-    first, last, min_step = read[:3]
-    starts = read[3 : 4 + num_features]
-    if first != 0 or min_step < 0 or last != num_values or (len(read) > 4 + num_features and read[-1]):
-        check_pooled_values(offsets, bag_divisors, num_values)  # raises, naming the entry
-    return starts
+    return check_pooled_values(offsets, bag_divisors, num_values, read_also=offsets[::batch_size])
 
 
 def check_table_weights(

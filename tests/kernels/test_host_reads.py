@@ -138,13 +138,18 @@ def test_fused_backward_reads_the_host_once() -> None:
     assert any(not torch.equal(a, p.detach()) for a, p in zip(before, ebc.parameters(), strict=True))  # it updated
 
 
-def test_on_cpu_tensors_the_checks_read_one_value_at_a_time(inputs: dict[str, torch.Tensor], monkeypatch) -> None:
-    """Real CPU tensors (reads are free): the plain checks, no stacking. Same results, same errors."""
-    monkeypatch.setattr(checks, "reads_are_free", lambda t: t.device.type == "cpu")
+def test_on_cpu_tensors_the_checks_stay_plain(inputs: dict[str, torch.Tensor], monkeypatch) -> None:
+    """Real CPU tensors (reads are free): permute's plain checks, without the reductions that batch them (which
+    also read the permuted size: returned only on the accelerator path). Same results, same errors."""
+    from tritonrec.kernels.permute_sparse import _check_permute_values
+
     permute = torch.tensor([2, 0, 3, 2], dtype=torch.int32)
-    with counted_reads() as reads:
-        out = permute_2d_sparse_data(permute, inputs["lengths"], inputs["values"], inputs["weights"], backend="triton")
-    assert reads[0] > 1 and torch.equal(out[0], inputs["lengths"][permute.long()])
+    expected = int(inputs["lengths"][permute.long()].sum())
+    assert _check_permute_values(permute, inputs["lengths"], inputs["values"]) == expected  # accelerator path
+    monkeypatch.setattr(checks, "reads_are_free", lambda t: t.device.type == "cpu")
+    assert _check_permute_values(permute, inputs["lengths"], inputs["values"]) is None
+    out = permute_2d_sparse_data(permute, inputs["lengths"], inputs["values"], inputs["weights"], backend="triton")
+    assert torch.equal(out[0], inputs["lengths"][permute.long()]) and out[1].numel() == expected
     with pytest.raises(ValueError, match=r"permute out of range: permute\[1\] = 4"):
         permute_2d_sparse_data(torch.tensor([0, 4]), inputs["lengths"], inputs["values"], backend="triton")
 

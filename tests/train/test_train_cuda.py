@@ -10,13 +10,11 @@ without a GPU.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
+from dist_utils import one_rank_environment
 
 from tests.train.dist_job_cases import tiny_config
 
@@ -26,25 +24,6 @@ pytestmark = pytest.mark.gpu
 _RUN_KEYS = ("pipeline", "pipelined_modules", "checkpoint")
 
 
-@contextmanager
-def _world_of_one() -> Iterator[None]:
-    """torchrun's variables for a world of one rank, restored afterwards."""
-    from tritonrec.dist.train.launch import free_port
-
-    variables = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
-                 "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}  # fmt: skip
-    saved = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def job_metrics(device: str, backend: str, out: Path, **changes: Any) -> dict[str, Any]:
     """One one-rank distributed job (``run_rank``) on ``device``: rank 0's metrics."""
     from tritonrec.dist.train.run import run_rank
@@ -52,7 +31,7 @@ def job_metrics(device: str, backend: str, out: Path, **changes: Any) -> dict[st
     cfg = tiny_config(out, device=device, **changes)
     cfg.model.backend = "auto"  # Triton on CUDA
     cfg.dist.backend = backend
-    with _world_of_one():
+    with one_rank_environment():
         metrics = run_rank(cfg)
     assert metrics is not None
     return metrics

@@ -10,12 +10,12 @@ The helpers take the device and backend, so ``run_case("cpu", "gloo", ...)`` che
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+from dist_utils import one_rank_environment
 
 from tests.train_pipeline.pipeline_cases import DENSE, DIM, FEATURES, ROWS, make_batch, run_to_end, snapshot
 from tests.train_pipeline.toy import staged_losses
@@ -97,12 +97,9 @@ def run_case(device_name: str, backend: str, kind: str, qcomm: str) -> None:
     """Join a one-rank group (unless one is up), train base / sparse_dist / staged and compare them."""
     import torch.distributed as dist
 
-    from tritonrec.dist.train.launch import free_port
-
     if not dist.is_initialized():
-        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
-                           "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})  # fmt: skip
-        dist.init_process_group(backend)
+        with one_rank_environment():
+            dist.init_process_group(backend)
     device = torch.device(device_name)
     base = train("base", kind, device, qcomm)
     assert base["devices"] == {device.type}
@@ -118,19 +115,12 @@ def run_case(device_name: str, backend: str, kind: str, qcomm: str) -> None:
 
 @pytest.fixture(scope="module")
 def nccl_group() -> Iterator[None]:
-    """The one-rank group ``run_case`` joins; torchrun's variables it sets are restored afterwards."""
+    """The one-rank group ``run_case`` joins, taken down after the module."""
     import torch.distributed as dist
 
-    names = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-    saved = {name: os.environ.get(name) for name in names}
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
 
 
 @pytest.mark.parametrize(("kind", "qcomm"), [("tw", "fp32"), ("rw", "fp32"), ("tw", "fp16")])
