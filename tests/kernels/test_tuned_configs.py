@@ -4,6 +4,7 @@ first config), among the configs that fit the launch; and the tuning sweep's dry
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import json
 import sys
@@ -115,6 +116,28 @@ def test_a_pin_beats_the_tuned_file_and_fits_filters(tmp_path: Path, monkeypatch
     assert chooser(configs, {"N": 20}) == [configs[0]]  # autotuning off (interpreter): the first that fits
     with pytest.raises(ValueError, match="no autotune config of k fits"):
         chooser(configs, {"N": 2})
+
+
+@pytest.mark.parametrize("path", sorted(tuned.TUNED_DIR.glob("*.json")), ids=lambda p: p.name)
+def test_every_shipped_tuned_file_matches_the_kernels_it_names(path: Path) -> None:
+    """A shipped file is read on its device only, so drift (a kernel renamed or moved, its autotune configs or key
+    changed) would silently fall back to runtime autotuning there: every entry must still name an autotuned kernel
+    with the same key, and every chosen config must be one of that kernel's configs."""
+    table = json.loads(path.read_text())
+    assert table["version"] == tuned.FORMAT_VERSION and table["dry_run"] is False, "ship only timed sweeps"
+    assert path.name == tuned.device_file_name(table["device"])
+    assert table["kernels"], "an empty tuned file"
+    for name, entry in table["kernels"].items():
+        module, _, function = name.partition(":")
+        kernel = getattr(importlib.import_module(module), function)
+        assert kernel_name(kernel) == name
+        assert list(kernel.keys) == entry["key"], f"{name}: autotune key changed"
+        candidates = [tuned.config_record(c) for c in kernel.configs]
+        assert entry["choices"], f"{name}: no choices"
+        for key, choice in entry["choices"].items():
+            record = entry["configs"][choice["config"]]
+            assert record in candidates, f"{name} at {key}: chosen config {record} is no longer one of its configs"
+            assert set(tuned._parse(key)[0]) <= set(entry["key"]), f"{name}: key {key} names fields not in the key"
 
 
 def test_candidates_are_every_fitting_config_whatever_the_pins() -> None:
