@@ -12,7 +12,7 @@ each step copies its host batch to the GPU (as the job does) and is timed with C
 Throughput (``samples_per_s``, ``speedup_vs_anchor``) comes from ``mean_ms``: the wall time of ``--mean-calls``
 consecutive calls, divided by their count. Per-call costs are lumpy by design - the synthetic source generates its
 rows in chunks, so one batch in eight costs ~14 ms more on this VM - and a median drops that cost, which a job pays in
-full (it overstated batch production alone ~5x and the step's speedup over the anchor by ~5-10%). The median, p10
+full (it overstated batch production alone ~5x and the step's speedup over the anchor by 3-6%). The median, p10
 and p90 of single calls stay in the row as the distribution.
 """
 
@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from harness import append_csv, measure, print_table
+from harness import append_csv, mean_call_ms, measure, print_table
 from hydra import compose, initialize_config_dir
 from torch import nn
 
@@ -95,20 +94,6 @@ def anchor_model(
             optimizer.step()
 
     return model, step
-
-
-def mean_call_ms(fn: Callable[[], object], calls: int, device: str) -> float:
-    """Milliseconds per call over ``calls`` consecutive calls of ``fn`` (wall clock; on CUDA, from the first call's
-    launch to the last one's completion): the time a job spends per step, lumpy calls counted in full."""
-    if calls < 1:
-        raise ValueError(f"--mean-calls must be at least 1, got {calls}")
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    sync()
-    began = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    sync()
-    return (time.perf_counter() - began) * 1e3 / calls
 
 
 def main() -> None:

@@ -100,6 +100,24 @@ def measure(
     }
 
 
+def mean_call_ms(fn: Callable[[], Any], calls: int, device: str = "cpu", warmup: int = 0) -> float:
+    """Milliseconds per call over ``calls`` consecutive calls of ``fn`` after ``warmup`` untimed ones (wall clock; on
+    CUDA from the first call's launch to the last one's completion): what a job spends per call, with calls that
+    cost more now and then (a source generating its data in chunks) counted in full, where :func:`measure`'s median
+    drops them."""
+    if calls < 1:
+        raise ValueError(f"calls must be at least 1, got {calls}")
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    began = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - began) * 1e3 / calls
+
+
 def gbps(num_bytes: float, ms: float) -> float:
     """Throughput in GB/s (1e9 bytes) for ``num_bytes`` moved in ``ms`` milliseconds."""
     return num_bytes / (ms * 1e-3) / 1e9 if ms > 0 else float("nan")

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import torch
+from harness import mean_call_ms
 from torch.profiler import ProfilerActivity, profile
 
 from tritonrec.data import KeyedJaggedTensor
@@ -89,17 +89,6 @@ def _cycle(items: list) -> Callable[[], object]:
     return lambda: next(it)
 
 
-def per_call_ms(fn: Callable[[], object], calls: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    began = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - began) / calls * 1e3
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--calls", type=int, default=50)
@@ -112,9 +101,11 @@ def main() -> None:
                                        ("torch_twin", "torch", True)):  # fmt: skip
             set_value_checks(checks)
             try:
-                row[label] = per_call_ms(partial(fn, backend), args.calls)
+                row[label] = mean_call_ms(partial(fn, backend), args.calls, "cuda", warmup=3)
             except TypeError:  # an entry without a backend argument
-                row[label] = per_call_ms(partial(fn), args.calls) if label == "triton" else float("nan")
+                row[label] = (
+                    mean_call_ms(partial(fn), args.calls, "cuda", warmup=3) if label == "triton" else float("nan")
+                )
         set_value_checks(True)
         print(f"\n##### {name}: ms/call " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()))
         call = partial(fn, "triton")
@@ -160,7 +151,7 @@ def profile_train_step(top: int) -> None:
     optimizer = build_dense_optimizer(model, cfg.optim)
     stream = iterate_batches(Batcher(sources.element_spec), sources.train, cfg.batch_size, cfg.drop_remainder)
     step = lambda: train_step(model, optimizer, next(stream).to("cuda", non_blocking=True))
-    ms = per_call_ms(step, 30)
+    ms = mean_call_ms(step, 30, "cuda", warmup=3)
     print(f"\n##### dlrm_train_step (default job, batch {cfg.batch_size}): {ms:.3f} ms/step")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
