@@ -136,9 +136,25 @@ def copy_bandwidth_gbps(num_bytes: int, device: str = "cpu") -> float:
 
 
 def device_name(device: str = "cpu") -> str:
+    """The GPU's name, or the CPU's model, its widest vector ISA and core count: FBGEMM's JIT'd CPU kernels (the
+    anchor of most benchmarks) run ~2x faster with AVX-512 than without it, so ratios against them are only
+    comparable between rows of the same CPU (the rows before 2026-11-27 say only ``x86_64 (2 cores)``)."""
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.device(device))
-    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:  # not Linux: the architecture alone
+        pass
+    isa = next((name for name in ("avx512f", "avx2", "neon", "asimd") if name in flags), "")
+    return f"{model}{', ' + isa if isa else ''} ({os.cpu_count()} cores)"
 
 
 def environment(device: str = "cpu") -> dict[str, Any]:

@@ -8,7 +8,6 @@ model re-sharded row-wise.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 
 import torch
@@ -41,8 +40,10 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, KeyedJaggedTensor, torch.
     return torch.randn(64, 4, generator=g), kjt, torch.randint(0, 2, (64,), generator=g).float()
 
 
-def run(rank: int, world: int, port: int, root: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def run(rank: int, world: int, directory: str) -> None:
+    # a file rendezvous: no port to pick (a free port probed and released can be taken before the ranks bind it)
+    dist.init_process_group("gloo", init_method=f"file://{directory}/rendezvous", rank=rank, world_size=world)
+    root = os.path.join(directory, "checkpoints")
     torch.set_num_threads(1)
     model = DistributedModelParallel(build_model(), device=torch.device("cpu"))  # planned: rank 0 prints its stats
     if rank == 0:
@@ -76,8 +77,5 @@ def run(rank: int, world: int, port: int, root: str) -> None:
 
 
 if __name__ == "__main__":
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        free_port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory(prefix="tritonrec-dmp-example-") as directory:
-        torch.multiprocessing.spawn(run, args=(2, free_port, directory), nprocs=2)
+        torch.multiprocessing.spawn(run, args=(2, directory), nprocs=2)

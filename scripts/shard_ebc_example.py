@@ -6,7 +6,8 @@ processes (gloo), one training step with a fused rowwise Adagrad.
 
 from __future__ import annotations
 
-import socket
+import os
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -22,8 +23,9 @@ from tritonrec.dist import (
 from tritonrec.modules import EmbeddingBagCollection, EmbeddingBagConfig
 
 
-def run(rank: int, world: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def run(rank: int, world: int, rendezvous: str) -> None:
+    # a file rendezvous: no port to pick (a free port probed and released can be taken before the ranks bind it)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     tables = [
         EmbeddingBagConfig(num_embeddings=1000, embedding_dim=16, name=f"t{i}", feature_names=[f"f{i}"])
         for i in range(2)
@@ -43,7 +45,5 @@ def run(rank: int, world: int, port: int) -> None:
 
 
 if __name__ == "__main__":
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        free_port = sock.getsockname()[1]
-    torch.multiprocessing.spawn(run, args=(2, free_port), nprocs=2)
+    with tempfile.TemporaryDirectory(prefix="tritonrec-shard-example-") as directory:
+        torch.multiprocessing.spawn(run, args=(2, os.path.join(directory, "rendezvous")), nprocs=2)

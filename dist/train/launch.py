@@ -2,9 +2,11 @@
 (``dist.nproc=N``), or as one process. Also the stop request that SIGTERM raises.
 
 torchrun sets ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` in every rank; the job
-then joins that group (gloo on CPU, NCCL on CUDA). ``dist.nproc=N`` without torchrun spawns N processes on this host
-with a free local port. A job started by torchrun with another number of ranks than ``dist.nproc`` (when set above
-1) stops with an error instead of running as independent copies.
+then joins that group (gloo on CPU, NCCL on CUDA). ``dist.nproc=N`` without torchrun spawns N processes on this
+host; the parent holds their rendezvous store on a port the OS assigned it while bound (so no other process can take
+the port between its choice and its use, as with a free port probed and released), and the ranks join it as clients.
+A job started by torchrun with another number of ranks than ``dist.nproc`` (when set above 1) stops with an error
+instead of running as independent copies.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 _TORCHRUN_VARS = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
+# set by spawn() in its ranks: the store at MASTER_PORT is the parent's, every rank joins it as a client
+_PARENT_STORE_VAR = "TRITONREC_PARENT_STORE"
 
 
 def torchrun_world_size() -> int | None:
@@ -52,7 +56,14 @@ def init_process_group(backend: str, timeout_s: int) -> None:
     """Join the group described by the environment (torchrun's variables, or those :func:`spawn` sets)."""
     if dist.is_initialized():
         return
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if os.environ.get(_PARENT_STORE_VAR) == "1":
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                              timeout=timeout)  # fmt: skip
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        return
+    dist.init_process_group(backend, timeout=timeout)
 
 
 def free_port() -> int:
@@ -68,7 +79,7 @@ def _error_path(result_path: str, rank: int) -> str:
 def _spawned_main(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, result_path: str) -> None:
     os.environ.update(
         {"WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
-         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), _PARENT_STORE_VAR: "1"}
     )  # fmt: skip
     try:
         result = fn(*args)
@@ -92,9 +103,11 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any) -> Any:
     its own type and message (a ValueError stays a ValueError), chained to torch's report holding the rank's
     traceback.
     """
+    # the rendezvous store lives here, bound to an OS-assigned port for as long as the ranks run
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="tritonrec-spawn-") as scratch:
         result_path = os.path.join(scratch, "rank0.pkl")
-        context = mp.start_processes(_spawned_main, args=(nproc, free_port(), fn, args, result_path), nprocs=nproc,
+        context = mp.start_processes(_spawned_main, args=(nproc, store.port, fn, args, result_path), nprocs=nproc,
                                      join=False, start_method="spawn")  # fmt: skip
         with _forwarding_sigterm(context.processes):
             try:

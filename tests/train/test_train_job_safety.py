@@ -9,19 +9,22 @@ import importlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
 import tritonrec.dist.train.single as single_job
 from tests.train.dist_job_cases import tiny_config
 from tritonrec.dist.train import as_train_config, register_configs, run
 from tritonrec.dist.train.config import OptimConfig
-from tritonrec.dist.train.launch import spawn
+from tritonrec.dist.train.launch import init_process_group, spawn
 from tritonrec.dist.train.loop import NonFiniteLossError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -173,6 +176,25 @@ def _raise_in_rank() -> None:
 def test_a_rank_error_keeps_its_type() -> None:
     with pytest.raises(KeyError, match="only in the rank"):
         spawn(_raise_in_rank, 1)
+
+
+def _sum_of_ranks() -> tuple[int, int]:
+    init_process_group("gloo", 60)
+    total = torch.tensor([dist.get_rank() + 1])
+    dist.all_reduce(total)
+    store_port = int(os.environ["MASTER_PORT"])
+    dist.destroy_process_group()
+    return int(total), store_port
+
+
+def test_spawned_ranks_join_the_store_the_parent_holds() -> None:
+    """dist.nproc=N's ranks meet at a store this process bound to an OS-assigned port (no free port probed, released
+    and raced for); the port the ranks saw is bound here until they finish, then released."""
+    total, port = spawn(_sum_of_ranks, 2)
+    assert total == 1 + 2
+    with socket.socket() as sock:  # free again: the parent's store went with the spawn
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
 
 
 def test_a_key_the_schema_lacks_is_named() -> None:
