@@ -135,6 +135,9 @@ def copy_bandwidth_gbps(num_bytes: int, device: str = "cpu") -> float:
     return gbps(2 * src.numel() * 4, timing["median_ms"])
 
 
+CPUINFO = "/proc/cpuinfo"
+
+
 def device_name(device: str = "cpu") -> str:
     """The GPU's name, or the CPU's model, its widest vector ISA and core count. Ratios against FBGEMM compare only
     between rows of one CPU: its fused CPU backward took 46.7 ms on one 2-core VM and 7.9 ms on another (ours 18.3
@@ -143,7 +146,7 @@ def device_name(device: str = "cpu") -> str:
         return torch.cuda.get_device_name(torch.device(device))
     model, flags = platform.processor() or platform.machine(), set()
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(CPUINFO) as f:
             for line in f:
                 key, _, value = line.partition(":")
                 if key.strip() == "model name":

@@ -81,3 +81,18 @@ def test_bench_comm_empty_csv_prints_without_writing(results: Path, monkeypatch:
     assert rows == [ROW] and not any(results.rglob("*.csv"))
     bench_comm.run(bench_comm.BenchCommConfig(world_sizes=[2], csv="comm.csv", plot=False, commit_results=True))
     assert (results / "comm.csv").is_file()
+
+
+def test_cpu_device_names_the_model_and_the_vector_isa(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Rows from different CPUs must be told apart: ratios against FBGEMM's CPU kernels flipped between two VMs."""
+    cpu = "model name\t: Some CPU 9000\nflags\t\t: fpu sse2 avx2 fma avx512f\n"
+    (tmp_path / "cpuinfo").write_text(f"processor\t: 0\n{cpu}\nprocessor\t: 1\n{cpu}")
+    monkeypatch.setattr(harness, "CPUINFO", str(tmp_path / "cpuinfo"))
+    monkeypatch.setattr(harness.os, "cpu_count", lambda: 2)
+    assert harness.device_name("cpu") == "Some CPU 9000, avx512f (2 cores)"
+    (tmp_path / "cpuinfo").write_text("model name\t: Older CPU\nflags\t\t: fpu sse2 avx2\n")
+    assert harness.device_name("cpu") == "Older CPU, avx2 (2 cores)"
+    monkeypatch.setattr(harness, "CPUINFO", str(tmp_path / "absent"))  # not Linux: the architecture alone
+    monkeypatch.setattr(harness.platform, "processor", lambda: "")
+    monkeypatch.setattr(harness.platform, "machine", lambda: "arm64")
+    assert harness.device_name("cpu") == "arm64 (2 cores)"
