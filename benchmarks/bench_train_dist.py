@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_sharded_ebc import plan_generators as sharded_ebc_plan_generators
-from harness import append_csv, print_table, results_dir, spawn_ranks
+from harness import append_csv, device_name, print_table, results_dir, spawn_ranks
 
 SHARDINGS = ["tw", "rw", "cw", "twrw", "dp"]
 PIPELINES = ["base", "sparse_dist", "staged"]
@@ -290,7 +290,9 @@ def report(args: argparse.Namespace, rows: dict[tuple, dict[str, Any]]) -> list[
     return out
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
+def plot(rows: list[dict[str, Any]], path: Path, title: str, world: int) -> None:
+    """Bars of samples/s per configuration (``rows``: this run's report), torchrec's in grey; ``title`` names the
+    shape and the device (ratios against torchrec depend on the CPU: see the README)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -300,11 +302,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     labels = [f"{r['impl'][:5]} {r['sharding']} {r['pipeline']} {r['qcomm']}" for r in ok]
     colors = ["tab:gray" if r["impl"] == "torchrec" else "tab:blue" for r in ok]
     figure, axes = plt.subplots(figsize=(8, max(4, 0.22 * len(ok))))
-    axes.barh(range(len(ok)), [r["samples_per_s"] for r in ok], color=colors)
+    axes.barh(range(len(ok)), [float(r["samples_per_s"]) for r in ok], color=colors)
     axes.set_yticks(range(len(ok)), labels, fontsize=7)
     axes.invert_yaxis()
-    axes.set_xlabel("samples/s over 2 gloo ranks (higher is better); grey: torchrec 1.8")
-    axes.set_title("DLRM training, 8 tables x 100k x 64, B=512 per rank, CPU")
+    axes.set_xlabel(f"samples/s over {world} gloo ranks (higher is better); grey: torchrec 1.8")
+    axes.set_title(title, fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -379,7 +381,11 @@ def main() -> None:
     path = append_csv(results_dir() / args.csv, rows)
     print(f"appended {len(rows)} rows to {path}")
     try:
-        plot(rows, path.with_suffix(".png"))
+        title = (
+            f"DLRM training, {args.tables} tables x {args.rows:,} x {args.dim}, B={args.batch} per rank, "
+            f"{args.threads} thread(s) per rank\n{device_name()}"
+        )
+        plot(rows, path.with_suffix(".png"), title, args.world)
         print(f"plot: {path.with_suffix('.png')}")
     except ImportError:
         print("no plot: matplotlib is not installed")
