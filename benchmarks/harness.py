@@ -140,8 +140,8 @@ CPUINFO = "/proc/cpuinfo"
 
 def device_name(device: str = "cpu") -> str:
     """The GPU's name, or the CPU's model, its widest vector ISA and core count. Ratios against FBGEMM compare only
-    between rows of one CPU: its fused CPU backward took 46.7 ms on one 2-core VM and 7.9 ms on another (ours 18.3
-    and 14.6 ms), and the rows before 2026-11-27 say only ``x86_64 (2 cores)``."""
+    between rows of one CPU: its forward + fused backward took 46.7 ms on one 2-core VM and 8.3 ms on another (ours
+    18.3 and 14.8 ms; ``cpu_sized``, 1 thread), and the rows before 2026-11-27 say only ``x86_64 (2 cores)``."""
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.device(device))
     model, flags = platform.processor() or platform.machine(), set()
