@@ -19,6 +19,9 @@ memory per rank comes from a separate pass that runs each configuration without 
 (build + a few steps; ``ru_maxrss``). A combination torchrec refuses on CPU is recorded as ``refused`` with its
 error. The metadata check of the comm ops runs on each module's first 8 calls: the warm-up covers them.
 
+``--torchrec-kernels fused planner`` adds torchrec as its own defaults run it on CPU (rows ``torchrec_planner_kernel``:
+the dense kernel its plan generators pick, whose dense Adagrad steps every row of every table) beside the anchor.
+
 Appends to ``sharded_dlrm_train_cpu.csv`` and writes ``sharded_dlrm_train_cpu.png`` (results folder of the harness).
 """
 
@@ -42,6 +45,8 @@ from bench_sharded_ebc import plan_generators as sharded_ebc_plan_generators
 from harness import append_csv, device_name, print_table, results_dir, spawn_ranks
 
 SHARDINGS = ["tw", "rw", "cw", "twrw", "dp"]
+# torchrec's rows by table kernel: "torchrec" (the anchor) runs FBGEMM's fused kernel as ours does
+TORCHREC_KERNELS = {"torchrec": "fused", "torchrec_planner_kernel": "planner"}
 PIPELINES = ["base", "sparse_dist", "staged"]
 QCOMMS = ["none", "fp16", "int8"]
 DENSE_IN = 13
@@ -153,7 +158,12 @@ def _progress(pipeline: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------- torchrec
-def build_torchrec(args: argparse.Namespace, sharding: str, pipeline: str, qcomm: str, world: int) -> Any:
+def build_torchrec(
+    args: argparse.Namespace, sharding: str, pipeline: str, qcomm: str, world: int, kernel: str = "fused"
+) -> Any:
+    """torchrec's step. ``kernel="fused"`` (the anchor): every sharded table on FBGEMM's fused CPU kernel, as ours.
+    ``kernel="planner"``: the kernel torchrec's plan generators pick on CPU (dense: the dense Adagrad then steps every
+    row of every table), i.e. torchrec as its own defaults run it."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.distributed import sharding_plan
@@ -177,7 +187,7 @@ def build_torchrec(args: argparse.Namespace, sharding: str, pipeline: str, qcomm
     )
     generators = plan_generators(sharding, args.tables, world, sharding_plan)
     module_plan = construct_module_sharding_plan(ebc, generators, sharder, world, world, "cpu")
-    if sharding != "dp":
+    if sharding != "dp" and kernel == "fused":
         # torchrec's plan generators pick its dense kernel on CPU: the tables then take a dense gradient and the dense
         # Adagrad steps every row of every table. Ours runs fused rowwise Adagrad, so the anchor runs FBGEMM's fused
         # CPU kernel too (data-parallel tables are dense in torchrec: DDP + the dense optimizer).
@@ -234,16 +244,18 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, config
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         count = args.steps + args.warmup + 2
         batches = {"tritonrec": make_batches(args, rank, count, torchrec_types=False)}
-        if any(c[0] == "torchrec" for c in configs):
+        if any(c[0] in TORCHREC_KERNELS for c in configs):
             batches["torchrec"] = make_batches(args, rank, count, torchrec_types=True)
         out: dict[tuple, Any] = {}
         for config in configs:
             impl, sharding, pipeline, qcomm = config
             dist.barrier()
             try:
-                build = build_ours if impl == "tritonrec" else build_torchrec
-                step = build(args, sharding, pipeline, qcomm, world)
-                seconds = _time(step, batches[impl], args)
+                if impl == "tritonrec":
+                    step = build_ours(args, sharding, pipeline, qcomm, world)
+                else:
+                    step = build_torchrec(args, sharding, pipeline, qcomm, world, TORCHREC_KERNELS[impl])
+                seconds = _time(step, batches["tritonrec" if impl == "tritonrec" else "torchrec"], args)
                 del step
             except Exception as err:  # torchrec refusing a sharding on CPU is a result, not a crash
                 if args.verbose and rank == 0:
@@ -299,8 +311,9 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str, world: int) -> None
     import matplotlib.pyplot as plt
 
     ok = [r for r in rows if r["status"] == "ok"]
-    labels = [f"{r['impl'][:5]} {r['sharding']} {r['pipeline']} {r['qcomm']}" for r in ok]
-    colors = ["tab:gray" if r["impl"] == "torchrec" else "tab:blue" for r in ok]
+    short = {"tritonrec": "ours", "torchrec": "torchrec", "torchrec_planner_kernel": "torchrec (planner kernel)"}
+    labels = [f"{short.get(r['impl'], r['impl'])} {r['sharding']} {r['pipeline']} {r['qcomm']}" for r in ok]
+    colors = ["tab:gray" if r["impl"] in TORCHREC_KERNELS else "tab:blue" for r in ok]
     figure, axes = plt.subplots(figsize=(8, max(4, 0.22 * len(ok))))
     axes.barh(range(len(ok)), [float(r["samples_per_s"]) for r in ok], color=colors)
     axes.set_yticks(range(len(ok)), labels, fontsize=7)
@@ -329,6 +342,9 @@ def main() -> None:
     parser.add_argument("--pipelines", nargs="+", default=PIPELINES, choices=PIPELINES)
     parser.add_argument("--qcomms", nargs="+", default=QCOMMS, choices=QCOMMS)
     parser.add_argument("--no-torchrec", dest="torchrec", action="store_false")
+    parser.add_argument("--torchrec-kernels", nargs="+", default=["fused"], choices=["fused", "planner"],
+                        help="torchrec's table kernel: fused (FBGEMM's fused CPU kernel, the anchor) and/or planner "
+                             "(what its plan generators pick on CPU: dense)")  # fmt: skip
     parser.add_argument("--verbose", action="store_true")
     parser.add_argument("--csv", default="sharded_dlrm_train_cpu.csv")
     args = parser.parse_args()
@@ -344,7 +360,8 @@ def main() -> None:
             args.torchrec = False
     configs = [("tritonrec", sh, p, q) for sh in args.shardings for p in args.pipelines for q in args.qcomms]
     if args.torchrec:
-        configs += [("torchrec", sh, p, "none") for sh in args.shardings for p in ("base", "sparse_dist")
+        impls = [impl for impl, kernel in TORCHREC_KERNELS.items() if kernel in args.torchrec_kernels]
+        configs += [(impl, sh, p, "none") for impl in impls for sh in args.shardings for p in ("base", "sparse_dist")
                     if p in args.pipelines]  # fmt: skip
     results: dict[tuple, dict[str, Any]] = {c: {"status": "ok", "seconds": [], "peak_rss_mb": []} for c in configs}
     for round_ in range(args.rounds):  # interleaved: every configuration once per round, the order reversed
