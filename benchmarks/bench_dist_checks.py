@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from harness import append_csv, measure, print_table, spawn_ranks
 
+from tritonrec.dist.rendezvous import init_local_rank
 from tritonrec.dist.tensor_collectives import all_gather_tensor
 
 ROWS_PER_RANK, DIM = 64, 16
@@ -38,8 +39,7 @@ def _rank(rank: int, world: int, port: int, repeats: int, results: Any) -> None:
 
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    init_local_rank("gloo", port, rank, world, datetime.timedelta(seconds=120))
     inputs = [torch.randn(world * ROWS_PER_RANK, DIM) for _ in range(16)]  # distinct inputs, cycled
     step = iter(range(10**9))
     local = torch.zeros(2 + 2 * world, dtype=torch.int64)

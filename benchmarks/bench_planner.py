@@ -64,6 +64,8 @@ from planner_plans import (
     translate,  # noqa: F401  (re-exported: it used to live here)
 )
 
+from tritonrec.dist.rendezvous import init_local_rank
+
 # table set -> per table (rows, dim, pooling factor)
 TABLE_SETS: dict[str, list[tuple[int, int, float]]] = {
     "uniform": [(100_000, 64, 20.0)] * 4,
@@ -201,7 +203,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, result
         # in the screening steps) are off
         os.environ["TRITONREC_DIST_CHECKS"] = "0"
         torch.set_num_threads(args.threads)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        init_local_rank("gloo", port, rank, world)
         rows = []
         for name in args.sets:
             rows += run_set(name, args, rank)

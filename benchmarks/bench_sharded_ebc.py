@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import append_csv, print_table, spawn_ranks
 
 from tritonrec.dist.comm_consistency import DEFAULT_CHECKED_CALLS
+from tritonrec.dist.rendezvous import init_local_rank
 
 TYPES = ["table_wise", "row_wise", "column_wise", "table_column_wise", "data_parallel", "table_row_wise", "grid_shard"]
 
@@ -233,7 +234,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, impl: 
     try:
         os.environ["LOCAL_WORLD_SIZE"] = str(world)
         torch.set_num_threads(args.threads)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        init_local_rank("gloo", port, rank, world)
         counter = WireCounter()
         counter.install()
         batches = make_batches(args, rank, args.steps + args.warmup)

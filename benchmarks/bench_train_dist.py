@@ -44,6 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_sharded_ebc import plan_generators as sharded_ebc_plan_generators
 from harness import append_csv, device_name, print_table, results_dir, spawn_ranks
 
+from tritonrec.dist.rendezvous import init_local_rank
+
 SHARDINGS = ["tw", "rw", "cw", "twrw", "dp"]
 # torchrec's rows by table kernel: "torchrec" (the anchor) runs FBGEMM's fused kernel as ours does
 TORCHREC_KERNELS = {"torchrec": "fused", "torchrec_planner_kernel": "planner"}
@@ -241,7 +243,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, config
     try:
         os.environ.update({"LOCAL_WORLD_SIZE": str(world), "TRITON_INTERPRET": "0"})
         torch.set_num_threads(args.threads)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        init_local_rank("gloo", port, rank, world)
         count = args.steps + args.warmup + 2
         batches = {"tritonrec": make_batches(args, rank, count, torchrec_types=False)}
         if any(c[0] in TORCHREC_KERNELS for c in configs):

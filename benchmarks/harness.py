@@ -20,7 +20,6 @@ import datetime
 import logging
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -234,22 +233,18 @@ def _fmt(value: Any) -> str:
     return "" if value is None else str(value)
 
 
-def free_port() -> int:
-    """A free TCP port on loopback, for the rendezvous of a spawned gloo group."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def spawn_ranks(target: Callable[..., None], world: int, *args: Any, timeout_s: float | None = None) -> dict[int, Any]:
-    """Run ``target(rank, world, port, *args, queue)`` in ``world`` spawned processes that meet on a fresh loopback
-    port. Each rank puts ``(rank, ok, payload)`` on ``queue``: its result, or its traceback when ``ok`` is False.
-    Returns ``{rank: payload}``; the first rank that failed raises a ``RuntimeError`` carrying its traceback (the
-    other ranks are then stopped rather than left waiting in a collective)."""
+    """Run ``target(rank, world, port, *args, queue)`` in ``world`` spawned processes that meet at a rendezvous
+    store this process holds on ``port`` (each joins with :func:`~tritonrec.dist.rendezvous.init_local_rank`). Each
+    rank puts ``(rank, ok, payload)`` on ``queue``: its result, or its traceback when ``ok`` is False. Returns
+    ``{rank: payload}``; the first rank that failed raises a ``RuntimeError`` carrying its traceback (the other ranks
+    are then stopped rather than left waiting in a collective)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=target, args=(rank, world, port, *args, queue)) for rank in range(world)]
+    from tritonrec.dist.rendezvous import hold_local_store  # here: single-process benchmarks skip tritonrec.dist
+
+    store = hold_local_store()  # bound for as long as the ranks run
+    procs = [ctx.Process(target=target, args=(rank, world, store.port, *args, queue)) for rank in range(world)]
     for proc in procs:
         proc.start()
     outputs: dict[int, Any] = {}

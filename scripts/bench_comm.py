@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import statistics
 import sys
 from collections.abc import Callable
@@ -41,6 +40,7 @@ from harness import append_csv, gbps, measure, print_table, set_commit_results
 from tritonrec.dist.comm_ops import alltoall_pooled
 from tritonrec.dist.qcomm_codec import CommType
 from tritonrec.dist.qcomm_config import QCommsConfig, get_qcomm_codecs
+from tritonrec.dist.rendezvous import hold_local_store, init_local_rank
 
 CODEC_NAMES = tuple(t.value for t in CommType)
 
@@ -149,18 +149,9 @@ def sweep(cfg: BenchCommConfig, device: torch.device) -> list[dict[str, Any]]:
     return rows
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _spawned_rank(rank: int, world: int, port: int, cfg: BenchCommConfig, results: Any) -> None:
     torch.set_num_threads(cfg.threads)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=300),
-    )  # fmt: skip
+    init_local_rank("gloo", port, rank, world, datetime.timedelta(seconds=300))
     try:
         rows = sweep(cfg, torch.device("cpu"))
         if rank == 0:
@@ -172,8 +163,8 @@ def _spawned_rank(rank: int, world: int, port: int, cfg: BenchCommConfig, result
 def _spawn_world(cfg: BenchCommConfig, world: int) -> list[dict[str, Any]]:
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_spawned_rank, args=(r, world, port, cfg, results)) for r in range(world)]
+    store = hold_local_store()  # bound for as long as the ranks run
+    procs = [ctx.Process(target=_spawned_rank, args=(r, world, store.port, cfg, results)) for r in range(world)]
     for proc in procs:
         proc.start()
     for proc in procs:

@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tritonrec.dist.rendezvous import hold_local_store, init_local_rank
+
 _REPO_ROOT = str(Path(__file__).resolve().parents[1])
 
 
@@ -73,13 +75,7 @@ def _rank_main(
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a rank that overruns is asked for its stacks
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=pg_timeout_s),
-        )
+        init_local_rank("gloo", port, rank, world_size, datetime.timedelta(seconds=pg_timeout_s))
         # Pickled here, by value: the queue's own pickler would share tensors through handles that the parent
         # fetches from this process later (gone once it exits), and its feeder thread drops an object it cannot
         # pickle with only a printed error, so the parent would wait for a result that never comes.
@@ -103,7 +99,8 @@ def run_ranks(
         sys.path.append(_REPO_ROOT)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    store = hold_local_store()  # the ranks' rendezvous, bound here until they finish (no probed port to race for)
+    port = store.port
     procs = [
         ctx.Process(target=_rank_main, args=(rank, world_size, port, fn, args, results, pg_timeout_s), daemon=True)
         for rank in range(world_size)

@@ -33,7 +33,6 @@ import argparse
 import datetime
 import os
 import platform
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -60,6 +59,7 @@ from tritonrec.dist.planner.calibration import (
     default_calibration_path,
 )
 from tritonrec.dist.planner.shard_estimators import INDEX_BYTES
+from tritonrec.dist.rendezvous import hold_local_store, init_local_rank
 
 # (rows, dims, batches, pooling factors, table counts) of the lookup sweep, per-rank message sizes (bytes) of the
 # collectives, and ids per rank of the input-dist sweep
@@ -138,12 +138,6 @@ def measure_collectives(
     return {name: fit_latency_and_rate(*points[name]) for name in COLLECTIVES}
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _comm_rank(
     rank: int,
     world: int,
@@ -164,7 +158,7 @@ def _comm_rank(
     if backend == "nccl":
         torch.cuda.set_device(device)
     try:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        init_local_rank(backend, port, rank, world)
         results.put((rank, _rank_sweep(device, quick, lookup_backend)))
     except BaseException as err:  # reported to the parent, which raises
         results.put((rank, repr(err)))
@@ -182,7 +176,8 @@ def _spawn_ranks(
     comm_device = device_type if use_nccl else "cpu"
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    store = hold_local_store()  # bound for as long as the ranks run
+    port = store.port
     procs = [
         ctx.Process(
             target=_comm_rank,

@@ -4,7 +4,8 @@
 torchrun sets ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` in every rank; the job
 then joins that group (gloo on CPU, NCCL on CUDA). ``dist.nproc=N`` without torchrun spawns N processes on this
 host; the parent holds their rendezvous store on a port the OS assigned it while bound (so no other process can take
-the port between its choice and its use, as with a free port probed and released), and the ranks join it as clients.
+the port between its choice and its use, as with a free port probed and released), and the ranks join it as clients
+(:mod:`tritonrec.dist.rendezvous`).
 A job started by torchrun with another number of ranks than ``dist.nproc`` (when set above 1) stops with an error
 instead of running as independent copies.
 """
@@ -15,7 +16,6 @@ import datetime
 import os
 import pickle
 import signal
-import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tritonrec.dist.rendezvous import hold_local_store, init_local_rank
 
 _TORCHRUN_VARS = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
 # set by spawn() in its ranks: the store at MASTER_PORT is the parent's, every rank joins it as a client
@@ -59,17 +61,9 @@ def init_process_group(backend: str, timeout_s: int) -> None:
     timeout = datetime.timedelta(seconds=timeout_s)
     if os.environ.get(_PARENT_STORE_VAR) == "1":
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                              timeout=timeout)  # fmt: skip
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        init_local_rank(backend, int(os.environ["MASTER_PORT"]), rank, world, timeout)
         return
     dist.init_process_group(backend, timeout=timeout)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _error_path(result_path: str, rank: int) -> str:
@@ -103,8 +97,7 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any) -> Any:
     its own type and message (a ValueError stays a ValueError), chained to torch's report holding the rank's
     traceback.
     """
-    # the rendezvous store lives here, bound to an OS-assigned port for as long as the ranks run
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = hold_local_store()  # bound for as long as the ranks run
     with tempfile.TemporaryDirectory(prefix="tritonrec-spawn-") as scratch:
         result_path = os.path.join(scratch, "rank0.pkl")
         context = mp.start_processes(_spawned_main, args=(nproc, store.port, fn, args, result_path), nprocs=nproc,
@@ -191,5 +184,5 @@ class StopRequest:
         return signal.Signals(self.signal).name if self.signal is not None else None
 
 
-__all__ = ["StopRequest", "free_port", "init_process_group", "rank_device", "resolve_backend", "spawn",
+__all__ = ["StopRequest", "init_process_group", "rank_device", "resolve_backend", "spawn",
            "torchrun_world_size"]  # fmt: skip
