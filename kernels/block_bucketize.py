@@ -35,6 +35,7 @@ from tritonrec.kernels.checks import (
 )
 from tritonrec.kernels.lengths_to_offsets import _lengths_to_offsets_triton
 from tritonrec.kernels.library import custom_op, optional_outputs
+from tritonrec.kernels.runs import repeat_runs
 
 # Bags per program (one per lane of 4 warps); the launches use 4 warps.
 _BAGS = 128
@@ -275,7 +276,7 @@ def _index_and_block_size(
             return indices, sizes[0]
         return indices.to(torch.int64), sizes[0]
     values_per_feature = lengths.view(num_features, -1).sum(dim=1) if num_features else lengths.to(torch.int64)
-    block_size = torch.repeat_interleave(block_sizes.to(torch.int64), values_per_feature, output_size=n)
+    block_size = repeat_runs(block_sizes.to(torch.int64), values_per_feature, n)
     return indices.to(torch.int64), block_size
 
 

@@ -28,6 +28,7 @@ from itertools import accumulate
 import torch
 
 from tritonrec.kernels.checks import merge_spans, spans_out_of_range
+from tritonrec.kernels.runs import repeat_runs
 
 
 class PoolingMode(enum.IntEnum):
@@ -266,7 +267,8 @@ def layout_from_op_key(key: str) -> TableBatchedLayout:
 def value_features(feature_value_offsets: Sequence[int], device: torch.device) -> torch.Tensor:
     """``[N]`` int64: the feature of each value, from the per-feature value spans ``[F + 1]`` (host ints)."""
     counts = torch.tensor([b - a for a, b in itertools.pairwise(feature_value_offsets)], device=device)
-    return torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts)
+    total = feature_value_offsets[-1] - feature_value_offsets[0] if len(feature_value_offsets) else 0
+    return repeat_runs(torch.arange(counts.numel(), device=device), counts, total)
 
 
 def feature_value_offsets(offsets: torch.Tensor, num_features: int, batch_size: int) -> list[int]:
