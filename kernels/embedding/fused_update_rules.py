@@ -87,4 +87,78 @@ def rowwise_multiplier(mom1_ptr, state_row, sum_sq, dim, lr, eps):
     return tl.div_rn(lr, tl.sqrt_rn(m) + eps)
 
 
-__all__ = ["load_grad_block", "rowwise_multiplier", "update_and_store"]
+@triton.jit
+def update_row_block(
+    us,
+    weights_ptr,
+    mom1_ptr,
+    mom2_ptr,
+    grad_ptr,
+    goff_ptr,
+    scale_ptr,
+    segment_offsets_ptr,
+    unique_tables_ptr,
+    unique_local_rows_ptr,
+    table_weight_offsets_ptr,
+    table_row_offsets_ptr,
+    table_dims_ptr,
+    bias1_ptr,
+    bias2_ptr,
+    num_unique,
+    lr,
+    eps,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    weight_decay,
+    k1,
+    k2,
+    OPTIM: tl.constexpr,
+    WEIGHT_DTYPE: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """Unique rows ``us [ROWS]`` (those ``>= num_unique`` masked off) updated together as one ``[R, BLOCK_D]`` tile,
+    rows no wider than ``BLOCK_D``: the same arithmetic as one row at a time with one contribution per step
+    (``BLOCK_N = 1``: each row's run added strictly in order), but ROWS rows' chains of dependent loads (row -> table ->
+    offsets -> gradient row) are in flight at once, so a program keeps ROWS times the bytes in flight."""
+    u_ok = us < num_unique
+    table = tl.load(unique_tables_ptr + us, mask=u_ok, other=0)
+    local_row = tl.load(unique_local_rows_ptr + us, mask=u_ok, other=0)
+    dim = tl.load(table_dims_ptr + table).to(tl.int64)
+    row_start = tl.load(table_weight_offsets_ptr + table) + local_row * dim
+    start = tl.load(segment_offsets_ptr + us, mask=u_ok, other=0)
+    count = tl.load(segment_offsets_ptr + us + 1, mask=u_ok, other=0) - start  # 0 for masked rows
+    cols = tl.arange(0, BLOCK_D)
+    ok = u_ok[:, None] & (cols[None, :] < dim[:, None])
+    element = row_start[:, None] + cols[None, :]
+    w = tl.load(weights_ptr + element, mask=ok, other=0.0).to(tl.float32)
+    g = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
+    for k in range(0, tl.max(count, axis=0)):
+        has = k < count
+        goff = tl.load(goff_ptr + start + k, mask=has, other=0)
+        tile = tl.load(grad_ptr + goff[:, None] + cols[None, :], mask=has[:, None] & ok, other=0.0)
+        if HAS_SCALE:
+            tile = tile * tl.load(scale_ptr + start + k, mask=has, other=0.0)[:, None]
+        g += tile
+    if HAS_DECAY:
+        g = g + weight_decay * w
+    multiplier = tl.zeros((ROWS, 1), dtype=tl.float32)
+    if OPTIM == 1:  # rowwise_multiplier per row, masked: a masked lane must not write row 0's state
+        state_row = tl.load(table_row_offsets_ptr + table) + local_row
+        m = tl.load(mom1_ptr + state_row, mask=u_ok, other=0.0) + tl.div_rn(tl.sum(g * g, axis=1), dim.to(tl.float32))
+        tl.store(mom1_ptr + state_row, m, mask=u_ok)
+        multiplier = tl.div_rn(lr, tl.sqrt_rn(m) + eps)[:, None]
+    bias1 = tl.load(bias1_ptr + table)[:, None]
+    bias2 = tl.load(bias2_ptr + table)[:, None]
+    update_and_store(
+        w, g, multiplier, weights_ptr, mom1_ptr, mom2_ptr, element, ok, lr, eps, beta1, one_minus_beta1, beta2,
+        one_minus_beta2, bias1, bias2, k1, k2, OPTIM, WEIGHT_DTYPE, STOCHASTIC,
+    )  # fmt: skip
+
+
+__all__ = ["load_grad_block", "rowwise_multiplier", "update_and_store", "update_row_block"]

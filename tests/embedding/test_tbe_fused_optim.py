@@ -275,3 +275,58 @@ def test_chunked_row_sums_are_bit_identical_to_one_chunk(dims, rows_per_chunk):
             parts = [s for _, a2, b2, s in pieces if a <= a2 and b2 <= b]
             assert sum(p.shape[0] for p in parts) == b - a
             assert torch.equal(torch.cat(parts), sums)
+
+
+def _pin_one_contribution_per_step(monkeypatch) -> list[int]:
+    """Run the fused update kernel with ``BLOCK_N = 1`` (its row-block path); returns the row blocks it launched."""
+    kernel = fused_update_module._fused_update_kernel
+    config = next(c for c in kernel.configs if c.kwargs["BLOCK_N"] == 1)
+    monkeypatch.setattr(kernel, "configs", [config])
+    monkeypatch.setattr(kernel, "cache", {})
+    blocks: list[int] = []
+    row_block = fused_update_module._row_block
+
+    def recorded(block_d: int) -> int:
+        blocks.append(row_block(block_d))
+        return blocks[-1]
+
+    monkeypatch.setattr(fused_update_module, "_row_block", recorded)
+    return blocks
+
+
+@pytest.mark.parametrize("optim", list(RULES))
+@pytest.mark.parametrize("dims", [(3, 129), (4, 4)], ids=["mixed_dims", "equal_dims"])
+def test_row_block_path_matches_plain_torch(optim, dims, monkeypatch, tolerance):
+    # 2 rows a program at dims 3 / 129 (one 256-column block: the 3-wide table's rows are masked past column 3), 8 at
+    # dims 4 / 4; 9 table rows in all, so the last block of a step is partly masked off
+    blocks = _pin_one_contribution_per_step(monkeypatch)
+    test_five_fused_steps_match_plain_torch("triton", optim, dims, tolerance)
+    assert blocks == [2 if dims == (3, 129) else 8] * 5
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_row_block_path_rounds_low_precision_weights(dtype, monkeypatch):
+    blocks = _pin_one_contribution_per_step(monkeypatch)
+    test_low_precision_weights_round_to_nearest_after_the_fp32_update("triton", dtype)
+    assert blocks == [2]
+
+
+def test_row_block_path_rounds_stochastically_like_one_row_at_a_time(monkeypatch):
+    # the same element numbers feed the same random stream: rows updated in blocks round as rows updated alone
+    layout = _layout((4, 4))
+    results = []
+    for one_row in (False, True):
+        with monkeypatch.context() as patch:
+            _pin_one_contribution_per_step(patch)
+            if one_row:
+                patch.setattr(fused_update_module, "_row_block", lambda block_d: 1)
+            weights = _batches(layout, 1)[0].weights.to(torch.float16)
+            state = create_fused_optimizer_state(layout, OptimType.EXACT_SGD, stochastic_rounding=True, lr=0.1)
+            for case in _batches(layout, 3):
+                grad = torch.randn(case.batch_size, layout.total_dim, generator=torch.Generator().manual_seed(3))
+                pooled_embedding_lookup(
+                    weights, layout, case.indices, case.offsets, case.per_sample_weights, fused=state,
+                    backend="triton",
+                ).backward(grad)  # fmt: skip
+            results.append(weights)
+    assert torch.equal(results[0], results[1])
