@@ -18,9 +18,11 @@ Triton: one program per unique row walks its sorted run of contributions (``segm
 fits one column block the gradient is summed once, otherwise (rowwise Adagrad on very wide rows) it is re-summed per
 block after a first pass computes the row's mean square; the per-block rules are the device functions of
 :mod:`~tritonrec.kernels.embedding.fused_update_rules`. With one contribution per step (the ``BLOCK_N = 1`` config)
-and one column block, a program updates a block of rows as one tile instead (``update_row_block``). Torch twin: chunks of unique rows, each summed by
-``embedding_bag`` (:func:`~tritonrec.kernels.embedding.row_sums.iter_row_sums`), updated on the compact rows and
-written back with one ``index_add_`` (fp32 SGD / rowwise Adagrad) or ``index_copy_``.
+and one column block, a program updates a block of rows as one tile instead (``update_row_block``).
+
+Torch twin: chunks of unique rows, each summed by ``embedding_bag``
+(:func:`~tritonrec.kernels.embedding.row_sums.iter_row_sums`), updated on the compact rows and written back with one
+``index_add_`` (fp32 SGD / rowwise Adagrad) or ``index_copy_``.
 """
 
 from __future__ import annotations
