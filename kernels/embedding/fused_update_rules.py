@@ -122,10 +122,12 @@ def update_row_block(
     BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr,
 ):
-    """Unique rows ``us [ROWS]`` (those ``>= num_unique`` masked off) updated together as one ``[R, BLOCK_D]`` tile,
-    rows no wider than ``BLOCK_D``: the same arithmetic as one row at a time with one contribution per step
-    (``BLOCK_N = 1``: each row's run added strictly in order), but ROWS rows' chains of dependent loads (row -> table ->
-    offsets -> gradient row) are in flight at once, so a program keeps ROWS times the bytes in flight."""
+    """Unique rows ``us [ROWS]`` (those ``>= num_unique`` masked off) updated together as one ``[ROWS, BLOCK_D]``
+    tile, rows no wider than ``BLOCK_D``. The sums are those of one row at a time with one contribution per step
+    (``BLOCK_N = 1``: each run added strictly in order, the same bits) and stochastic rounding draws the same bits
+    per element; only rowwise Adagrad's sum of squares is a reduction whose order may differ in its last bit. ROWS
+    rows' chains of dependent loads (row -> table -> offsets -> gradient row) are in flight at once, so a program
+    keeps ROWS times the bytes in flight."""
     u_ok = us < num_unique
     table = tl.load(unique_tables_ptr + us, mask=u_ok, other=0)
     local_row = tl.load(unique_local_rows_ptr + us, mask=u_ok, other=0)
