@@ -41,7 +41,7 @@ torch.cuda.get_device_name(0))"
 
 step gpu_tests 210 env TRITON_INTERPRET=0 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 150 \
   --junitxml="$OUT/gpu_tests.xml" tests
-step bench_embedding 120 python3 benchmarks/bench_embedding.py --device cuda --cases fbgemm_default cpu_sized gpu_scale --rounds 2 --plot
+step bench_embedding 120 python3 benchmarks/bench_embedding.py --device cuda --cases fbgemm_default cpu_sized gpu_scale --rounds 2 --batches 8 --plot
 step bench_codecs 50 python3 benchmarks/bench_codecs.py --device cuda --repeats 10 --plot
 step bench_jagged 40 python3 benchmarks/bench_jagged.py --device cuda --plot
 step bench_train 90 python3 benchmarks/bench_train.py --out train_dlrm_cuda.csv device=cuda

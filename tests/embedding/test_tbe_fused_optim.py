@@ -314,10 +314,10 @@ def test_row_block_path_rounds_low_precision_weights(dtype, monkeypatch):
 def test_row_block_path_rounds_stochastically_like_one_row_at_a_time(monkeypatch):
     # the same element numbers feed the same random stream: rows updated in blocks round as rows updated alone
     layout = _layout((4, 4))
-    results = []
+    results, blocks = [], []
     for one_row in (False, True):
         with monkeypatch.context() as patch:
-            _pin_one_contribution_per_step(patch)
+            blocks = _pin_one_contribution_per_step(patch)
             if one_row:
                 patch.setattr(fused_update_module, "_row_block", lambda block_d: 1)
             weights = _batches(layout, 1)[0].weights.to(torch.float16)
@@ -329,4 +329,6 @@ def test_row_block_path_rounds_stochastically_like_one_row_at_a_time(monkeypatch
                     backend="triton",
                 ).backward(grad)  # fmt: skip
             results.append(weights)
+            if not one_row:
+                assert blocks == [8] * 3  # the first pass took the row-block path (8 rows of 4 columns)
     assert torch.equal(results[0], results[1])
