@@ -13,6 +13,7 @@ import torch
 
 from tritonrec.data.jagged_tensor import JaggedTensor
 from tritonrec.kernels import permute_1d_sparse_data, permute_2d_sparse_data
+from tritonrec.kernels.checks import value_checks_enabled
 
 if TYPE_CHECKING:
     from tritonrec.data.keyed_jagged_tensor import KeyedJaggedTensor
@@ -27,6 +28,15 @@ def _check_key_indices(indices: object, num_keys: int) -> list[int]:
     return list(indices)
 
 
+def _check_indices_tensor(indices_tensor: object, indices: list[int]) -> None:
+    """``indices_tensor [len(indices)]`` holds ``indices`` (compared when value checks are on: one host read)."""
+    if not isinstance(indices_tensor, torch.Tensor) or indices_tensor.shape != (len(indices),):
+        got = tuple(indices_tensor.shape) if isinstance(indices_tensor, torch.Tensor) else type(indices_tensor).__name__
+        raise ValueError(f"indices_tensor must be a [{len(indices)}] tensor holding indices, got {got}")
+    if value_checks_enabled() and indices_tensor.tolist() != indices:
+        raise ValueError(f"indices_tensor {indices_tensor.tolist()} disagrees with indices {indices}")
+
+
 def permute(
     kjt: KeyedJaggedTensor, indices: list[int], indices_tensor: torch.Tensor | None = None
 ) -> KeyedJaggedTensor:
@@ -37,6 +47,8 @@ def permute(
     device = kjt.device()
     if indices_tensor is None:
         indices_tensor = torch.tensor(indices, dtype=torch.int32, device=device)
+    else:
+        _check_indices_tensor(indices_tensor, indices)
     length_per_key = kjt.length_per_key()
     out_length_per_key = [length_per_key[i] for i in indices]
     total = sum(out_length_per_key)

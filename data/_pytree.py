@@ -39,16 +39,24 @@ def _unflatten_jt(children: list[Any], context: tuple[str, ...]) -> JaggedTensor
 
 
 def _flatten_kjt(kjt: KeyedJaggedTensor) -> tuple[list[torch.Tensor], tuple]:
+    """Children: the present tensors, then the inverse indices' tensor if any (a VBE KJT keeps them through a
+    ``tree_map``); their keys go in the context (``None`` without inverse indices)."""
     names, children = _present(kjt)
-    return children, (names, kjt._keys, kjt._stride, kjt._stride_per_key_per_rank, kjt._length_per_key)
+    inverse = kjt._inverse_indices
+    if inverse is not None:
+        names, children = (*names, "_inverse_indices"), [*children, inverse[1]]
+    inverse_keys = None if inverse is None else list(inverse[0])
+    return children, (names, kjt._keys, kjt._stride, kjt._stride_per_key_per_rank, kjt._length_per_key, inverse_keys)
 
 
 def _unflatten_kjt(children: list[Any], context: tuple) -> KeyedJaggedTensor:
-    names, keys, stride, strides, length_per_key = context
+    names, keys, stride, strides, length_per_key = context[:5]
+    inverse_keys = context[5] if len(context) > 5 else None  # contexts saved before inverse indices were kept
     parts = dict(zip(names, children, strict=True))
+    inverse = None if inverse_keys is None else (list(inverse_keys), parts["_inverse_indices"])
     kjt = KeyedJaggedTensor.__new__(KeyedJaggedTensor)
     kjt._init(keys, parts["_values"], parts.get("_weights"), parts.get("_lengths"), parts.get("_offsets"), stride,
-              strides, length_per_key, None)  # fmt: skip
+              strides, length_per_key, inverse)  # fmt: skip
     return kjt
 
 

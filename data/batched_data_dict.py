@@ -359,7 +359,14 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         return self
 
     def select_indices(self, indices: Indices) -> BatchedDataDict:
-        """The rows at ``indices`` (any order, repeats allowed)."""
+        """The rows at ``indices`` (any order, repeats allowed; negative ones count from the end, as in NeMo-RL)."""
+        total = self._uniform_size()
+        rows = torch.as_tensor(indices)
+        if rows.dim() != 1 or (rows.numel() and (rows.is_floating_point() or rows.dtype == torch.bool)):
+            raise ValueError(f"indices must be a 1-D sequence of ints, got {indices!r:.200}")
+        if rows.numel() and not -total <= int(rows.min()) <= int(rows.max()) < total:
+            bad = rows[(rows < -total) | (rows >= total)][0].item()
+            raise ValueError(f"indices holds {bad}, outside [-{total}, {total}) (the batch has {total} rows)")
         return type(self)(self._select_rows(indices))
 
     def get_dict(self) -> dict[Any, Any]:

@@ -108,13 +108,11 @@ def _kjt_from_jagged(chunk: ElementChunk, keys: tuple[str, ...], batch_size: int
     starts_key_major = starts.reshape(batch_size, num_keys).T.reshape(-1)
     out_starts = np.cumsum(lengths_key_major) - lengths_key_major
     gather = np.repeat(starts_key_major - out_starts, lengths_key_major) + np.arange(ids.shape[0])
-    return KeyedJaggedTensor(
-        keys=list(keys),
-        values=torch.from_numpy(ids[gather]),
-        lengths=torch.from_numpy(lengths_key_major.astype(np.int32)),
-        stride=batch_size,
-        length_per_key=lengths.sum(0).tolist(),
-    )
+    # checked above (id count, no negative length): consistent by construction, so no re-validation
+    return KeyedJaggedTensor._trusted(
+        list(keys), torch.from_numpy(ids[gather]), None, torch.from_numpy(lengths_key_major.astype(np.int32)),
+        batch_size, length_per_key=lengths.sum(0).tolist(),
+    )  # fmt: skip
 
 
 def kjt_from_id_matrix(keys: Sequence[str], ids: torch.Tensor | np.ndarray) -> KeyedJaggedTensor:

@@ -81,6 +81,8 @@ class JaggedTensor(JaggedParts):
         lengths = normalise_index_tensor(lengths, "lengths")
         if lengths.shape != values.shape[:1]:
             raise ValueError(f"lengths must have shape [{values.shape[0]}], got {tuple(lengths.shape)}")
+        if weights is not None and weights.shape != values.shape[:2]:
+            raise ValueError(f"weights must have shape {tuple(values.shape[:2])} ([B, N]), got {tuple(weights.shape)}")
         keep = torch.arange(values.shape[1], device=values.device) < lengths[:, None]
         if bool((lengths > values.shape[1]).any()):
             bad = int(lengths.max().item())

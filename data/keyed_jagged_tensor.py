@@ -29,6 +29,14 @@ import torch
 
 from tritonrec.data import _kjt_ops
 from tritonrec.data._jagged_parts import JaggedParts
+from tritonrec.data._kjt_checks import (
+    as_strides,
+    check_cached_metadata,
+    check_inverse_indices,
+    check_inverse_range,
+    check_lengths_rows,
+    check_members,
+)
 from tritonrec.data._validation import (
     UnknownKeyError,
     check_jagged_parts,
@@ -36,19 +44,6 @@ from tritonrec.data._validation import (
     normalise_index_tensor,
 )
 from tritonrec.data.jagged_tensor import JaggedTensor
-
-
-def _as_strides(stride_per_key_per_rank: Sequence[Sequence[int]] | torch.Tensor | None) -> list[list[int]] | None:
-    if stride_per_key_per_rank is None:
-        return None
-    if isinstance(stride_per_key_per_rank, torch.Tensor):
-        return [list(map(int, row)) for row in stride_per_key_per_rank.tolist()]
-    rows = [list(row) for row in stride_per_key_per_rank]
-    for t, row in enumerate(rows):
-        for r, s in enumerate(row):
-            if not isinstance(s, int) or isinstance(s, bool) or s < 0:
-                raise ValueError(f"stride_per_key_per_rank[{t}][{r}] must be a non-negative int, got {s!r}")
-    return rows
 
 
 class KeyedJaggedTensor(JaggedParts):
@@ -73,6 +68,7 @@ class KeyedJaggedTensor(JaggedParts):
         if not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) for k in keys):
             raise TypeError(f"keys must be a list of str, got {keys!r}")
         keys = list(keys)
+        check_lengths_rows(lengths, keys)
         lengths = normalise_index_tensor(lengths, "lengths", flatten=True)
         offsets = normalise_index_tensor(offsets, "offsets")
         if lengths is None and offsets is None:
@@ -81,7 +77,11 @@ class KeyedJaggedTensor(JaggedParts):
             lengths = torch.empty(0, dtype=torch.int32, device=values.device)
         check_jagged_parts(values, weights, lengths, offsets)
         offsets = complete_empty_offsets(offsets)
-        strides = _as_strides(stride_per_key_per_rank)
+        strides = as_strides(stride_per_key_per_rank)
+        if inverse_indices is not None:
+            check_inverse_indices(inverse_indices, keys)
+        if stride is not None and (not isinstance(stride, int) or isinstance(stride, bool) or stride < 0):
+            raise ValueError(f"stride must be a non-negative int or None, got stride={stride!r}")
         num_bags = lengths.numel() if lengths is not None else max(offsets.numel() - 1, 0)
         source = "lengths" if lengths is not None else "offsets (minus one)"
         if strides is not None:
@@ -99,26 +99,18 @@ class KeyedJaggedTensor(JaggedParts):
             if keys and num_bags % len(keys):
                 raise ValueError(f"{source} has {num_bags} entries, not divisible by the {len(keys)} keys")
             stride = num_bags // len(keys) if keys else 0
-        else:
-            if not isinstance(stride, int) or isinstance(stride, bool) or stride < 0:
-                raise ValueError(f"stride must be a non-negative int or None, got stride={stride!r}")
-            if keys and stride * len(keys) != num_bags:
-                raise ValueError(
-                    f"{source} has {num_bags} entries but stride {stride} x {len(keys)} keys = {stride * len(keys)}"
-                )
-        if length_per_key is not None and (len(length_per_key) != len(keys) or sum(length_per_key) != values.shape[0]):
+        elif keys and stride * len(keys) != num_bags:
             raise ValueError(
-                f"length_per_key must have one entry per key summing to {values.shape[0]}, got {length_per_key}"
+                f"{source} has {num_bags} entries but stride {stride} x {len(keys)} keys = {stride * len(keys)}"
             )
-        if inverse_indices is not None and not (
-            isinstance(inverse_indices, tuple) and len(inverse_indices) == 2 and torch.is_tensor(inverse_indices[1])
-        ):
-            raise TypeError("inverse_indices must be a (list[str], torch.Tensor) tuple")
-        self._init(keys, values, weights, lengths, offsets, stride, strides, length_per_key, inverse_indices)
-        self._offset_per_key = offset_per_key
-        self._index_per_key = index_per_key
+        self._init(keys, values, weights, lengths, offsets, stride, strides, None, inverse_indices)
+        if inverse_indices is not None:
+            check_inverse_range(inverse_indices, keys, self.stride_per_key())
+        check_cached_metadata(self, length_per_key, offset_per_key, stride_per_key, index_per_key, jt_dict)
+        self._length_per_key = self._length_per_key if length_per_key is None else list(length_per_key)
+        self._offset_per_key = self._offset_per_key if offset_per_key is None else list(offset_per_key)
+        self._index_per_key = index_per_key or self._index_per_key
         self._jt_dict = jt_dict
-        self._stride_per_key = stride_per_key
 
     def _init(
         self,
@@ -195,7 +187,7 @@ class KeyedJaggedTensor(JaggedParts):
     @staticmethod
     def from_jt_dict(jt_dict: dict[str, JaggedTensor]) -> KeyedJaggedTensor:
         """One key per entry. Equal batch sizes give a plain KJT, different ones a VBE KJT (one rank per key)."""
-        jts = list(jt_dict.values())
+        jts = check_members(jt_dict, "jt_dict", JaggedTensor, dict)
         weighted = {jt.weights_or_none() is not None for jt in jts}
         if len(weighted) > 1:
             raise ValueError("jt_dict mixes weighted and unweighted JaggedTensors")
@@ -235,18 +227,22 @@ class KeyedJaggedTensor(JaggedParts):
 
     @staticmethod
     def empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """No keys, with ``kjt``'s device, dtypes and stride (torchrec keeps the stride: the batch size)."""
         weights = kjt.weights_or_none()
-        return KeyedJaggedTensor.empty(
+        empty = KeyedJaggedTensor.empty(
             is_weighted=weights is not None,
             device=kjt.device(),
             values_dtype=kjt.values().dtype,
             weights_dtype=None if weights is None else weights.dtype,
             lengths_dtype=kjt.lengths().dtype,
         )
+        empty._stride = kjt.stride()
+        return empty
 
     @staticmethod
     def concat(kjt_list: list[KeyedJaggedTensor]) -> KeyedJaggedTensor:
         """Keys of all inputs, in order. Inputs share the stride (or are all VBE) and all or none are weighted."""
+        kjt_list = check_members(kjt_list, "kjt_list", KeyedJaggedTensor)
         if not kjt_list:
             raise ValueError("kjt_list must hold at least one KeyedJaggedTensor, got an empty list")
         weighted = {k.weights_or_none() is not None for k in kjt_list}
@@ -268,7 +264,9 @@ class KeyedJaggedTensor(JaggedParts):
                 else None
             ),
             lengths=torch.cat([k.lengths() for k in kjt_list]),
-            stride=max(k.stride() for k in kjt_list) if vbe == {True} else (strides.pop() if strides else 0),
+            stride=max(k.stride() for k in kjt_list)
+            if vbe == {True}
+            else (strides.pop() if strides else kjt_list[0].stride()),
             strides=[row for k in kjt_list for row in k.stride_per_key_per_rank()] if vbe == {True} else None,
             length_per_key=[n for k in kjt_list for n in k.length_per_key()],
         )

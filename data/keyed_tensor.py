@@ -47,14 +47,23 @@ class KeyedTensor:
             raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
         if len(length_per_key) != len(keys):
             raise ValueError(f"length_per_key must have one entry per key ({len(keys)}), got {list(length_per_key)}")
-        if any(not isinstance(n, int) or n < 0 for n in length_per_key):
+        if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in length_per_key):
             raise ValueError(f"length_per_key must hold non-negative ints, got {list(length_per_key)}")
-        if not -values.dim() <= key_dim < values.dim():
+        if not isinstance(key_dim, int) or isinstance(key_dim, bool) or not -values.dim() <= key_dim < values.dim():
             raise ValueError(f"key_dim={key_dim} is not a dim of values with shape {tuple(values.shape)}")
         if values.shape[key_dim] != sum(length_per_key):
             raise ValueError(
                 f"values has size {values.shape[key_dim]} along key_dim={key_dim} but sum(length_per_key) = "
                 f"{sum(length_per_key)}"
+            )
+        if offset_per_key is not None and list(offset_per_key) != list(accumulate(length_per_key, initial=0)):
+            raise ValueError(
+                f"offset_per_key = {offset_per_key!r} disagrees with length_per_key {list(length_per_key)} (expected "
+                f"{list(accumulate(length_per_key, initial=0))})"
+            )
+        if index_per_key is not None and index_per_key != {key: i for i, key in enumerate(keys)}:
+            raise ValueError(
+                f"index_per_key = {index_per_key!r} must map each of the keys {list(keys)} to its position"
             )
         self._keys = list(keys)
         self._length_per_key = list(length_per_key)
@@ -129,9 +138,16 @@ class KeyedTensor:
         if any(kt.key_dim() != key_dim for kt in keyed_tensors):
             raise ValueError(f"keyed_tensors must share key_dim, got {[kt.key_dim() for kt in keyed_tensors]}")
         owner: dict[str, KeyedTensor] = {}
-        for kt in keyed_tensors:
+        for i, kt in enumerate(keyed_tensors):
             for key in kt.keys():
-                owner.setdefault(key, kt)
+                if owner.setdefault(key, kt) is not kt:
+                    first = keyed_tensors.index(owner[key])
+                    raise ValueError(
+                        f"key {key!r} is held by keyed_tensors[{first}] and keyed_tensors[{i}]; regroup needs each key "
+                        "in one input"
+                    )
+        if not isinstance(groups, (list, tuple)) or not all(isinstance(group, (list, tuple)) for group in groups):
+            raise TypeError(f"groups must be a list of lists of keys, got {groups!r}")
         out = []
         for g, group in enumerate(groups):
             blocks = []
@@ -150,8 +166,8 @@ class KeyedTensor:
         keyed_tensors: list[KeyedTensor], groups: list[list[str]], keys: list[str]
     ) -> dict[str, torch.Tensor]:
         """:meth:`regroup`, with the output of group ``i`` stored under ``keys[i]``."""
-        if len(groups) != len(keys):
-            raise ValueError(f"keys must name each group: {len(groups)} groups but {len(keys)} keys")
+        if len(groups) != len(keys) or len(set(keys)) != len(keys):
+            raise ValueError(f"keys must name each group once: {len(groups)} groups, got keys {list(keys)}")
         return dict(zip(keys, KeyedTensor.regroup(keyed_tensors, groups), strict=True))
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedTensor:

@@ -38,7 +38,11 @@ def _kjt(**overrides: object) -> KeyedJaggedTensor:
         ({"stride_per_key_per_rank": [[3], [2]]}, ValueError, "lengths has 6 entries but stride_per_key_per_rank"),
         ({"stride_per_key_per_rank": [[3], [-3]]}, ValueError, r"stride_per_key_per_rank\[1\]\[0\] must be"),
         ({"keys": "ab"}, TypeError, "keys must be a list of str"),
-        ({"length_per_key": [3, 3]}, ValueError, "length_per_key must have one entry per key summing to 8"),
+        (
+            {"length_per_key": [3, 3]},
+            ValueError,
+            r"length_per_key = \[3, 3\] disagrees with the lengths' per-key totals",
+        ),
     ],
 )
 def test_kjt_constructor_errors(overrides: dict, error: type[Exception], pattern: str) -> None:
