@@ -73,10 +73,34 @@ def is_data_parallel(table: ShardedTable) -> bool:
     return table.sharding_type == ShardingType.DATA_PARALLEL.value
 
 
+def table_shape(table: ShardedTable, rowwise: bool = False) -> tuple[int, ...]:
+    """The global shape of ``table``'s weight (``rowwise``: of its per-row state)."""
+    rows, dim = table.config.num_embeddings, table.config.embedding_dim
+    return (rows,) if rowwise else (rows, dim)
+
+
+def check_full_shape(name: str, source: Any, shape: tuple[int, ...]) -> None:
+    """Raise ``ValueError`` unless ``source`` (a full tensor or a ShardedTensor) has the table's global ``shape``:
+    every rank checks the same sizes, so all load or all raise (a block check alone let a rank whose rows fit a
+    table of another size load while the others raised, and a larger tensor load truncated)."""
+    if isinstance(source, torch.Tensor) and tuple(source.size()) != tuple(shape):
+        raise ValueError(
+            f"{name}: the loaded tensor has shape {tuple(source.size())}, the table's is {tuple(shape)} (a different "
+            "table size?)"
+        )
+
+
 def copy_into_shards(
-    name: str, source: Any, local: list[tuple[ShardSpec, torch.Tensor]], rowwise: bool = False
+    name: str,
+    source: Any,
+    local: list[tuple[ShardSpec, torch.Tensor]],
+    rowwise: bool = False,
+    shape: tuple[int, ...] | None = None,
 ) -> None:
-    """Copy ``source`` (a full tensor, or a ShardedTensor whose local shards cover ``local``) into each local shard."""
+    """Copy ``source`` (a full tensor, or a ShardedTensor whose local shards cover ``local``) into each local shard;
+    ``shape``: the table's global shape, which ``source`` must have (:func:`check_full_shape`)."""
+    if shape is not None:
+        check_full_shape(name, source, shape)
     with torch.no_grad():
         for spec, target in local:
             if target.numel() == 0:
@@ -240,6 +264,8 @@ def load_fused_optimizer_state_dict(module: Any, state_dict: Mapping[str, Mappin
             first_block = min(s.col_offset for s in table.shards)
             rowwise = key == "momentum1" and _rowwise(module)
             own = [(s, t) for s, t in pairs if not rowwise or s.col_offset == first_block or is_data_parallel(table)]
+            if key in entry:  # on every rank given it (a rank holding none of the table may get no entry)
+                check_full_shape(f"{table.name}.{key}", entry[key], table_shape(table, rowwise))
             if own:  # else nothing of it here (no shard, or per-row state another column block loads)
                 copy_into_shards(f"{table.name}.{key}", entry[key], own, rowwise=rowwise)
         if "step" in entry:
@@ -314,6 +340,7 @@ def gather_unsharded_state_dict(module: nn.Module, dst: int = 0) -> dict[str, to
 
 __all__ = [
     "check_covered",
+    "check_full_shape",
     "copy_into_shards",
     "drop_internal_keys",
     "fused_optimizer_state_dict",

@@ -28,7 +28,13 @@ from tritonrec.dist.embedding_lookup import ShardWeight
 from tritonrec.dist.fused_params import LookupOptions, parse_fused_params
 from tritonrec.dist.qcomm_protocol import QuantizedCommCodecs
 from tritonrec.dist.sharded_fused_optimizer import NoLocalShardsOptimizer, ShardedEmbeddingFusedOptimizer
-from tritonrec.dist.sharded_state import copy_into_shards, drop_internal_keys, ignore_internal_keys, save_table
+from tritonrec.dist.sharded_state import (
+    copy_into_shards,
+    drop_internal_keys,
+    ignore_internal_keys,
+    save_table,
+    table_shape,
+)
 from tritonrec.dist.sharding import EmbeddingSharding, LocalShard, ShardedTable, build_shardings, sharded_tables
 from tritonrec.dist.sharding.common import ShardingContext
 from tritonrec.dist.types import EmbeddingComputeKernel, ParameterSharding, ShardingEnv
@@ -65,7 +71,7 @@ class TableShards(nn.Module):
             missing_keys.append(key)
             return
         try:
-            copy_into_shards(key, state_dict[key], self._local_pairs(True))
+            copy_into_shards(key, state_dict[key], self._local_pairs(True), shape=table_shape(self.table))
         except (ValueError, TypeError) as err:
             error_msgs.append(str(err))
 

@@ -52,9 +52,13 @@ class PositionWeightedModule(nn.Module):
             self.position_weight.fill_(1.0)
 
     def forward(self, features: JaggedTensor) -> JaggedTensor:
+        return self.weighted(features, "<jagged tensor>")
+
+    def weighted(self, features: JaggedTensor, name: str) -> JaggedTensor:
+        """``forward`` with the feature's ``name`` for the error a too-long bag raises."""
         if not isinstance(features, JaggedTensor):
             raise TypeError(f"features must be a JaggedTensor, got {type(features).__name__}")
-        _check_max_length("<jagged tensor>", features.lengths(), self.max_feature_length)
+        _check_max_length(name, features.lengths(), self.max_feature_length)
         positions = _positions_in_bags(features.offsets(), features.values().shape[0])
         return JaggedTensor(
             values=features.values(),
@@ -148,9 +152,17 @@ class FeatureProcessedEmbeddingBagCollection(nn.Module):
         return True
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """``features`` (KJT over at least the EBC's feature names) -> the EBC's ``KeyedTensor`` of the processed
+        features. A missing feature, or a bag longer than its processor's ``max_feature_length``, is a
+        ``ValueError`` naming the feature."""
+        if not isinstance(features, KeyedJaggedTensor):
+            raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
         if isinstance(self._feature_processors, nn.ModuleDict):
+            missing = [name for name in self._feature_names if name not in features.keys()]
+            if missing:
+                raise ValueError(f"features is missing keys {missing} (it has {features.keys()})")
             jts = features.to_dict()
-            processed = [self._feature_processors[name](jts[name]) for name in self._feature_names]
+            processed = [self._process(name, jts[name]) for name in self._feature_names]
             features = KeyedJaggedTensor(
                 keys=self._feature_names,
                 values=torch.cat([jt.values() for jt in processed]),
@@ -160,3 +172,10 @@ class FeatureProcessedEmbeddingBagCollection(nn.Module):
         else:
             features = self._feature_processors(features)
         return self._embedding_bag_collection(features)
+
+    def _process(self, name: str, features: JaggedTensor) -> JaggedTensor:
+        processor = self._feature_processors[name]  # type: ignore[index]
+        # its errors name the feature (it sees a bare JT); a subclass with its own forward is called as it is
+        if isinstance(processor, PositionWeightedModule) and type(processor).forward is PositionWeightedModule.forward:
+            return processor.weighted(features, name)
+        return processor(features)

@@ -11,7 +11,7 @@ from the sharder's ``fused_params["optimizer"]`` (torchrec's key) or the module'
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -127,6 +127,10 @@ class EmbeddingEnumerator:
             raise ValueError(f"batch_size must be a positive int, got batch_size={batch_size!r}")
         self._topology = topology
         self._batch_size = batch_size
+        if constraints is not None and not isinstance(constraints, Mapping):
+            raise TypeError(
+                f"constraints must be a dict of table name -> ParameterConstraints, got {type(constraints).__name__}"
+            )
         self._constraints = dict(constraints or {})
         for name, c in self._constraints.items():
             if not isinstance(c, ParameterConstraints):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import enum
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -224,6 +225,10 @@ class ParameterConstraints:
     bounds_check_mode: Any = None
 
     def __post_init__(self) -> None:
+        for name in ("sharding_types", "compute_kernels"):  # a bare string would be read as its characters
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, (str, bytes)) or not isinstance(value, Iterable)):
+                raise TypeError(f"{name} must be a list, got {name}={value!r}")
         if self.sharding_types is not None:
             known = {t.value for t in ShardingType}
             self.sharding_types = [t.value if isinstance(t, ShardingType) else t for t in self.sharding_types]

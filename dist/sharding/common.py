@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tritonrec.data import KeyedJaggedTensor
+from tritonrec.dist.sharding.layout import check_table_layout
 from tritonrec.dist.types import ParameterSharding, ShardingType
 from tritonrec.kernels.embedding import PoolingMode
 from tritonrec.modules.embedding_configs import (
@@ -114,6 +115,9 @@ def sharded_tables(
                 raise ValueError(f"table {config.name!r}: shard placed on rank {s.rank}, world_size is {world_size}")
         if not shards:
             raise ValueError(f"table {config.name!r}: {sharding.sharding_type} sharding lists no shards")
+        check_table_layout(
+            config.name, sharding.sharding_type, config.num_embeddings, config.embedding_dim, shards, world_size
+        )
         out.append(ShardedTable(index, config, sharding, shards))
     return out
 

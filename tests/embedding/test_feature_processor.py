@@ -100,3 +100,18 @@ def test_bags_longer_than_max_length_and_unweighted_ebc_are_rejected():
         PositionWeightedModuleCollection({"f0": 0})
     with pytest.raises(ValueError, match="max_feature_length must be a positive int, got -1"):
         PositionWeightedModule(-1)
+
+
+def test_processed_collection_with_a_processor_per_feature_names_the_feature():
+    # a dict of processors: each sees a bare JaggedTensor, so a long bag was "feature '<jagged tensor>'", a missing
+    # feature a bare KeyError and a non-KJT an AttributeError
+    fp = FeatureProcessedEmbeddingBagCollection(
+        _ebc("torch"), {"f0": PositionWeightedModule(2), "f1": PositionWeightedModule(3)}
+    )
+    with pytest.raises(ValueError, match="feature 'f0' has a bag of 4 values, more than its max_feature_length 2"):
+        fp(_kjt())
+    only_f0 = KeyedJaggedTensor(keys=["f0"], values=torch.tensor([0, 1]), lengths=torch.tensor([1, 1, 0]))
+    with pytest.raises(ValueError, match=r"features is missing keys \['f1'\] \(it has \['f0'\]\)"):
+        fp(only_f0)
+    with pytest.raises(TypeError, match="features must be a KeyedJaggedTensor, got Tensor"):
+        fp(torch.ones(3))

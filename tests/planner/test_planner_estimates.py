@@ -153,6 +153,17 @@ def test_topology_and_constraints_check_their_input() -> None:
         _options(ebc([(100, 8)], features=2), topology(), three)
 
 
+def test_constraints_of_the_wrong_container_name_the_argument() -> None:
+    # a bare string was read as its characters ("got ['r', 'o', 'w', ...]"), a list of constraints failed in dict()
+    with pytest.raises(TypeError, match="sharding_types must be a list, got sharding_types='row_wise'"):
+        ParameterConstraints(sharding_types="row_wise")
+    with pytest.raises(TypeError, match="compute_kernels must be a list, got compute_kernels='fused'"):
+        ParameterConstraints(compute_kernels="fused")
+    assert ParameterConstraints(sharding_types=("row_wise",)).sharding_types == ["row_wise"]
+    with pytest.raises(TypeError, match="constraints must be a dict of table name -> ParameterConstraints, got list"):
+        EmbeddingEnumerator(topology(), 10, [ParameterConstraints()])  # type: ignore[arg-type]
+
+
 def test_calibration_file_round_trip_and_errors(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     path = COEFFS.save(tmp_path / "calib.json")
     assert load_perf_coefficients(path, "cpu") == COEFFS
