@@ -19,6 +19,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -61,7 +62,7 @@ def _remove_if_unused(run_dir: Path) -> None:
 
 
 @hydra.main(config_path="../configs", config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> dict[str, Any] | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if cfg.output_dir is None:
         cfg.output_dir = str(run_dir)
@@ -80,7 +81,27 @@ def main(cfg: DictConfig) -> None:
     )
     if metrics.get("stopped_by"):
         print(f"stopped by {metrics['stopped_by']} at step {metrics['steps']}: resume={metrics['checkpoint']}")
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            # exiting here would skip hydra's job-end callback: the sweep's summary would miss this job's row.
+            # The callback (tritonrec.dist.train.sweep.SweepSummary) writes it, then ends the sweep with 143.
+            return metrics
         sys.exit(143)
+    return None
+
+
+def _refuse_sweep_under_torchrun() -> None:
+    """A sweep (``-m``) under torchrun is refused before hydra starts: every rank would run hydra's sweep loop, the
+    second job's process group then hung at its rendezvous (past dist.timeout_s), and ranks other than 0 wrote sweep
+    folders and summaries of their own (or over rank 0's). ``dist.nproc=N`` without torchrun spawns fresh ranks
+    for every job of a sweep."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "RANK" not in os.environ:
+        return
+    if any(a in ("-m", "--multirun") or a.replace(" ", "") == "hydra.mode=MULTIRUN" for a in sys.argv[1:]):
+        sys.exit(
+            "scripts/train.py: a sweep (-m) cannot run under torchrun (each rank would run the whole sweep); run it "
+            "without torchrun and let each job spawn its ranks: python scripts/train.py -m dist.nproc="
+            f"{os.environ['WORLD_SIZE']} ..."
+        )
 
 
 def _quiet_other_ranks() -> None:
@@ -94,5 +115,6 @@ def _quiet_other_ranks() -> None:
 
 
 if __name__ == "__main__":
+    _refuse_sweep_under_torchrun()
     _quiet_other_ranks()
     main()

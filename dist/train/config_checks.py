@@ -92,6 +92,11 @@ def check_model(model: Any) -> None:
             f"model.dense_arch_layer_sizes must end with model.embedding_dim={model.embedding_dim} (the dense "
             f"features join the embeddings), got model.dense_arch_layer_sizes={list(model.dense_arch_layer_sizes)}"
         )
+    if len(model.over_arch_layer_sizes) < 2:  # DLRM's over arch: at least one hidden layer before the logit
+        raise ValueError(
+            "model.over_arch_layer_sizes must list at least 2 layer sizes (hidden layers, then the logit's 1), got "
+            f"model.over_arch_layer_sizes={list(model.over_arch_layer_sizes)}"
+        )
     if model.over_arch_layer_sizes[-1] != 1:
         raise ValueError(
             "model.over_arch_layer_sizes must end with 1 (one logit per sample for the BCE loss), got "

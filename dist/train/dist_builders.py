@@ -55,6 +55,18 @@ def _table_generators(kind: str, tables: list[str], world: int, local: int) -> d
     raise ValueError(f"sharding.kind={kind!r} has no hand-written plan")
 
 
+def check_column_wise(embedding_dims: set[int], world: int) -> None:
+    """``sharding=cw`` gives each of the ``world`` ranks an equal column block: every dim must divide evenly (also
+    checked before a distributed job spawns its ranks, from ``model.embedding_dim``)."""
+    uneven = sorted(d for d in embedding_dims if d % world)
+    if uneven:
+        raise ValueError(
+            f"sharding=cw gives every one of the {world} ranks an equal column block of each table, but "
+            f"embedding_dim {uneven} is not divisible by {world}: use a world size dividing it, a "
+            "model.embedding_dim divisible by the world size, or sharding=auto"
+        )
+
+
 def build_plan(model: nn.Module, cfg: TrainConfig, sharder: EmbeddingBagCollectionSharder, device: torch.device,
                env: ShardingEnv) -> ShardingPlan:  # fmt: skip
     """The plan ``cfg.sharding.kind`` names: the planner's (``auto``, identical on every rank) or one sharding type
@@ -71,13 +83,7 @@ def build_plan(model: nn.Module, cfg: TrainConfig, sharder: EmbeddingBagCollecti
         return planner.collective_plan(model, [sharder], env.process_group)
     configs = ebc.embedding_bag_configs()
     if cfg.sharding.kind == "cw":
-        uneven = sorted({c.embedding_dim for c in configs if c.embedding_dim % world})
-        if uneven:
-            raise ValueError(
-                f"sharding=cw gives every one of the {world} ranks an equal column block of each table, but "
-                f"embedding_dim {uneven} is not divisible by {world}: use a world size dividing it, a "
-                "model.embedding_dim divisible by the world size, or sharding=auto"
-            )
+        check_column_wise({c.embedding_dim for c in configs}, world)
     tables = [c.name for c in configs]
     generators = _table_generators(cfg.sharding.kind, tables, world, local)
     module_plan = construct_module_sharding_plan(ebc, generators, sharder, local, world, device.type)
@@ -178,5 +184,6 @@ __all__ = [
     "build_plan",
     "build_sharded_dense_optimizer",
     "build_sharded_model",
+    "check_column_wise",
     "qcomm_unused",
 ]

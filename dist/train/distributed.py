@@ -138,13 +138,15 @@ def train_distributed(
     finally:
         runner.close()
         report.close()
+    skipped: list[Any] = [None] * world  # each rank skips the malformed lines of its own part of the files
+    dist.all_gather_object(skipped, getattr(sources.train, "num_skipped", 0), group=side)
     if rank != 0:
         return None
     extra = {
         "resumed_from": cfg.resume,
         "checkpoint": str(checkpoint) if checkpoint else None,
         "device": str(device),
-        "data_skipped_lines": getattr(sources.train, "num_skipped", 0),
+        "data_skipped_lines": sum(skipped),  # over every rank's part of the data
         "world_size": world,
         "sharding": cfg.sharding.kind,
         "pipeline": cfg.pipeline.kind,

@@ -95,7 +95,8 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any) -> Any:
 
     A rank that raises stops the others (torch.multiprocessing terminates them) and its error is raised here with
     its own type and message (a ValueError stays a ValueError), chained to torch's report holding the rank's
-    traceback.
+    traceback. A rank that only stopped because another failed (``PipelineStageError``) gives way to that rank's
+    original error.
     """
     store = hold_local_store()  # bound for as long as the ranks run
     with tempfile.TemporaryDirectory(prefix="tritonrec-spawn-") as scratch:
@@ -107,7 +108,7 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any) -> Any:
                 while not context.join():
                     pass
             except mp.ProcessRaisedException as report:
-                error = _rank_error(result_path, report.error_index)
+                error = _root_error(result_path, report.error_index, nproc)
                 if error is None:
                     raise
                 raise error from report
@@ -115,6 +116,22 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any) -> Any:
             return None
         with open(result_path, "rb") as file:
             return pickle.load(file)
+
+
+def _root_error(result_path: str, rank: int, nproc: int) -> BaseException | None:
+    """The error to re-raise for rank ``rank``'s failure: its own, unless it only stopped because other ranks failed
+    (a ``PipelineStageError``, naming them in ``failed_ranks``) and another rank saved its original error (a
+    malformed line naming its file and line, say). torch reports whichever rank exited first, and the original error
+    was lost whenever a rank that merely stopped with it won that race."""
+    error = _rank_error(result_path, rank)
+    if error is not None and not getattr(error, "failed_ranks", None):
+        return error
+    named = [r for r in getattr(error, "failed_ranks", None) or [] if isinstance(r, int)]
+    for other in [*named, *range(nproc)]:
+        original = _rank_error(result_path, other) if other != rank else None
+        if original is not None and not getattr(original, "failed_ranks", None):
+            return original
+    return error
 
 
 def _rank_error(result_path: str, rank: int) -> BaseException | None:

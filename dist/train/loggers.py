@@ -60,20 +60,27 @@ class CSVLogger(MetricLogger):
         self._file.close()
 
 
+def tensorboard_writer_class() -> Any:
+    """``torch.utils.tensorboard.SummaryWriter``, or a ValueError saying how to install what it needs (also called
+    before a distributed job spawns its ranks, so a missing package fails there and then)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as error:  # torch.utils.tensorboard imports the tensorboard package
+        raise ValueError(
+            f"logger=tensorboard needs the tensorboard package ({error}): pip install -e '.[tensorboard]', or "
+            "use logger=csv"
+        ) from None
+    return SummaryWriter
+
+
 class TensorBoardLogger(MetricLogger):
     """Event files under ``tensorboard/``; a job resumed at step ``start`` hides the folder's events after ``start``
     (TensorBoard's ``purge_step``), so the steps it trains again are not drawn twice."""
 
     def __init__(self, out_dir: Path, start: int = 0) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as error:  # torch.utils.tensorboard imports the tensorboard package
-            raise ValueError(
-                f"logger=tensorboard needs the tensorboard package ({error}): pip install -e '.[tensorboard]', or "
-                "use logger=csv"
-            ) from None
+        summary_writer = tensorboard_writer_class()
         purge = start + 1 if start else None
-        self._writer: Any = SummaryWriter(log_dir=str(out_dir / "tensorboard"), purge_step=purge)
+        self._writer: Any = summary_writer(log_dir=str(out_dir / "tensorboard"), purge_step=purge)
 
     def log(self, kind: str, step: int, values: dict[str, float]) -> None:
         for name, value in values.items():
@@ -95,4 +102,4 @@ def build_logger(kind: str, out_dir: Path, start: int = 0) -> MetricLogger:
     raise ValueError(f"logger.kind must be one of ['none', 'csv', 'tensorboard'], got {kind!r}")
 
 
-__all__ = ["CSVLogger", "MetricLogger", "TensorBoardLogger", "build_logger"]
+__all__ = ["CSVLogger", "MetricLogger", "TensorBoardLogger", "build_logger", "tensorboard_writer_class"]

@@ -107,6 +107,7 @@ def run(cfg: DictConfig | TrainConfig) -> dict[str, Any]:
     elif cfg.dist.nproc > 1 or _is_distributed_checkpoint(cfg.resume):
         # the ranks would check these too, but here no rank has started yet (one error, no rank's traceback)
         resolve_backend(cfg.dist.backend, check_device(cfg.device))
+        precheck_ranks(cfg, cfg.dist.nproc)
         if cfg.resume:
             from tritonrec.dist.train.distributed import precheck_resume
 
@@ -119,6 +120,21 @@ def run(cfg: DictConfig | TrainConfig) -> dict[str, Any]:
 
     with _threads(cfg.num_threads), StopRequest().installed() as stop:
         return train_single(cfg, out_dir, stop)
+
+
+def precheck_ranks(cfg: TrainConfig, world: int) -> None:
+    """What the ranks of a ``world``-rank job would otherwise find wrong only after they spawned (and planned): the
+    data sources' own argument checks and files (built here, cheaply: nothing is read ahead), column-wise
+    sharding's split of ``model.embedding_dim``, and the tensorboard package of ``logger=tensorboard``."""
+    from tritonrec.dist.train.builders import build_data
+    from tritonrec.dist.train.dist_builders import check_column_wise
+    from tritonrec.dist.train.loggers import tensorboard_writer_class
+
+    build_data(cfg.data, rank=0, world_size=world)
+    if cfg.sharding.kind == "cw":
+        check_column_wise({cfg.model.embedding_dim}, world)
+    if cfg.logger.kind == "tensorboard":
+        tensorboard_writer_class()
 
 
 def _agreed_output_dir(cfg: TrainConfig, group: dist.ProcessGroup) -> Path:
@@ -156,4 +172,4 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any] | None:
             dist.destroy_process_group()
 
 
-__all__ = ["check_output_dir", "earlier_results", "run", "run_rank"]
+__all__ = ["check_output_dir", "earlier_results", "precheck_ranks", "run", "run_rank"]

@@ -3,7 +3,9 @@
 :class:`SweepSummary` (a hydra callback) rewrites ``summary.csv`` and ``summary.md`` there: one row per job with its
 overrides, its status and final metrics, so a sweep over experiments reads as one table. Written after each job, not
 only when the sweep ends: hydra raises a failed job's error after the sweep's jobs ran and never reaches its end
-hook, and a failed job's row (status ``failed: <error>``, no metrics) is what the table is for then."""
+hook, and a failed job's row (status ``failed: <error>``, no metrics) is what the table is for then. A job stopped
+by SIGTERM gets its row (``stopped by SIGTERM``), then the sweep ends with exit status 143: its later jobs do not
+run."""
 
 from __future__ import annotations
 
@@ -56,6 +58,14 @@ def _status(metrics: dict[str, Any], error: str | None) -> str:
     return f"stopped by {metrics['stopped_by']}" if metrics.get("stopped_by") else "completed"
 
 
+def _stopped_by(job_return: Any) -> str | None:
+    """The signal that stopped a completed job (its metrics' ``stopped_by``), None for a job that ran to its end."""
+    if job_return is None or job_return.status != JobStatus.COMPLETED:
+        return None
+    metrics = job_return.return_value  # the task function's return value: the job's metrics, or None
+    return metrics.get("stopped_by") if isinstance(metrics, dict) else None
+
+
 def summarize_sweep(sweep_dir: Path, errors: dict[str, str] | None = None) -> list[dict[str, str]]:
     """One row per job folder of ``sweep_dir`` (a job without metrics.json, e.g. one that failed, shows no metrics;
     ``errors`` maps a job folder's name to its error, shown in its status); writes summary.csv (numbers at full
@@ -103,6 +113,10 @@ class SweepSummary(Callback):
             summarize_sweep(sweep_dir, self._errors)
             if failed:
                 print(f"sweep summary (so far, with the failed job): {sweep_dir / 'summary.md'}")
+        stopped_by = _stopped_by(job_return)
+        if stopped_by:  # scripts/train.py returns a stopped job's metrics here instead of exiting inside the job
+            print(f"sweep stopped by {stopped_by}: later jobs not run; summary: {sweep_dir / 'summary.md'}")
+            raise SystemExit(143)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir))

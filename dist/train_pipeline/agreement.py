@@ -35,10 +35,16 @@ class PipelineStageError(RuntimeError):
     def __init__(self, stage: str, failed_ranks: list[int], rank: int) -> None:
         self.stage = stage
         self.failed_ranks = failed_ranks
+        self.rank = rank
         super().__init__(
             f"pipeline stage {stage!r} failed on rank(s) {failed_ranks}; rank {rank} stops with them "
             f"(the failing rank raised the original error)"
         )
+
+    def __reduce__(self) -> tuple[type, tuple[str, list[int], int]]:
+        # pickled with its constructor's arguments (the default pickles only the message), so a spawned rank's
+        # error reaches the launching process whole
+        return type(self), (self.stage, self.failed_ranks, self.rank)
 
 
 class Status(enum.IntEnum):

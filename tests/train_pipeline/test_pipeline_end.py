@@ -116,3 +116,16 @@ def test_the_failed_pipelines_model_trains_on_after_a_failure(failure: str, how:
         assert got[f"{how}_done"] == {"data": 2, "input_dist": 11}[failure], got
         assert got[f"{how}_equal"], f"rank {rank}: losses after the failure differ from the reference"
         assert got[f"{how}_differ"] == [], f"rank {rank}: weights differ: {got[f'{how}_differ']}"
+
+
+def test_pipeline_stage_error_survives_pickling() -> None:
+    """A spawned rank's error reaches the launching process pickled: the stage, the failed ranks and the message
+    must come back (the default pickled only the message, and the error did not unpickle at all)."""
+    import pickle
+
+    from tritonrec.dist.train_pipeline.agreement import PipelineStageError
+
+    error = pickle.loads(pickle.dumps(PipelineStageError("input_dist", [1, 3], 0)))
+    assert isinstance(error, PipelineStageError)
+    assert (error.stage, error.failed_ranks, error.rank) == ("input_dist", [1, 3], 0)
+    assert "failed on rank(s) [1, 3]" in str(error)
