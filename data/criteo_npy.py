@@ -240,6 +240,10 @@ def criteo_tsv_to_npy(
     num_dense, num_sparse = reader.element_spec.dense_dim, len(reader.element_spec.sparse_keys)
     np.save(dense_path, np.concatenate([np.zeros((0, num_dense), np.float32), *dense_rows]))
     sparse = np.concatenate([np.zeros((0, num_sparse), np.int64), *sparse_rows])
+    # The other layout's files, left by an earlier conversion to this prefix, would be read instead of (key-major
+    # wins) or beside the ones written now: remove them.
+    for stale in key_major_paths(prefix) if sizes is None else (sparse_path,):
+        stale.unlink(missing_ok=True)
     if sizes is None:
         np.save(sparse_path, sparse)
     else:

@@ -68,6 +68,7 @@ class ShardedBatchDataset(IterableDataset):
         self.pack_in_workers = False  # set by make_rank_loader, whose iterator unpacks (worker_transfer)
         self._packer = WorkerPacker()
         self._resuming = False  # load_state_dict was called: the next iteration continues that state
+        self._first_epoch = 0  # the epoch of the current iteration's first pass (counts the passes on resume)
 
     def _worker_source(self) -> ElementSource:
         info = get_worker_info()
@@ -92,9 +93,13 @@ class ShardedBatchDataset(IterableDataset):
         state = self.batcher.get_state()
         if self._resuming:
             self._resuming = False
-        elif state["position"] > 0:  # a pass abandoned by the previous iteration: start the next epoch
-            self.set_epoch(state["epoch"] + 1)
-        passes = 0
+            if self.num_passes is not None and state["epoch"] - self._first_epoch >= self.num_passes:
+                self._first_epoch = state["epoch"]  # saved after its iteration ended: this is the next iteration
+        else:
+            if state["position"] > 0:  # a pass abandoned by the previous iteration: start the next epoch
+                self.set_epoch(state["epoch"] + 1)
+            self._first_epoch = self.batcher.get_state()["epoch"]
+        passes = self.batcher.get_state()["epoch"] - self._first_epoch  # passes this iteration already made
         while self.num_passes is None or passes < self.num_passes:
             fresh, produced = self.batcher.get_state()["position"] == 0, False
             for batch in self.batcher.process(source, self.batch_size, self.drop_remainder):
@@ -109,12 +114,26 @@ class ShardedBatchDataset(IterableDataset):
         self.batcher.set_state({"epoch": _check_count(epoch, "epoch", minimum=0), "position": 0, "batches": 0})
 
     def state_dict(self) -> dict[str, Any]:
-        return {"batcher": self.batcher.get_state()}
+        """The Batcher's state and ``first_epoch``, the epoch of the current iteration's first pass (so a resumed
+        iteration of ``num_passes`` passes makes only the passes left)."""
+        return {"batcher": self.batcher.get_state(), "first_epoch": self._first_epoch}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if not isinstance(state, Mapping) or set(state) != {"batcher"}:
-            raise ValueError(f"state must be a ShardedBatchDataset.state_dict() ({{'batcher': ...}}), got {state!r}")
+        """Restore a :meth:`state_dict`; a state without ``first_epoch`` (saved before it was kept) resumes its
+        pass as the iteration's first."""
+        if not isinstance(state, Mapping) or set(state) not in ({"batcher"}, {"batcher", "first_epoch"}):
+            raise ValueError(
+                f"state must be a ShardedBatchDataset.state_dict() ({{'batcher': ..., 'first_epoch': ...}}), "
+                f"got {state!r}"
+            )
+        before = self.batcher.get_state()
         self.batcher.set_state(state["batcher"])
+        epoch = self.batcher.get_state()["epoch"]
+        first = state.get("first_epoch", epoch)
+        if not isinstance(first, int) or isinstance(first, bool) or not 0 <= first <= epoch:
+            self.batcher.set_state(before)  # a refused state leaves the dataset as it was
+            raise ValueError(f"state['first_epoch'] must be an int in [0, batcher epoch={epoch}], got {first!r}")
+        self._first_epoch = first
         self._resuming = True
 
 
@@ -188,6 +207,11 @@ def make_rank_loader(
     dataset.pack_in_workers = True
     _check_count(num_workers, "num_workers", minimum=0)
     _check_count(snapshot_every_n_steps, "snapshot_every_n_steps", minimum=1)
+    _check_count(prefetch_factor, "prefetch_factor", allow_none=True)
+    if prefetch_factor is not None and num_workers == 0:  # torch's DataLoader refuses it too (we dropped it silently)
+        raise ValueError(f"prefetch_factor={prefetch_factor!r} needs loader workers, but num_workers=0")
+    if not isinstance(pin_memory, bool):
+        raise TypeError(f"pin_memory must be a bool, got pin_memory={pin_memory!r}")
     options: dict[str, Any] = {"batch_size": None, "collate_fn": _no_collate, "pin_memory": pin_memory}
     if num_workers > 0:
         options.update(

@@ -18,11 +18,12 @@ batch in hand keeps it for its next epoch (unless the loader is reset).
   Batch's ``valid_mask`` is padded with False.
 * ``get_state()`` / ``set_state(state)``: the step, ``iterator_length``, the world size, the loader's state
   (``state_dict()`` of a ``StatefulDataLoader`` or any Stateful loader, ``get_state()`` of a Batcher-like one; for
-  a plain iterable, the number of batches it has yielded this pass, replayed on restore) and a batch kept in hand.
-  The next ``iter()`` after ``set_state`` continues the saved epoch, or starts the next one when the state was taken
-  after the epoch ended (``step == iterator_length``), just as the saved iterator would have. Restoring under another
-  ``iterator_length`` or world size, or a step or replay count that is not an int in range, is a ``ValueError``
-  naming the key.
+  a plain iterable, the number of batches it has yielded this pass, replayed on restore), a batch kept in hand and
+  ``epoch_ended``. The next ``iter()`` after ``set_state`` continues the saved epoch, or starts the next one when the
+  state was taken after the epoch ended (``step == iterator_length``, or a rank's loader ran out first), just as the
+  saved iterator would have; a state without ``epoch_ended`` (saved before it was kept) still loads. Restoring under
+  another ``iterator_length`` or world size, or a step or replay count that is not an int in range, is a
+  ``ValueError`` naming the key.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ import torch.distributed as dist
 
 from tritonrec.data.batch import Batch
 
-_STATE_KEYS = {"step", "iterator_length", "world_size", "loader", "pending"}
+_STATE_KEYS = {"step", "iterator_length", "world_size", "loader", "pending", "epoch_ended"}
+_OLD_STATE_KEYS = _STATE_KEYS - {"epoch_ended"}  # states saved before the flag was kept
 Shapes = list[tuple[str, tuple[int, ...]]]
 
 
@@ -172,6 +174,7 @@ class MultiHostDataLoadIterator:
         self._yielded = 0  # batches the current local iterator has yielded (the state of a stateless loader)
         self._replay = 0  # batches to skip when the next local iterator starts (restoring a stateless loader)
         self._restored = False
+        self._ended = False  # this epoch raised StopIteration (its steps ran out, or a rank's loader did)
 
     # ------------------------------------------------------------------------------------------------- iteration
     def __len__(self) -> int:
@@ -184,14 +187,15 @@ class MultiHostDataLoadIterator:
 
     def reset(self) -> None:
         """Start a new epoch: step 0, and a fresh pass of the local loader when ``reset_after_epoch``."""
-        self.step = 0
+        self.step, self._ended = 0, False
         if self.reset_after_epoch:
             self._local, self._pending, self._replay = None, None, 0
 
     def __iter__(self) -> MultiHostDataLoadIterator:
         # The epoch restored by set_state continues, unless the state was taken after it ended (step ==
-        # iterator_length, as xlstm-jax checks): then, as without the restore, iter() starts the next epoch.
-        unfinished = self.iterator_length is None or self.step < self.iterator_length
+        # iterator_length, as xlstm-jax checks, or it ended early because a rank's loader ran out): then, as without
+        # the restore, iter() starts the next epoch.
+        unfinished = not self._ended and (self.iterator_length is None or self.step < self.iterator_length)
         if not (self._restored and unfinished):
             self.reset()
         self._restored = False
@@ -199,6 +203,7 @@ class MultiHostDataLoadIterator:
 
     def __next__(self) -> Any:
         if self.iterator_length is not None and self.step >= self.iterator_length:
+            self._ended = True
             raise StopIteration
         batch = self._pull()
         has_batch = batch is not None
@@ -208,6 +213,7 @@ class MultiHostDataLoadIterator:
             every_rank_has_one, targets = self._all_have(has_batch), None
         if not every_rank_has_one:
             self._pending = batch  # None on the ranks that ran out
+            self._ended = True
             raise StopIteration
         self.step += 1
         return pad_batch(batch, targets, self.pad_value) if targets else batch
@@ -290,13 +296,14 @@ class MultiHostDataLoadIterator:
 
     # ------------------------------------------------------------------------------------------------------ state
     def get_state(self) -> dict[str, Any]:
-        """``{"step", "iterator_length", "world_size", "loader", "pending"}`` (see module docstring)."""
+        """``{"step", "iterator_length", "world_size", "loader", "pending", "epoch_ended"}`` (module docstring)."""
         return {
             "step": self.step,
             "iterator_length": self.iterator_length,
             "world_size": self.world_size,
             "loader": self._loader_state(),
             "pending": self._pending,
+            "epoch_ended": self._ended,
         }
 
     def _loader_state(self) -> Any:
@@ -308,7 +315,7 @@ class MultiHostDataLoadIterator:
 
     def set_state(self, state: Mapping[str, Any]) -> None:
         """Continue from a :meth:`get_state` result: the next ``iter()`` resumes the interrupted epoch."""
-        if not isinstance(state, Mapping) or set(state) != _STATE_KEYS:
+        if not isinstance(state, Mapping) or set(state) not in (_STATE_KEYS, _OLD_STATE_KEYS):
             raise ValueError(f"state must be a get_state() result with the keys {sorted(_STATE_KEYS)}, got {state!r}")
         if state["iterator_length"] != self.iterator_length:
             raise ValueError(
@@ -322,6 +329,9 @@ class MultiHostDataLoadIterator:
             )
         # Up to iterator_length inclusive: a state taken after an epoch's StopIteration has step == iterator_length.
         step = _state_count(state["step"], "state['step']", self.iterator_length)
+        ended = state.get("epoch_ended", False)
+        if not isinstance(ended, bool):
+            raise ValueError(f"state['epoch_ended'] must be a bool, got state['epoch_ended']={ended!r}")
         loader_state, replay = state["loader"], 0
         if callable(getattr(self.dataloader, "load_state_dict", None)):
             self.dataloader.load_state_dict(loader_state)  # type: ignore[attr-defined]
@@ -332,4 +342,4 @@ class MultiHostDataLoadIterator:
         else:
             raise ValueError(f"state['loader'] does not fit a {type(self.dataloader).__name__}: {loader_state!r}")
         self.step, self._pending, self._replay = step, state["pending"], replay
-        self._local, self._restored = None, True
+        self._local, self._restored, self._ended = None, True, ended
