@@ -64,6 +64,7 @@ def _copy_key_spans_kernel(
     permute_ptr,
     in_key_offsets_ptr,
     out_key_offsets_ptr,
+    out_rows,
     values_width,
     weights_width,
     SPLITS,
@@ -71,13 +72,14 @@ def _copy_key_spans_kernel(
     HAS_WEIGHTS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Grid (T', SPLITS): program (k, s) copies chunks s, s + SPLITS, ... of output key k's span."""
+    """Grid (T', SPLITS): program (k, s) copies chunks s, s + SPLITS, ... of output key k's span. Rows at or past
+    ``out_rows`` (the output's size) are never written, even when a caller's size was wrong and unchecked."""
     key = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     src_key = tl.load(permute_ptr + key).to(tl.int64)
     src_row = tl.load(in_key_offsets_ptr + src_key)
     dst_row = tl.load(out_key_offsets_ptr + key)
-    rows = tl.load(out_key_offsets_ptr + key + 1) - dst_row
+    rows = tl.maximum(tl.minimum(tl.load(out_key_offsets_ptr + key + 1), out_rows) - dst_row, 0)
     n = rows * values_width
     for e0 in range(split * BLOCK, n, SPLITS * BLOCK):
         e = e0 + tl.arange(0, BLOCK)
@@ -135,6 +137,7 @@ def _permute_2d_triton(
             permute,
             in_key_offsets,
             out_key_offsets,
+            total,
             v_width,
             w_width,
             splits,
@@ -194,14 +197,25 @@ def _check_permute_inputs(
                 f"weights must have one row per value ({values.shape[0]}), got shape {tuple(weights.shape)}"
             )
     check_same_device(permute=permute, lengths=lengths, values=values, weights=weights)
-    if permuted_lengths_sum is not None and (not isinstance(permuted_lengths_sum, int) or permuted_lengths_sum < 0):
+    if permuted_lengths_sum is not None and (
+        isinstance(permuted_lengths_sum, bool) or not isinstance(permuted_lengths_sum, int) or permuted_lengths_sum < 0
+    ):
         raise ValueError(f"permuted_lengths_sum must be a non-negative int or None, got {permuted_lengths_sum!r}")
 
 
-def _check_permute_values(permute: torch.Tensor, lengths: torch.Tensor, values: torch.Tensor) -> int | None:
+def _check_permuted_sum(permuted_lengths_sum: int | None, permuted: int) -> None:
+    """A caller's ``permuted_lengths_sum`` must be the number of values the permuted keys hold."""
+    if permuted_lengths_sum is not None and permuted_lengths_sum != permuted:
+        raise ValueError(f"permuted_lengths_sum = {permuted_lengths_sum} but the permuted keys hold {permuted} values")
+
+
+def _check_permute_values(
+    permute: torch.Tensor, lengths: torch.Tensor, values: torch.Tensor, permuted_lengths_sum: int | None = None
+) -> int | None:
     """Value checks (read tensor contents): run inside the op, at run time. On an accelerator everything they need is
     read in one host sync, which also reads the number of permuted values (returned; None on the CPU, when the
-    checks are off or a side is empty): the Triton path needs that size and would otherwise sync once more for it."""
+    checks are off or a side is empty): the Triton path needs that size and would otherwise sync once more for it.
+    A given ``permuted_lengths_sum`` is checked against that number (the Triton path sizes its output by it)."""
     if not value_checks_enabled():
         return None
     num_keys = lengths.shape[0]
@@ -212,6 +226,10 @@ def _check_permute_values(permute: torch.Tensor, lengths: torch.Tensor, values: 
         total = int(lengths.sum()) if lengths.numel() else 0
         if total > values.shape[0]:
             raise ValueError(f"values has {values.shape[0]} rows but sum(lengths) = {total}")
+        if permuted_lengths_sum is not None:
+            empty = permute.numel() == 0 or lengths.numel() == 0
+            key_sizes = None if empty else lengths.sum(dim=1, dtype=torch.int64)
+            _check_permuted_sum(permuted_lengths_sum, 0 if empty else int(key_sizes.index_select(0, permute).sum()))
         return None
     key_sizes = lengths.sum(dim=1, dtype=torch.int64)
     p_low, p_high = torch.aminmax(permute)
@@ -223,6 +241,7 @@ def _check_permute_values(permute: torch.Tensor, lengths: torch.Tensor, values: 
         check_nonnegative(lengths, "lengths")
     if total > values.shape[0]:
         raise ValueError(f"values has {values.shape[0]} rows but sum(lengths) = {total}")
+    _check_permuted_sum(permuted_lengths_sum, permuted)
     return permuted
 
 
@@ -275,7 +294,7 @@ def _permute_2d_op(
     backend: str,
 ) -> list[torch.Tensor]:
     """``[lengths, values]`` plus ``weights`` when given (an op returns no ``None`` inside a list)."""
-    permuted = _check_permute_values(permute, lengths, values)
+    permuted = _check_permute_values(permute, lengths, values, permuted_lengths_sum)
     if backend == "triton":
         size = permuted_lengths_sum if permuted_lengths_sum is not None else permuted
         out_lengths, out_values, out_weights = _permute_2d_triton(permute, lengths, values, weights, size)

@@ -74,7 +74,7 @@ def check_pooled_values(
     also = check_offsets(offsets, "offsets", total=num_values, read_also=read_also)
     if value_checks_enabled() and bag_divisors is not None and bag_divisors.numel():
         nonempty = (offsets[1:] - offsets[:-1]) > 0
-        bad = nonempty & (bag_divisors <= 0)
+        bad = nonempty & ~(bag_divisors > 0)  # NaN is not positive either
         if bool(bad.any()):
             where = int(bad.nonzero()[0].item())
             raise ValueError(

@@ -168,6 +168,13 @@ def launch_pooled_forward(
     out = torch.empty((batch_size, layout.total_dim), dtype=torch.float32, device=storage.device)
     if out.numel() == 0:
         return out
+    # the kernel reads these as flat arrays: strided views (a KJT's sliced values) must be made dense first
+    indices, offsets = indices.contiguous(), offsets.contiguous()
+    per_sample_weights = None if per_sample_weights is None else per_sample_weights.contiguous()
+    bag_divisors = None if bag_divisors is None else bag_divisors.contiguous()
+    storage = storage.contiguous()
+    if quant is not None:
+        quant = (quant[0].contiguous(), quant[1].contiguous(), quant[2])
     block_d = block_d_for(layout.max_dim)
     avg_len = indices.numel() // max(batch_size * layout.num_features, 1)
     grid = lambda cfg: (triton.cdiv(batch_size, cfg["BAGS"]), layout.num_features, triton.cdiv(layout.max_dim, block_d))

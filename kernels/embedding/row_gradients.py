@@ -194,6 +194,7 @@ def per_sample_weight_grad_triton(
     if out.numel() == 0:
         return out
     meta = layout.tensors(indices.device)
+    indices = indices.contiguous()  # read as a flat array by the kernel
     block_n = 16
     _psw_grad_kernel[(grid_programs(triton.cdiv(indices.numel(), block_n)),)](
         weights,

@@ -103,6 +103,7 @@ def sequence_forward_triton(
     if indices.numel() == 0:
         return out
     meta = layout.tensors(weights.device)
+    indices = indices.contiguous()  # read as a flat array by the kernel
     block_d = block_d_for(layout.max_dim)
     grid = lambda cfg: (
         grid_programs(triton.cdiv(indices.numel(), cfg["BLOCK_N"])),

@@ -74,6 +74,11 @@ def _pooled(case, **overrides):
             ValueError,
             r"bag_divisors must be positive for non-empty bags, got bag_divisors\[2\] = 0.0 for a bag of 3 values",
         ),
+        (  # NaN is not positive either: it used to pass the check and zero the bag silently
+            {"bag_divisors": torch.tensor([1.0, float("nan"), 1.0, 1.0])},
+            ValueError,
+            r"bag_divisors must be positive for non-empty bags, got bag_divisors\[1\] = nan for a bag of 1 values",
+        ),
         ({"backend": "cuda"}, ValueError, r"backend must be one of .*got backend='cuda'"),
         ({"sparse_grad": True}, ValueError, "sparse_grad=True needs table_weights"),
         (

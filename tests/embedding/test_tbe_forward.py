@@ -84,3 +84,29 @@ def test_random_jagged_inputs_kernel_twin_and_embedding_bag_agree(case):
     reference = pooled_reference(case)
     for backend in BACKENDS:
         torch.testing.assert_close(_lookup(case, backend), reference, rtol=1e-5, atol=1e-5)
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values as a non-contiguous view (every other element of a twice-as-long buffer)."""
+    return torch.stack([t, torch.full_like(t, 7)], dim=1).reshape(-1)[::2]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_contiguous_indices_offsets_and_weights(backend, tolerance):
+    # The kernels read indices / offsets / per-sample weights / divisors as flat arrays: strided views used to be read
+    # as if dense (garbage rows, wrong bags) on the Triton path, in the forward and the per-sample-weight gradient.
+    layout = make_layout([3, 2], rows=[5, 4], poolings=[SUM, MEAN])
+    case = make_case(layout, [2, 0, 3, 1], batch_size=2, weighted=True, seed=7)
+    divisors = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    expected = _lookup(case, "torch", bag_divisors=divisors)
+    psw = _strided(case.per_sample_weights).requires_grad_()
+    strided = (_strided(case.indices), _strided(case.offsets), psw, _strided(divisors))
+    assert not any(t.is_contiguous() for t in strided)
+    out = pooled_embedding_lookup(case.weights, layout, *strided, backend=backend)
+    torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+    out.sum().backward()
+    dense_psw = case.per_sample_weights.clone().requires_grad_()
+    pooled_embedding_lookup(
+        case.weights, layout, case.indices, case.offsets, dense_psw, divisors, backend="torch"
+    ).sum().backward()
+    torch.testing.assert_close(psw.grad, dense_psw.grad, **tolerance(torch.float32))

@@ -40,6 +40,17 @@ def test_gathers_rows_exactly_for_mixed_dims(backend):
     assert [tuple(p.shape) for p in parts] == [(5, 1), (0, 3), (7, 129), (3, 3)]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_contiguous_indices(backend):
+    # a strided view of the indices (every other element) used to be read as if dense by the Triton kernel
+    layout = make_layout([3, 2], rows=[4, 6])
+    weights, indices, starts = _inputs(layout, [3, 4], seed=1)
+    strided = torch.stack([indices, torch.full_like(indices, 99)], dim=1).reshape(-1)[::2]
+    assert not strided.is_contiguous()
+    out = sequence_embedding_lookup(weights, layout, strided, starts, backend=backend)
+    assert torch.equal(out, sequence_reference(layout, weights, indices, starts))
+
+
 @given(
     dims=st.lists(st.integers(1, 9), min_size=1, max_size=3),
     counts=st.lists(st.integers(0, 6), min_size=1, max_size=3),

@@ -86,6 +86,21 @@ def test_permute_bad_input() -> None:
         permute_2d_sparse_data(torch.tensor([0]), lengths, values, permuted_lengths_sum=-3)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("wrong_sum", [1, 7])
+def test_permute_wrong_permuted_lengths_sum(backend: str, wrong_sum: int) -> None:
+    # permute [1, 0, 1] of keys holding 1 + 2 and 0 + 3 values moves 3 + 3 + 3 = 9 values. The Triton path sizes its
+    # output by permuted_lengths_sum: it used to return 1 value (silently truncated) or leave 7 rows unwritten.
+    lengths = torch.tensor([[1, 2], [0, 3]], dtype=torch.int32)
+    values, permute = torch.arange(6.0), torch.tensor([1, 0, 1])
+    with pytest.raises(ValueError, match=rf"permuted_lengths_sum = {wrong_sum} but the permuted keys hold 9 values"):
+        permute_2d_sparse_data(permute, lengths, values, permuted_lengths_sum=wrong_sum, backend=backend)
+    with pytest.raises(ValueError, match="permuted_lengths_sum must be a non-negative int"):
+        permute_2d_sparse_data(torch.tensor([1]), lengths, values, permuted_lengths_sum=True, backend=backend)
+    out = permute_2d_sparse_data(permute, lengths, values, permuted_lengths_sum=9, backend=backend)
+    assert out[1].tolist() == [3.0, 4.0, 5.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
 # ------------------------------------------------------------------------------------------------------ bucketize
 def test_bucketize_hand_example() -> None:
     # T = 1, B = 2, block size 4, 2 buckets: ids 5 -> (bucket 1, local 1), 1 -> (0, 1), 7 -> (1, 3);
