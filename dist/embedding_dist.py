@@ -191,14 +191,25 @@ class PooledEmbeddingsReduceScatter(nn.Module):
         self.metadata_check = MetadataCheck()
 
     def forward(self, local_embs: torch.Tensor, input_splits: list[int] | None = None) -> PooledEmbeddingsAwaitable:
-        if input_splits and len(set(input_splits)) > 1:
-            tensor_awaitable = reduce_scatter_v_pooled(
-                local_embs, input_splits, self._pg, codecs=self._codecs, metadata_check=self.metadata_check
-            )
-        else:
-            tensor_awaitable = reduce_scatter_base_pooled(
-                local_embs, self._pg, codecs=self._codecs, metadata_check=self.metadata_check
-            )
+        """``local_embs [sum(input_splits), D]`` -> awaitable of this rank's ``[input_splits[me], D]`` sums. Equal
+        splits take the plain reduce-scatter, but must still add up to ``local_embs``' rows."""
+        with self.metadata_check.call(self._pg, type(self).__name__):  # its own checks fail on every rank too
+            if input_splits:
+                input_splits = checks.check_sizes(input_splits, "input_splits", self._pg.size())
+                rows = checks.check_float_tensor(local_embs, "local_embs", min_ndim=1).shape[0]
+                if sum(input_splits) != rows:
+                    raise ValueError(
+                        f"local_embs has {rows} rows but sum(input_splits) = {sum(input_splits)} "
+                        f"(input_splits={input_splits})"
+                    )
+            if input_splits and len(set(input_splits)) > 1:
+                tensor_awaitable = reduce_scatter_v_pooled(
+                    local_embs, input_splits, self._pg, codecs=self._codecs, metadata_check=self.metadata_check
+                )
+            else:
+                tensor_awaitable = reduce_scatter_base_pooled(
+                    local_embs, self._pg, codecs=self._codecs, metadata_check=self.metadata_check
+                )
         return PooledEmbeddingsAwaitable(tensor_awaitable)
 
 

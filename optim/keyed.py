@@ -46,6 +46,11 @@ __all__ = [
 ]
 
 
+def _hooks(optimizer: torch.optim.Optimizer, registry: str) -> list[Callable[..., Any]]:
+    """The hooks registered in one of torch's optimizer hook registries (none if the registry is missing)."""
+    return list(getattr(optimizer, registry, {}).values())
+
+
 class KeyedOptimizer(torch.optim.Optimizer):
     """An optimizer whose state is keyed by parameter name (see module docstring).
 
@@ -88,7 +93,12 @@ class KeyedOptimizer(torch.optim.Optimizer):
         ``param_groups`` is a tuple of dicts, not a list: ``torch.distributed.checkpoint`` stores a tuple whole under
         one key in both of its key layouts, while a list of dicts is split per entry in its current layout and
         kept whole in the torch 2.3 layout it falls back to when a rank holds a ShardedTensor without local shards
-        (a table-wise table on the other ranks) - that load then fails looking for ``param_groups``."""
+        (a table-wise table on the other ranks) - that load then fails looking for ``param_groups``.
+
+        Hooks registered with torch's ``register_state_dict_pre_hook`` / ``register_state_dict_post_hook`` run as
+        in ``torch.optim.Optimizer.state_dict`` (a post hook's non-None return replaces the result)."""
+        for pre_hook in _hooks(self, "_optimizer_state_dict_pre_hooks"):
+            pre_hook(self)
         out: dict[str, Any] = {"state": self.keyed_state()}
         if self.defaults["_save_param_groups"]:
             groups = []
@@ -97,6 +107,9 @@ class KeyedOptimizer(torch.optim.Optimizer):
                 saved["params"] = self.keyed_group_params(group)
                 groups.append(saved)
             out["param_groups"] = tuple(groups)
+        for post_hook in _hooks(self, "_optimizer_state_dict_post_hooks"):
+            result = post_hook(self, out)
+            out = out if result is None else result
         return out
 
     # The hooks below are what ``state_dict`` / ``load_state_dict`` (and a CombinedOptimizer holding this one) see of
@@ -139,7 +152,11 @@ class KeyedOptimizer(torch.optim.Optimizer):
         """Copy a :meth:`state_dict` into the live state (and hyperparameters, when param groups are saved).
 
         Everything is checked before anything is written: the same parameters with the same state keys and shapes,
-        and valid hyperparameters."""
+        and valid hyperparameters. Hooks from torch's ``register_load_state_dict_pre_hook`` (which may return a
+        replacement state dict) run first, those of ``register_load_state_dict_post_hook`` last."""
+        for pre_hook in _hooks(self, "_optimizer_load_state_dict_pre_hooks"):
+            result = pre_hook(self, state_dict)
+            state_dict = state_dict if result is None else result
         if not isinstance(state_dict, Mapping) or "state" not in state_dict:
             raise ValueError("state_dict must hold 'state' (as returned by state_dict())")
         loaded = state_dict["state"]
@@ -155,6 +172,8 @@ class KeyedOptimizer(torch.optim.Optimizer):
                     if k != "params":
                         group[k] = tuple(v) if k == "betas" and isinstance(v, list) else copy.deepcopy(v)
         self.post_load_state_dict()
+        for post_hook in _hooks(self, "_optimizer_load_state_dict_post_hooks"):
+            post_hook(self)
 
     def _matched_groups(self, state_dict: Mapping[str, Any]) -> list[tuple[dict[str, Any], Mapping[str, Any]]]:
         """Pair each live group with the saved group over the same parameter names; validate the saved ones."""

@@ -30,8 +30,8 @@ EXPECTED: dict[str, tuple[str, ...]] = {
     "reduce_scatter_v/splits": ("reduce_scatter_v_pooled", "input_splits: rank 0 = [2, 2], rank 1 = [3, 1]"),
     "reduce_scatter_module/branch": (
         "ranks call different collectives",
-        "rank 0: reduce_scatter_base_pooled",
-        "rank 1: reduce_scatter_v_pooled",
+        "rank 0: PooledEmbeddingsReduceScatter / reduce_scatter_base_pooled",
+        "rank 1: PooledEmbeddingsReduceScatter / reduce_scatter_v_pooled",
     ),
     "variable_batch/batch_sizes": (
         "variable_batch_alltoall_pooled",
