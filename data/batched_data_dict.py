@@ -148,7 +148,8 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         if dynamic_batching_args is not None and sequence_packing_args is not None:
             raise ValueError("dynamic_batching_args and sequence_packing_args cannot be passed together")
         total = self._uniform_size()
-        batch_size = total if batch_size is None else batch_size
+        if batch_size is None:  # the whole batch; an empty one has no chunks, so any multiple of shards will do
+            batch_size = total or shards
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int (or None for the whole batch), got {batch_size!r}")
         if total % batch_size:
@@ -368,6 +369,16 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             bad = rows[(rows < -total) | (rows >= total)][0].item()
             raise ValueError(f"indices holds {bad}, outside [-{total}, {total}) (the batch has {total} rows)")
         return type(self)(self._select_rows(indices))
+
+    ADDITIONAL_OPTIONAL_KEY_TENSORS = ("token_type_ids", "mm_token_type_ids")  # NeMo-RL's model-specific extras
+
+    def get_multimodal_dict(
+        self, as_tensors: bool = False, device: torch.device | None = None, pixel_dtype: torch.dtype | None = None
+    ) -> dict[str, Any]:
+        """NeMo-RL's multimodal model inputs: tritonrec has no ``PackedTensor`` media values, so these are the
+        :attr:`ADDITIONAL_OPTIONAL_KEY_TENSORS` present, as stored (NeMo-RL moves and casts only ``PackedTensor``
+        values); ``{}`` for a text-only batch."""
+        return {key: value for key, value in self.data.items() if key in self.ADDITIONAL_OPTIONAL_KEY_TENSORS}
 
     def get_dict(self) -> dict[Any, Any]:
         """The underlying dict."""

@@ -2,7 +2,9 @@
 modified first-fit decreasing.
 
 Each takes ``lengths [N]`` (int64, already validated: ``0 <= length <= capacity``) and returns bins as lists of
-indices into ``lengths``. All are deterministic: equal lengths are placed in ascending index order.
+indices into ``lengths``. All are deterministic: equal lengths are placed in ascending index order, except in
+first-fit decreasing, which places them in descending index order as NeMo-RL's does (it sorts ``(length, index)``
+pairs in reverse), so its bins match NeMo-RL's item for item.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ def _pool(lengths: np.ndarray, capacity: int) -> LengthPool:
 
 
 def first_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
-    """FFD: items in decreasing length, each into the first bin with room (new bins at the end)."""
+    """FFD: items in decreasing ``(length, index)`` order, each into the first bin with room (new bins at the end)."""
     pool, placements = _pool(lengths, capacity), Placements()
     fill_bins(pool, placements)
     placements.place_zero_lengths(int(np.count_nonzero(lengths == 0)))
-    return placements.to_bins(lengths)
+    return placements.to_bins(lengths, descending_ties=True)
 
 
 def best_two_fit(lengths: np.ndarray, capacity: int) -> list[list[int]]:

@@ -10,8 +10,9 @@ costs O(capacity / 64) machine words; a mirrored bitset (bit ``capacity - v``) f
 with one AND.
 
 Items of one length are interchangeable for packing quality. :class:`Placements` hands them out in ascending index
-order, which makes every packer deterministic and lets :meth:`Placements.to_bins` turn the (bin, length, count)
-records into index lists with a few numpy calls.
+order (descending on request, which is the order NeMo-RL's first-fit decreasing places equal lengths in), which
+makes every packer deterministic and lets :meth:`Placements.to_bins` turn the (bin, length, count) records into
+index lists with a few numpy calls.
 """
 
 from __future__ import annotations
@@ -151,17 +152,22 @@ class Placements:
         if count:
             self.add(0 if self.num_bins else self.new_bin(), 0, count)
 
-    def to_bins(self, lengths: np.ndarray) -> list[list[int]]:
-        """Index lists per bin, in placement order; every item of ``lengths [N]`` must have been placed once."""
+    def to_bins(self, lengths: np.ndarray, descending_ties: bool = False) -> list[list[int]]:
+        """Index lists per bin, in placement order; every item of ``lengths [N]`` must have been placed once. Items
+        of one length are handed out in ascending index order, or descending with ``descending_ties``."""
         copies = np.asarray(self._copies, dtype=np.int64)
         rec_lengths = np.asarray(self._lengths, dtype=np.int64)
         if int(copies.sum()) != lengths.size:
             raise AssertionError(f"placed {int(copies.sum())} items, expected {lengths.size}")
         if lengths.size == 0:
             return []
-        # Items sorted by (length, index); records sorted by (length, time) consume that order front to back.
+        # Items sorted by (length, index) (or (length, -index)); records sorted by (length, time) consume that order
+        # front to back.
         bound = int(lengths.max()) + 1
-        items_by_length = _stable_order(lengths, bound)
+        if descending_ties:
+            items_by_length = lengths.size - 1 - _stable_order(lengths[::-1], bound)
+        else:
+            items_by_length = _stable_order(lengths, bound)
         by_length = _stable_order(rec_lengths, bound)
         first_item = np.empty_like(copies)
         first_item[by_length] = np.cumsum(copies[by_length]) - copies[by_length]

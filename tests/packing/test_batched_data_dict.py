@@ -160,3 +160,23 @@ def test_get_batch_and_argument_errors() -> None:
         batch.shard_by_batch_size(shards=2, batch_size=0)
     with pytest.raises(ValueError, match="value for key 'x' must have a batch dimension, got a 0-d tensor"):
         BatchedDataDict({"x": torch.tensor(3)}).shard_by_batch_size(shards=1)
+
+
+@pytest.mark.parametrize("uneven", [False, True])
+def test_empty_batch_shards_with_whole_batch_size(uneven: bool) -> None:
+    """batch_size=None on an empty batch shards like any explicit batch_size does: ``shards`` empty shards (it used to
+    refuse with "batch_size must be a positive int ..., got 0", a value the caller never passed)."""
+    batch = BatchedDataDict({"x": torch.zeros(0, 3), "names": []})
+    shards = batch.shard_by_batch_size(shards=2, allow_uneven_shards=uneven)
+    assert len(shards) == 2
+    assert all(s["x"].shape == (0, 3) and s["names"] == [] for s in shards)
+
+
+def test_get_multimodal_dict_returns_nemo_rl_optional_keys() -> None:
+    """NeMo-RL's policies call ``get_multimodal_dict(as_tensors=True, device=...)`` on every batch; without
+    PackedTensor values it holds the model-specific optional tensors present, as stored."""
+    text = BatchedDataDict({"input_ids": torch.ones(2, 3), "names": ["a", "b"]})
+    assert text.get_multimodal_dict(as_tensors=True, device=torch.device("cpu")) == {}
+    token_types = torch.zeros(2, 3, dtype=torch.long)
+    batch = BatchedDataDict({"input_ids": torch.ones(2, 3), "token_type_ids": token_types})
+    assert batch.get_multimodal_dict() == {"token_type_ids": token_types}

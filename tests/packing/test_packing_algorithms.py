@@ -29,7 +29,8 @@ def assert_valid(lengths: list[int], bins: list[list[int]], capacity: int) -> No
     assert all(sum(lengths[i] for i in b) <= capacity for b in bins), "no bin over capacity"
 
 
-# Slow references: the textbook loops, item by item. Among equal lengths the lower index goes first.
+# Slow references: the textbook loops, item by item. Among equal lengths the lower index goes first (FFD: the higher,
+# as in NeMo-RL).
 
 
 def reference_concatenative(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -64,7 +65,8 @@ def decreasing(lengths: list[int], indices: list[int] | None = None) -> list[int
 
 
 def reference_ffd(lengths: list[int], capacity: int) -> list[list[int]]:
-    return reference_first_fit(lengths, capacity, decreasing(lengths))
+    """NeMo-RL's order: (length, index) pairs sorted in reverse, so equal lengths go higher index first."""
+    return reference_first_fit(lengths, capacity, sorted(range(len(lengths)), key=lambda i: (lengths[i], i))[::-1])
 
 
 def reference_mffd(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -301,3 +303,11 @@ def test_impossible_bin_count(algorithm: str) -> None:
 def test_enum_and_names_resolve_alike() -> None:
     by_enum = get_packer(PackingAlgorithm.MODIFIED_FIRST_FIT_DECREASING, CAPACITY).pack(MEDIUM)
     assert get_packer("MODIFIED_FIRST_FIT_DECREASING", CAPACITY).pack(MEDIUM) == by_enum
+
+
+def test_ffd_places_equal_lengths_like_nemo_rl() -> None:
+    """NeMo-RL's FirstFitDecreasingPacker sorts (length, index) pairs with reverse=True, so among equal lengths the
+    higher index is placed first; the bins (and so the rows of packed shards) match it item for item."""
+    lengths = [22, 7, 25, 3, 22, 2, 25, 8, 24, 6]
+    assert get_packer("first_fit_decreasing", 25).pack(lengths) == [[6], [2], [8], [4, 3], [0, 5], [7, 1, 9]]
+    assert get_packer("first_fit_decreasing", 10).pack([5, 5, 5, 0]) == [[2, 1, 3], [0]]
