@@ -42,6 +42,23 @@ def _shared_embedding_dim(embedding_bag_collection: nn.Module) -> int:
     return next(iter(dims.values()))
 
 
+def _check_dense_features(dense: torch.Tensor, dense_in_features: int, sparse: KeyedJaggedTensor) -> None:
+    """``dense [B, Dd]`` must be a floating tensor with ``Dd == dense_in_features`` and ``B`` the KJT's stride (one
+    batch size per key); raises naming the argument and its value (shapes only: no device sync)."""
+    if not isinstance(dense, torch.Tensor) or not dense.is_floating_point():
+        got = dense.dtype if isinstance(dense, torch.Tensor) else type(dense).__name__
+        raise TypeError(f"dense_features must be a floating-point tensor, got {got}")
+    if dense.dim() != 2 or dense.shape[1] != dense_in_features:
+        raise ValueError(
+            f"dense_features must have shape [B, dense_in_features={dense_in_features}], got {tuple(dense.shape)}"
+        )
+    one_stride = isinstance(sparse, KeyedJaggedTensor) and not sparse.variable_stride_per_key()
+    if one_stride and dense.shape[0] != sparse.stride():
+        raise ValueError(
+            f"dense_features has batch size {dense.shape[0]} but sparse_features has stride {sparse.stride()}"
+        )
+
+
 class DLRM(nn.Module):
     """DLRM with the dot-product interaction.
 
@@ -73,12 +90,15 @@ class DLRM(nn.Module):
         self.sparse_arch = SparseArch(embedding_bag_collection)
         num_sparse = len(self.sparse_arch.sparse_feature_names)
         self.dense_arch = DenseArch(dense_in_features, dense_arch_layer_sizes, dense_device)
+        self._dense_in_features = dense_in_features
         self.inter_arch: nn.Module = InteractionArch(num_sparse, dense_device)
         over_in = embedding_dim + math.comb(num_sparse, 2) + num_sparse
         self.over_arch = OverArch(over_in, over_arch_layer_sizes, dense_device)
 
     def forward(self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
         """``dense_features [B, Dd]``, ``sparse_features`` (stride B) -> logits ``[B, over_arch_layer_sizes[-1]]``."""
+        if not is_fx_symbolic_tracing():  # train pipelines trace the model with fx proxies
+            _check_dense_features(dense_features, self._dense_in_features, sparse_features)
         # The lookup first: a sharded collection returns a lazy awaitable, so its output all-to-all is in flight
         # while the dense arch runs, and in the backward (autograd runs the latest-created ready node first) the dense
         # arch's gradients - and DDP's all-reduce of them - come before the embedding update instead of after it.

@@ -46,6 +46,22 @@ def _embedding_for(config: EmbeddingConfig, view: torch.Tensor) -> nn.Embedding:
     return nn.Embedding(config.num_embeddings, config.embedding_dim, _weight=view)
 
 
+def _reset_tables(
+    module: TableBatchedCollection, configs: list[EmbeddingBagConfig] | list[EmbeddingConfig], container: nn.ModuleDict
+) -> None:
+    """Re-draw each table's ``weight [num_embeddings, embedding_dim]`` in place with its config's ``init_fn``
+    (torchrec's ``reset_parameters``); nothing to draw on ``meta``. Parameters stay views of the flat buffers."""
+    if module.device.type == "meta":
+        return
+    module._ensure_packed()
+    with torch.no_grad():
+        for config in configs:
+            weight = container[config.name].weight
+            drawn = config.init_fn(weight)
+            if drawn is not None and drawn is not weight:
+                weight.copy_(drawn)
+
+
 class EmbeddingBagCollection(TableBatchedCollection):
     """Pooled embeddings of several tables (see module docstring).
 
@@ -111,6 +127,10 @@ class EmbeddingBagCollection(TableBatchedCollection):
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._embedding_bag_configs
+
+    def reset_parameters(self) -> None:
+        """Re-initialise every table from its config's ``init_fn`` (torchrec's API; a no-op on ``meta``)."""
+        _reset_tables(self, self._embedding_bag_configs, self.embedding_bags)
 
     def is_weighted(self) -> bool:
         return self._is_weighted
@@ -178,6 +198,14 @@ class EmbeddingCollection(TableBatchedCollection):
 
     def embedding_configs(self) -> list[EmbeddingConfig]:
         return self._embedding_configs
+
+    def embedding_names_by_table(self) -> list[list[str]]:
+        """Each table's output feature names, in config order (torchrec's API)."""
+        return [list(config.feature_names) for config in self._embedding_configs]
+
+    def reset_parameters(self) -> None:
+        """Re-initialise every table from its config's ``init_fn`` (torchrec's API; a no-op on ``meta``)."""
+        _reset_tables(self, self._embedding_configs, self.embeddings)
 
     def embedding_dim(self) -> int:
         """The common dim when all tables share one (torchrec's API); raises when they differ."""

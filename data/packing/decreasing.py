@@ -52,7 +52,8 @@ def modified_first_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[li
     4. First-fit decreasing of everything left, into the large bins first (in order) and then into new bins.
 
     Step 4 is FFD proper; NeMo-RL's implementation of its last phase probes only the emptiest leftover bin, which
-    is worst-fit rather than first-fit, so its bin counts can differ slightly from this one.
+    is worst-fit rather than first-fit, so its bin counts can differ slightly from this one, and its bins' contents
+    and order differ more often (it also takes the highest-index item among equal lengths in step 3; ours the lowest).
     """
     pool, placements = _pool(lengths, capacity), Placements()
     # Class tests in integers: length > C/k  <=>  k * length > C.

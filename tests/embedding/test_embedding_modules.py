@@ -233,3 +233,32 @@ def test_ec_returns_rows_per_value_with_different_dims(backend, tolerance):
     )
     with pytest.raises(ValueError, match=r"tables have different dims \[1, 3, 129\]"):
         ec.embedding_dim()
+
+
+def test_reset_parameters_redraws_tables_in_place_from_init_fn():
+    """torchrec's ``reset_parameters()`` (DMP and user code call it): each table re-drawn from its ``init_fn``, the
+    parameters still views of the flat buffer (so the next forward reads the new rows); a no-op on ``meta``."""
+    fill = lambda value: lambda t: t.fill_(value)
+    ebc = EmbeddingBagCollection(
+        [
+            EmbeddingBagConfig(num_embeddings=5, embedding_dim=3, name="t0", feature_names=["f0"], init_fn=fill(2.0)),
+            EmbeddingBagConfig(5, 2, "t1", DataType.FP16, ["f1"], init_fn=lambda t: torch.full_like(t, 3.0)),
+        ],
+        backend="torch",
+    )
+    with torch.no_grad():
+        for param in ebc.parameters():
+            param.zero_()
+    ebc.reset_parameters()
+    assert torch.equal(ebc.embedding_bags["t0"].weight, torch.full((5, 3), 2.0))
+    assert torch.equal(ebc.embedding_bags["t1"].weight, torch.full((5, 2), 3.0, dtype=torch.float16))
+    kjt = KeyedJaggedTensor(keys=["f0", "f1"], values=torch.tensor([4, 0]), lengths=torch.tensor([1, 1]))
+    assert torch.equal(ebc(kjt).values(), torch.tensor([[2.0, 2.0, 2.0, 3.0, 3.0]]))
+    ec = EmbeddingCollection([EmbeddingConfig(4, 2, "t", feature_names=["a", "b"], init_fn=fill(1.5))], backend="torch")
+    with torch.no_grad():
+        ec.embeddings["t"].weight.zero_()
+    ec.reset_parameters()
+    kjt = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([3]), lengths=torch.tensor([1, 0]))
+    assert torch.equal(ec(kjt)["a"].values(), torch.full((1, 2), 1.5))
+    assert ec.embedding_names_by_table() == [["a", "b"]]
+    EmbeddingBagCollection([EmbeddingBagConfig(5, 3, "t", feature_names=["f"])], device="meta").reset_parameters()

@@ -220,3 +220,19 @@ def test_bad_model_arguments() -> None:
         DLRM_DCN(_collection(), 3, [8, D], [5, 1], dcn_num_layers=2, dcn_low_rank_dim=0)
     with pytest.raises(TypeError, match="batch must be a tritonrec.data.batch.Batch, got dict"):
         _train_model()({"dense": torch.zeros(2, 3)})
+
+
+def test_bad_forward_inputs_name_the_argument() -> None:
+    """Dense features of the wrong width, batch size (against the KJT's stride) or dtype raise naming
+    ``dense_features`` (before, torch's matmul / cat errors named neither argument nor expected shape)."""
+    model = DLRM(_collection(), 3, [D], [4, 1])
+    kjt = next(Batcher(SPEC).process(_elements(4), 4)).sparse_features  # stride 4
+    assert model(torch.randn(4, 3), kjt).shape == (4, 1)
+    with pytest.raises(ValueError, match=r"dense_features has batch size 5 but sparse_features has stride 4"):
+        model(torch.randn(5, 3), kjt)
+    with pytest.raises(ValueError, match=r"dense_features must have shape \[B, dense_in_features=3\], got \(4, 2\)"):
+        model(torch.randn(4, 2), kjt)
+    with pytest.raises(ValueError, match=r"dense_features must have shape \[B, dense_in_features=3\], got \(3,\)"):
+        model(torch.randn(3), kjt)
+    with pytest.raises(TypeError, match="dense_features must be a floating-point tensor, got torch.int64"):
+        model(torch.ones(4, 3, dtype=torch.int64), kjt)
