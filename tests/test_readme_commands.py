@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -42,3 +44,39 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert len(test_commands) == 1
     ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert test_commands[0] in ci_lines
+
+
+def _train_commands(text: str) -> list[list[str]]:
+    """The arguments of every ``scripts/train.py`` command the README shows: fenced, indented or inline."""
+    commands = set(re.findall(r"`((?:python|torchrun)[^`\n]*scripts/train\.py[^`\n]*)`", text))
+    commands |= {
+        line.strip() for line in text.splitlines() if re.match(r"\s*(python|torchrun)\b.*scripts/train\.py", line)
+    }
+    arguments = []
+    for command in sorted(commands):
+        args = shlex.split(command.split("#")[0].replace("<date>", "2026-01-01_00-00-00"))
+        arguments.append(args[args.index("scripts/train.py") + 1 :])
+    return arguments
+
+
+def test_readme_train_overrides_compose() -> None:
+    """Every override the README passes to scripts/train.py composes into a valid TrainConfig (each job of a ``-m``
+    sweep too); commands elided with ``...`` are skipped. Composing only: nothing trains."""
+    from hydra import compose, initialize_config_dir
+
+    from tritonrec.dist.train import as_train_config, register_configs
+
+    register_configs()
+    arguments = [args for args in _train_commands((ROOT / "README.md").read_text()) if "..." not in args]
+    assert len(arguments) >= 5, arguments
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        for args in arguments:
+            sweep = "-m" in args
+            keys, values = [], []
+            for arg in (a for a in args if a != "-m"):
+                key, value = arg.split("=", 1)
+                keys.append(key)
+                values.append(value.split(",") if sweep and "[" not in value else [value])
+            for job in itertools.product(*values):
+                overrides = [f"{key}={value}" for key, value in zip(keys, job, strict=True)]
+                as_train_config(compose(config_name="train", overrides=overrides))
