@@ -60,14 +60,6 @@ def _int_list(value: object, name: str, size: int, increasing: bool = False) -> 
     return list(value)
 
 
-def _per_key_totals(kjt: KeyedJaggedTensor) -> list[int]:
-    """Each key's number of values, ``[T]``, from the lengths (one host read)."""
-    spk = torch.tensor(kjt.stride_per_key(), device=kjt.device())
-    key_of_bag = torch.repeat_interleave(torch.arange(len(kjt.keys()), device=kjt.device()), spk)
-    totals = torch.zeros(len(kjt.keys()), dtype=torch.int64, device=kjt.device())
-    return totals.index_add_(0, key_of_bag, kjt.lengths().to(torch.int64)).tolist()
-
-
 def check_cached_metadata(
     kjt: KeyedJaggedTensor,
     length_per_key: object,
@@ -83,7 +75,8 @@ def check_cached_metadata(
     if index_per_key is not None and index_per_key != kjt.index_per_key():
         raise ValueError(f"index_per_key = {index_per_key!r} must map each key to its position: {kjt.index_per_key()}")
     given = length_per_key is not None or offset_per_key is not None
-    totals = _per_key_totals(kjt) if given and value_checks_enabled() else None
+    # the KJT's own count per key (built without the caller's caches: one host read of its offsets)
+    totals = list(kjt.length_per_key()) if given and value_checks_enabled() else None
     if length_per_key is not None:
         length_per_key = _int_list(length_per_key, "length_per_key", len(keys))
         if sum(length_per_key) > num_values:

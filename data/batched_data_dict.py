@@ -31,6 +31,7 @@ from tritonrec.data.batched_data_args import DynamicBatchingArgs, SequencePackin
 from tritonrec.data.batched_data_values import Indices, row_count, stack_values, take_rows
 from tritonrec.data.packing.checks import integers_as_int64
 from tritonrec.kernels.backend import Backend
+from tritonrec.kernels.checks import host_ints
 from tritonrec.kernels.pack_sequences import PackedSequences, make_packing_plan, pack_sequences
 
 DictT = TypeVar("DictT", bound=Mapping[str, Any])
@@ -365,7 +366,8 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         rows = torch.as_tensor(indices)
         if rows.dim() != 1 or (rows.numel() and (rows.is_floating_point() or rows.dtype == torch.bool)):
             raise ValueError(f"indices must be a 1-D sequence of ints, got {indices!r:.200}")
-        if rows.numel() and not -total <= int(rows.min()) <= int(rows.max()) < total:
+        low, high = host_ints(*torch.aminmax(rows)) if rows.numel() else (0, -1)  # one host read
+        if rows.numel() and not -total <= low <= high < total:
             bad = rows[(rows < -total) | (rows >= total)][0].item()
             raise ValueError(f"indices holds {bad}, outside [-{total}, {total}) (the batch has {total} rows)")
         return type(self)(self._select_rows(indices))

@@ -62,12 +62,22 @@ class _Day:
         return self.store.lengths.shape[0] if self.store is not None else self.sparse.shape[1]  # type: ignore[union-attr]
 
 
-def _load_day(prefix: str | Path) -> _Day:
+def check_day_files(prefix: str | Path) -> bool:
+    """Whether day ``prefix`` is key-major; a ``ValueError`` names the first of its files that is missing. Reads no
+    array (opening the day validates every id: a whole read of the day)."""
     dense_path, sparse_path, labels_path = npy_paths(prefix)
-    key_major = any(path.is_file() for path in key_major_paths(prefix))  # then KeyMajorStore names a missing one
-    for path in (dense_path, labels_path) if key_major else (dense_path, sparse_path, labels_path):
+    ids_files = key_major_paths(prefix)
+    key_major = any(path.is_file() for path in ids_files)
+    needed = (dense_path, labels_path, *ids_files) if key_major else (dense_path, sparse_path, labels_path)
+    for path in needed:
         if not path.is_file():
             raise ValueError(f"prefixes: prefix {str(prefix)!r} has no file {str(path)!r}")
+    return key_major
+
+
+def _load_day(prefix: str | Path) -> _Day:
+    dense_path, sparse_path, labels_path = npy_paths(prefix)
+    key_major = check_day_files(prefix)
     dense = np.load(dense_path, mmap_mode="r").view(np.ndarray)
     labels = np.load(labels_path, mmap_mode="r").view(np.ndarray)
     store = KeyMajorStore.open(prefix) if key_major else None

@@ -124,13 +124,21 @@ def run(cfg: DictConfig | TrainConfig) -> dict[str, Any]:
 
 def precheck_ranks(cfg: TrainConfig, world: int) -> None:
     """What the ranks of a ``world``-rank job would otherwise find wrong only after they spawned (and planned): the
-    data sources' own argument checks and files (built here, cheaply: nothing is read ahead), column-wise
-    sharding's split of ``model.embedding_dim``, and the tensorboard package of ``logger=tensorboard``."""
+    data sources' own argument checks and files (synthetic and TSV sources are built here, which reads nothing
+    ahead; of npy days only the files' presence is checked, since opening one validates all its ids, which the
+    ranks do), column-wise sharding's split of ``model.embedding_dim``, and the tensorboard package of
+    ``logger=tensorboard``."""
+    from tritonrec.data.criteo_npy import check_day_files
     from tritonrec.dist.train.builders import build_data
+    from tritonrec.dist.train.config import CriteoNPYDataConfig
     from tritonrec.dist.train.dist_builders import check_column_wise
     from tritonrec.dist.train.loggers import tensorboard_writer_class
 
-    build_data(cfg.data, rank=0, world_size=world)
+    if isinstance(cfg.data, CriteoNPYDataConfig) and cfg.data.prefixes:
+        for prefix in [*cfg.data.prefixes, *cfg.data.eval_prefixes]:
+            check_day_files(prefix)
+    else:
+        build_data(cfg.data, rank=0, world_size=world)
     if cfg.sharding.kind == "cw":
         check_column_wise({cfg.model.embedding_dim}, world)
     if cfg.logger.kind == "tensorboard":

@@ -20,7 +20,7 @@ import pytest
 
 from tests.train.dist_job_cases import tiny_config
 from tritonrec.dist.train import run
-from tritonrec.dist.train.config import CriteoTSVDataConfig, DLRMConfig, SyntheticDataConfig
+from tritonrec.dist.train.config import CriteoNPYDataConfig, CriteoTSVDataConfig, DLRMConfig, SyntheticDataConfig
 from tritonrec.dist.train.job_config import LoggerConfig, ShardingConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,6 +99,10 @@ def _missing_file(cfg: Any) -> None:
     cfg.data = CriteoTSVDataConfig(paths=["/no/such/day.tsv"], num_embeddings=40)
 
 
+def _missing_npy_day(cfg: Any) -> None:
+    cfg.data = CriteoNPYDataConfig(prefixes=["/no/such/day_0"], num_embeddings=40)
+
+
 def _tensorboard_missing(cfg: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     def no_tensorboard() -> None:
         raise ValueError("logger=tensorboard needs the tensorboard package (test)")
@@ -113,6 +117,7 @@ def _tensorboard_missing(cfg: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     (_bad_data, r"data: zipf_alpha must be a positive number, got zipf_alpha=0.0"),
     (_bad_over_arch, r"model.over_arch_layer_sizes must list at least 2 layer sizes .*=\[1\]"),
     (_missing_file, r"paths: no such file '/no/such/day.tsv'"),
+    (_missing_npy_day, r"prefixes: prefix '/no/such/day_0' has no file '/no/such/day_0_dense.npy'"),
     (_tensorboard_missing, r"logger=tensorboard needs the tensorboard package"),
 ])  # fmt: skip
 def test_rank_side_fields_are_checked_before_spawning(
