@@ -1,6 +1,6 @@
 """``fused_params``: what a sharder passes to the local lookups (torchrec's / FBGEMM TBE's key names).
 
-Keys: ``optimizer`` (an ``OptimType``, its name, or ``torch.optim.SGD`` / ``torch.optim.Adam``), ``learning_rate``
+Keys: ``optimizer`` (an ``OptimType``, its name, or ``torch.optim.SGD`` / ``Adam`` / ``Adagrad``), ``learning_rate``
 (or ``lr``), ``eps``, ``beta1``, ``beta2``, ``weight_decay``, ``stochastic_rounding``, ``bounds_check_mode`` (a
 ``BoundsCheckMode``), ``weights_precision`` (a ``DataType``: the storage type of every table), and ours, ``backend``
 (``"auto"``/``"triton"``/``"torch"``). An unknown key raises ``ValueError`` naming it.

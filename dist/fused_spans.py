@@ -175,11 +175,16 @@ def apply_span_rule(
         return
     state = span.group.state
     table = span.weights()
-    # fp32 SGD / rowwise Adagrad add their delta in place (one read-modify-write per row, as the kernels' twin)
+    # fp32 SGD / either Adagrad add their delta in place (one read-modify-write per row, as the kernels' twin)
     in_place = table.dtype == torch.float32 and state.optim != OptimType.ADAM
     w = None if in_place else table.index_select(0, rows).float()
     if state.optim == OptimType.EXACT_SGD:
         delta = grad.mul_(-scalars.lr)
+    elif state.optim == OptimType.EXACT_ADAGRAD:  # per element: the state block is the span's block of momentum1
+        m_table = state.momentum1[span.first_element : span.first_element + table.numel()].view(table.shape)
+        momentum = m_table.index_select(0, rows).add_(grad * grad)
+        m_table.index_copy_(0, rows, momentum)
+        delta = grad.mul_(-scalars.lr).div_(momentum.sqrt_().add_(scalars.eps))
     elif state.optim == OptimType.EXACT_ROWWISE_ADAGRAD:
         momentum = state.momentum1[span.first_row : span.first_row + span.num_rows]
         if row_square_sums is None:  # the squared 2-norm: one fused reduction, as the twin computes it

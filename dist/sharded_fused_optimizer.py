@@ -7,7 +7,8 @@ kernels update). Its ``state_dict()`` is keyed by table, the same on every rank,
     {"state": {"<container>.<table>.weight": {"momentum1": ShardedTensor, "momentum2": ..., "step": Tensor}},
      "param_groups": [{hyperparameters, "params": every table's name}]}
 
-* per-element state (Adam's moments) ``[rows, dim]``, sharded like the table's weight (same shard metadata);
+* per-element state (Adam's moments, ``EXACT_ADAGRAD``'s ``momentum1``) ``[rows, dim]``, sharded like the table's
+  weight (same shard metadata: a column-split table's blocks each hold their own columns' state);
 * per-row state (rowwise Adagrad's ``momentum1``) ``[rows]``, one shard per row range; a column-split table's
   blocks share one per-row state (:mod:`tritonrec.dist.column_adagrad`), saved by each row range's first column
   block and sent to the other blocks after a load (as :mod:`tritonrec.dist.checkpoint` saves it);

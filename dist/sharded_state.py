@@ -8,10 +8,10 @@
 * ``load_state_dict`` takes those ``ShardedTensor``\\ s (their local shards must cover this rank's shards: what DCP
   loaded into) or an unsharded module's full tensors, of which each rank keeps its slice.
 * :func:`fused_optimizer_state_dict` / :func:`load_fused_optimizer_state_dict`: the fused optimizer state keyed by
-  table (``momentum1``: per row ``[rows]`` for rowwise Adagrad, per element ``[rows, dim]`` for Adam;
-  ``momentum2``; ``step``), sharded like the weights; per-row state of column-split tables is saved once per row
-  range and copied to the other column blocks after a load. The fused optimizer's own ``state_dict`` is the same
-  state under parameter names (:mod:`tritonrec.dist.sharded_fused_optimizer`).
+  table (``momentum1``: per row ``[rows]`` for rowwise Adagrad, per element ``[rows, dim]`` for Adam and
+  per-element Adagrad; ``momentum2``; ``step``), sharded like the weights; per-row state of column-split tables is
+  saved once per row range and copied to the other column blocks after a load. The fused optimizer's own
+  ``state_dict`` is the same state under parameter names (:mod:`tritonrec.dist.sharded_fused_optimizer`).
 * :func:`gather_unsharded_state_dict`: the unsharded module's state dict, assembled on one rank (export).
 
 Why ``ShardedTensor`` rather than ``DTensor``: a plan places arbitrary shards on arbitrary ranks (a whole table on
@@ -246,9 +246,12 @@ def fused_state_keys(module: Any) -> list[str]:
     fused = module.lookup_options.fused
     if fused is None:
         return []
-    return {"EXACT_SGD": [], "EXACT_ROWWISE_ADAGRAD": ["momentum1"], "ADAM": ["momentum1", "momentum2"]}[
-        fused.optim.name
-    ]
+    return {
+        "EXACT_SGD": [],
+        "EXACT_ROWWISE_ADAGRAD": ["momentum1"],
+        "ADAM": ["momentum1", "momentum2"],
+        "EXACT_ADAGRAD": ["momentum1"],
+    }[fused.optim.name]
 
 
 def load_fused_optimizer_state_dict(module: Any, state_dict: Mapping[str, Mapping[str, Any]]) -> None:

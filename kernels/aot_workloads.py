@@ -65,7 +65,8 @@ def pooled(dims: list[int], wdt: torch.dtype, idt: torch.dtype) -> None:
     w = weights.float().clone().requires_grad_()
     K.pooled_embedding_lookup(w, layout, indices, offsets, psw, divisors, backend=T).sum().backward()
     K.pooled_embedding_lookup(w, layout, indices, offsets, backend=T).sum().backward()
-    for optim, stochastic in ((OptimType.EXACT_SGD, True), (OptimType.EXACT_ROWWISE_ADAGRAD, False)):
+    rules = ((OptimType.EXACT_SGD, True), (OptimType.EXACT_ROWWISE_ADAGRAD, False), (OptimType.EXACT_ADAGRAD, True))
+    for optim, stochastic in rules:
         state = K.create_fused_optimizer_state(layout, optim, stochastic_rounding=stochastic, lr=0.1)
         K.pooled_embedding_lookup(weights, layout, indices, offsets, fused=state, backend=T).sum().backward()
     state = K.create_fused_optimizer_state(layout, OptimType.ADAM, lr=0.1, weight_decay=0.01)

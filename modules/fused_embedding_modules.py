@@ -3,10 +3,11 @@
 The backward sums each touched row's gradient once and updates the row and its optimizer state in place (no weight
 gradient is materialised; the parameters' ``.grad`` stays ``None``). ``fused_optimizer`` exposes the state as a
 :class:`~tritonrec.optim.KeyedOptimizer` (combine it with a dense one in a ``CombinedOptimizer``): ``state[param]``
-holds live views of each table's state (``momentum1`` - per row for rowwise Adagrad, per element for Adam -,
-``momentum2`` for Adam, and ``step``), ``state_dict()`` / ``load_state_dict()`` round-trip it exactly (keys are the
-parameter names, ``embedding_bags.<table>.weight``), and ``param_groups[0]`` is the live hyperparameter dict the
-kernels read, so ``param_groups[0]["lr"] = x`` (or an LR scheduler) takes effect on the next backward.
+holds live views of each table's state (``momentum1`` - per row for rowwise Adagrad, per element for Adam and
+``EXACT_ADAGRAD`` -, ``momentum2`` for Adam, and ``step``), ``state_dict()`` / ``load_state_dict()`` round-trip it
+exactly (keys are the parameter names, ``embedding_bags.<table>.weight``), and ``param_groups[0]`` is the live
+hyperparameter dict the kernels read, so ``param_groups[0]["lr"] = x`` (or an LR scheduler) takes effect on the next
+backward.
 Hyperparameters are validated when built, in ``load_state_dict``, at ``step()`` and before every fused update (a NaN
 ``lr`` written into ``param_groups`` raises at the next backward, naming the field, before any row changes).
 ``step()`` updates nothing and ``zero_grad()`` does nothing. ``fused_optimizer`` is a property; calling it
@@ -32,11 +33,16 @@ from tritonrec.optim.keyed import EmptyFusedOptimizer, KeyedOptimizer
 
 # the torchrec marker on fused tables' parameters (``in_backward_optimizer_filter`` reads it); one shared instance
 _IN_BACKWARD = EmptyFusedOptimizer()
-_TORCH_RULES: dict[type, OptimType] = {torch.optim.SGD: OptimType.EXACT_SGD, torch.optim.Adam: OptimType.ADAM}
+# torchrec's mapping of torch optimizers to fused rules (``torch.optim.Adagrad`` is per-element Adagrad)
+_TORCH_RULES: dict[type, OptimType] = {
+    torch.optim.SGD: OptimType.EXACT_SGD,
+    torch.optim.Adam: OptimType.ADAM,
+    torch.optim.Adagrad: OptimType.EXACT_ADAGRAD,
+}
 
 
 def resolve_optimizer_type(optimizer_type: object) -> OptimType:
-    """An :class:`OptimType`, its name, or ``torch.optim.SGD`` / ``torch.optim.Adam`` (torchrec's spelling)."""
+    """An :class:`OptimType`, its name, or ``torch.optim.SGD`` / ``Adam`` / ``Adagrad`` (torchrec's spelling)."""
     if isinstance(optimizer_type, OptimType):
         return optimizer_type
     if isinstance(optimizer_type, str) and optimizer_type.upper() in OptimType.__members__:
@@ -45,7 +51,7 @@ def resolve_optimizer_type(optimizer_type: object) -> OptimType:
         return _TORCH_RULES[optimizer_type]
     raise ValueError(
         f"optimizer_type={optimizer_type!r} cannot be fused; use one of {[o.name for o in OptimType]} "
-        "(OptimType or its name) or torch.optim.SGD / torch.optim.Adam"
+        "(OptimType or its name) or torch.optim.SGD / torch.optim.Adam / torch.optim.Adagrad"
     )
 
 
@@ -201,6 +207,17 @@ class _FusedMixin:
         slots = [(f"{prefix}.{name}.weight", *where[name]) for name in container]  # container follows the configs
         self._optim = EmbeddingFusedOptimizer(slots, states, self._groups, states[0].hyperparams)
 
+    def reset_parameters(self) -> None:
+        """Re-draw every table from its config's ``init_fn`` (as the plain collection does) and return the fused
+        optimizer state to a freshly built module's: momenta and step counts zero, stochastic rounding's update
+        count back to 0 (the same random stream again). Hyperparameters (``param_groups[0]``) are kept."""
+        super().reset_parameters()  # type: ignore[misc]
+        with torch.no_grad():
+            for state in self._fused_states:
+                for tensor in state.state_tensors().values():
+                    tensor.zero_()
+                state.updates = 0
+
     def _ensure_packed(self) -> bool:
         repacked = super()._ensure_packed()  # type: ignore[misc]
         if repacked:
@@ -229,8 +246,8 @@ class FusedEmbeddingBagCollection(_FusedMixin, EmbeddingBagCollection):
 
     Args:
         tables, is_weighted, device, bounds_check, backend: as for :class:`EmbeddingBagCollection`.
-        optimizer_type: ``OptimType.EXACT_SGD`` / ``EXACT_ROWWISE_ADAGRAD`` / ``ADAM`` (or ``torch.optim.SGD`` /
-            ``torch.optim.Adam``).
+        optimizer_type: ``OptimType.EXACT_SGD`` / ``EXACT_ROWWISE_ADAGRAD`` / ``EXACT_ADAGRAD`` / ``ADAM`` (or
+            ``torch.optim.SGD`` / ``torch.optim.Adagrad`` / ``torch.optim.Adam``).
         optimizer_kwargs: ``lr``, ``eps``, ``betas``, ``weight_decay`` as the rule takes them.
         stochastic_rounding: round fp16 / bf16 weights stochastically after each update (else to nearest).
     """

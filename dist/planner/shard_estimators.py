@@ -10,10 +10,11 @@ Notation for one shard of a ``[rows, dim]`` table with ``r x c`` shard (``W`` ra
 * DP: the rank's own batch - ``ids`` ids, ``bags`` bags.
 
 **Storage** (bytes, in HBM on cuda and host memory on cpu): the weights (``sharder.storage_usage`` of the shard),
-the fused optimizer state (rowwise Adagrad: one fp32 per row, ``4 r``; Adam: two fp32 per element, ``8 r c``; SGD:
-none), for the ``dense`` kernel the autograd gradient (``r c x element size``), and the step's buffers: input ids
-(8 bytes each, +4 with per-id weights) and lengths (8 bytes per bag), output (4 bytes per output element: ``bags x
-c`` pooled, ``ids x c`` sequence) counted twice (forward output and its gradient).
+the fused optimizer state (rowwise Adagrad: one fp32 per row, ``4 r``; per-element Adagrad: one fp32 per element,
+``4 r c``; Adam: two, ``8 r c``; SGD: none), for the ``dense`` kernel the autograd gradient (``r c x element size``),
+and the step's buffers: input ids (8 bytes each, +4 with per-id weights) and lengths (8 bytes per bag), output
+(4 bytes per output element: ``bags x c`` pooled, ``ids x c`` sequence) counted twice (forward output and its
+gradient).
 
 **Perf** (seconds): lookup compute ``table_s + served bags x bag_s + served ids x id_s + served ids x c x element
 size / bytes_per_s`` forward and backward (the dense kernel also touches its whole gradient: ``+ r c x element size /
@@ -124,6 +125,8 @@ class EmbeddingStorageEstimator:
             optimizer = option.optimizer or self._default_optimizer
             if optimizer == OptimType.EXACT_ROWWISE_ADAGRAD:
                 extra += r * STATE_BYTES
+            elif optimizer == OptimType.EXACT_ADAGRAD:
+                extra += r * c * STATE_BYTES
             elif optimizer == OptimType.ADAM:
                 extra += 2 * r * c * STATE_BYTES
         elif option.compute_kernel == EmbeddingComputeKernel.DENSE.value:

@@ -108,7 +108,7 @@ class CriteoNPYDataConfig:
 class OptimConfig:
     """Optimizers: a fused one for the embedding tables (runs inside the backward) and a torch one for the rest."""
 
-    sparse: str = "EXACT_ROWWISE_ADAGRAD"  # fused rule: EXACT_SGD, EXACT_ROWWISE_ADAGRAD or ADAM
+    sparse: str = "EXACT_ROWWISE_ADAGRAD"  # fused rule: EXACT_SGD, EXACT_ROWWISE_ADAGRAD, EXACT_ADAGRAD or ADAM
     sparse_lr: float = 0.05
     sparse_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. eps, weight_decay, betas
     dense: str = "adagrad"  # torch.optim rule of the dense parameters: "adagrad", "adam" or "sgd"

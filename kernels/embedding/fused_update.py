@@ -7,6 +7,8 @@ Rules (``g`` = the row's summed gradient, plus ``weight_decay * w`` when weight 
   fp32 ``m`` per row)
 * ADAM:                  ``m1 = b1*m1 + (1-b1)*g``, ``m2 = b2*m2 + (1-b2)*g**2``;
   ``w -= lr * (m1 / (1 - b1**t)) / (sqrt(m2 / (1 - b2**t)) + eps)`` with ``t`` the table's update count
+* EXACT_ADAGRAD:         ``m += g**2`` per element; ``w -= (lr * g) / (sqrt(m) + eps)`` (FBGEMM's rule, in its GPU
+  kernel's fp32 order; ``torch.optim.Adagrad`` with ``lr_decay=0`` on the aggregated gradient)
 
 Only rows present in the batch are touched (row-sparse, as FBGEMM and ``SparseAdam``): an absent row keeps its
 weights and its state. Optimizer state is fp32 and laid out like the weights: per-row state at the row's global
@@ -22,7 +24,7 @@ and one column block, a program updates a block of rows as one tile instead (``u
 
 Torch twin: chunks of unique rows, each summed by ``embedding_bag``
 (:func:`~tritonrec.kernels.embedding.row_sums.iter_row_sums`), updated on the compact rows and written back with one
-``index_add_`` (fp32 SGD / rowwise Adagrad) or ``index_copy_``.
+``index_add_`` (fp32 SGD / either Adagrad) or ``index_copy_``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 
 from tritonrec.kernels._triton import tl, triton
 from tritonrec.kernels.backend import autotune, grid_programs
+from tritonrec.kernels.embedding.fused_update_rules import OPTIM_ROWWISE_ADAGRAD as _OPTIM_ROWWISE_ADAGRAD
 from tritonrec.kernels.embedding.fused_update_rules import load_grad_block as _load_grad_block
 from tritonrec.kernels.embedding.fused_update_rules import rowwise_multiplier as _rowwise_multiplier
 from tritonrec.kernels.embedding.fused_update_rules import update_and_store as _update_and_store
@@ -164,7 +167,7 @@ def _fused_update_kernel(
                     BLOCK_D,
                 )
                 multiplier = 0.0
-                if OPTIM == 1:
+                if OPTIM == _OPTIM_ROWWISE_ADAGRAD:
                     multiplier = _rowwise_multiplier(mom1_ptr, state_row, tl.sum(g * g, axis=0), dim, lr, eps)
                 _update_and_store(
                     w,
@@ -191,7 +194,7 @@ def _fused_update_kernel(
                 )
             else:
                 multiplier = 0.0
-                if OPTIM == 1:
+                if OPTIM == _OPTIM_ROWWISE_ADAGRAD:
                     sum_sq = 0.0
                     for d0 in range(0, dim, BLOCK_D):
                         cols = d0 + tl.arange(0, BLOCK_D)
@@ -334,7 +337,7 @@ def fused_update_reference(
     dtype and write rows and state back - over all tables at once when they share a dim, else per table, in
     chunks of gradient sums sized by :func:`_chunk_bytes`.
 
-    Each rule computes ``delta = -update`` and the new weights are ``w + delta``. For fp32 SGD and rowwise Adagrad
+    Each rule computes ``delta = -update`` and the new weights are ``w + delta``. For fp32 SGD and both Adagrads
     that is written with ``index_add_`` (one read-modify-write per row, much faster on CPU than gathering the rows
     and copying them back). Rowwise Adagrad gathers the touched rows' state once, updates it chunk by chunk and
     writes it back once.
@@ -356,9 +359,14 @@ def fused_update_reference(
         if s.weight_decay != 0.0:
             g = g + s.weight_decay * w
         # ``delta = -update`` (negating is exact, so ``w + delta`` rounds like ``w - update``); ``g`` is scratch
-        # (this chunk's fresh sums), so SGD and rowwise Adagrad scale it in place
+        # (this chunk's fresh sums), so SGD and both Adagrads scale it in place
         if state.optim == OptimType.EXACT_SGD:
             delta = g.mul_(-s.lr)
+        elif state.optim == OptimType.EXACT_ADAGRAD:
+            m_table = state.momentum1[element_base : element_base + table.numel()].view(table.shape)
+            momentum = m_table.index_select(0, rows).add_(g * g)
+            m_table.index_copy_(0, rows, momentum)
+            delta = g.mul_(-s.lr).div_(momentum.sqrt_().add_(s.eps))
         elif rowwise:
             # m + mean(g**2), the sum of squares as the squared 2-norm: one fused reduction (fp64 accumulator on CPU)
             # is ~3x faster than squaring and summing over short rows, and as accurate

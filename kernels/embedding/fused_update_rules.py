@@ -12,6 +12,12 @@ from tritonrec.kernels._triton import tl, triton
 from tritonrec.kernels.embedding.rounding import round_fp32_to_storage
 from tritonrec.kernels.embedding.row_gradients import segment_grad
 
+# The rules' kernel codes (:func:`~tritonrec.kernels.embedding.optim_state.optim_code`), as ``OPTIM`` compares to them
+OPTIM_SGD: tl.constexpr = tl.constexpr(0)
+OPTIM_ROWWISE_ADAGRAD: tl.constexpr = tl.constexpr(1)
+OPTIM_ADAM: tl.constexpr = tl.constexpr(2)
+OPTIM_ADAGRAD: tl.constexpr = tl.constexpr(3)
+
 
 @triton.jit
 def load_grad_block(
@@ -65,10 +71,14 @@ def update_and_store(
 ):
     """Apply the rule to one column block (rowwise Adagrad uses the row's ``multiplier``), round the new fp32
     weights to storage and store them."""
-    if OPTIM == 0:
+    if OPTIM == OPTIM_SGD:
         new = w - lr * g
-    elif OPTIM == 1:
+    elif OPTIM == OPTIM_ROWWISE_ADAGRAD:
         new = w - multiplier * g
+    elif OPTIM == OPTIM_ADAGRAD:  # FBGEMM's order: m += g*g, then (lr * g) / (sqrt(m) + eps)
+        m = tl.load(mom1_ptr + element, mask=col_ok, other=0.0) + g * g
+        tl.store(mom1_ptr + element, m, mask=col_ok)
+        new = w - tl.div_rn(lr * g, tl.sqrt_rn(m) + eps)
     else:
         m1 = beta1 * tl.load(mom1_ptr + element, mask=col_ok, other=0.0) + one_minus_beta1 * g
         m2 = beta2 * tl.load(mom2_ptr + element, mask=col_ok, other=0.0) + one_minus_beta2 * (g * g)
@@ -150,7 +160,7 @@ def update_row_block(
     if HAS_DECAY:
         g = g + weight_decay * w
     multiplier = tl.zeros((ROWS, 1), dtype=tl.float32)
-    if OPTIM == 1:  # rowwise_multiplier per row, masked: a masked lane must not write row 0's state
+    if OPTIM == OPTIM_ROWWISE_ADAGRAD:  # rowwise_multiplier per row, masked: a masked lane must not write row 0's state
         state_row = tl.load(table_row_offsets_ptr + table) + local_row
         m = tl.load(mom1_ptr + state_row, mask=u_ok, other=0.0) + tl.div_rn(tl.sum(g * g, axis=1), dim.to(tl.float32))
         tl.store(mom1_ptr + state_row, m, mask=u_ok)
@@ -163,4 +173,13 @@ def update_row_block(
     )  # fmt: skip
 
 
-__all__ = ["load_grad_block", "rowwise_multiplier", "update_and_store", "update_row_block"]
+__all__ = [
+    "OPTIM_ADAGRAD",
+    "OPTIM_ADAM",
+    "OPTIM_ROWWISE_ADAGRAD",
+    "OPTIM_SGD",
+    "load_grad_block",
+    "rowwise_multiplier",
+    "update_and_store",
+    "update_row_block",
+]

@@ -8,7 +8,7 @@ import torch
 
 from tritonrec.kernels.checks import check_offsets, check_same_device, check_tensor, value_checks_enabled
 from tritonrec.kernels.embedding.layout import BoundsCheckMode, TableBatchedLayout, feature_value_offsets
-from tritonrec.kernels.embedding.optim_state import FusedOptimizerState, OptimType
+from tritonrec.kernels.embedding.optim_state import PER_ELEMENT_MOMENTUM1, FusedOptimizerState
 
 WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -125,7 +125,7 @@ def check_fused(fused: FusedOptimizerState | None, layout: TableBatchedLayout, w
     if not isinstance(fused, FusedOptimizerState):
         raise TypeError(f"fused must be a FusedOptimizerState or None, got {type(fused).__name__}")
     sizes = {"momentum1": layout.num_rows, "momentum2": layout.num_weights}
-    if fused.optim == OptimType.ADAM:
+    if fused.optim in PER_ELEMENT_MOMENTUM1:
         sizes["momentum1"] = layout.num_weights
     for name, tensor in fused.state_tensors().items():
         expected = layout.num_tables if name == "step" else sizes[name]

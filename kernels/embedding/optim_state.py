@@ -28,13 +28,24 @@ class OptimType(enum.Enum):
     SGD = "EXACT_SGD"
     EXACT_ROWWISE_ADAGRAD = "EXACT_ROWWISE_ADAGRAD"
     ADAM = "ADAM"
+    EXACT_ADAGRAD = "EXACT_ADAGRAD"
 
 
-_OPTIM_CODE = {OptimType.EXACT_SGD: 0, OptimType.EXACT_ROWWISE_ADAGRAD: 1, OptimType.ADAM: 2}
+_OPTIM_CODE = {
+    OptimType.EXACT_SGD: 0,
+    OptimType.EXACT_ROWWISE_ADAGRAD: 1,
+    OptimType.ADAM: 2,
+    OptimType.EXACT_ADAGRAD: 3,
+}
+# Rules whose ``momentum1`` is per element (``[num_weights]``, laid out like the weights) rather than per row
+PER_ELEMENT_MOMENTUM1 = frozenset({OptimType.ADAM, OptimType.EXACT_ADAGRAD})
 _DEFAULTS: dict[OptimType, dict[str, Any]] = {
     OptimType.EXACT_SGD: {"lr": 0.01, "weight_decay": 0.0},
     OptimType.EXACT_ROWWISE_ADAGRAD: {"lr": 0.01, "eps": 1e-8, "weight_decay": 0.0},
     OptimType.ADAM: {"lr": 0.001, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},
+    # FBGEMM's EXACT_ADAGRAD ignores weight_decay (in every weight_decay_mode); ours adds it as L2, like
+    # torch.optim.Adagrad (torchrec's spelling of this rule); at the default 0 the rules are the same
+    OptimType.EXACT_ADAGRAD: {"lr": 0.01, "eps": 1e-8, "weight_decay": 0.0},
 }
 
 
@@ -143,8 +154,9 @@ def create_fused_optimizer_state(
     momentum1 = momentum2 = None
     if optim == OptimType.EXACT_ROWWISE_ADAGRAD:
         momentum1 = zeros(layout.num_rows)
-    elif optim == OptimType.ADAM:
+    elif optim in PER_ELEMENT_MOMENTUM1:
         momentum1 = zeros_table_storage(layout.num_weights, torch.float32, device)
+    if optim == OptimType.ADAM:
         momentum2 = zeros_table_storage(layout.num_weights, torch.float32, device)
     step = torch.zeros(layout.num_tables, dtype=torch.int64, device=device)
     return FusedOptimizerState(optim, merged, momentum1, momentum2, step, stochastic_rounding, seed)
@@ -205,5 +217,5 @@ def begin_step(state: FusedOptimizerState) -> StepScalars:
 
 
 def optim_code(optim: OptimType) -> int:
-    """The kernels' integer code for a rule (0 SGD, 1 rowwise Adagrad, 2 Adam)."""
+    """The kernels' integer code for a rule (0 SGD, 1 rowwise Adagrad, 2 Adam, 3 per-element Adagrad)."""
     return _OPTIM_CODE[optim]

@@ -1,5 +1,6 @@
-"""FusedEmbeddingBagCollection / FusedEmbeddingCollection: updates inside backward, the fused optimizer's state
-dict round trip, live learning rate, torchrec-style optimizer types, device / dtype moves."""
+"""FusedEmbeddingBagCollection / FusedEmbeddingCollection: updates inside backward (SGD and per-element Adagrad
+against torch's optimizers on plain collections), the fused optimizer's state dict round trip, live learning rate,
+torchrec-style optimizer types, device / dtype moves, ``reset_parameters`` resetting the optimizer state."""
 
 from __future__ import annotations
 
@@ -45,13 +46,19 @@ def _train(module, steps, start=0) -> None:
         module(kjt).values().backward(grad)
 
 
+# torch's rule and its fused equivalent (torchrec's mapping); Adagrad with lr_decay=0 and no initial accumulator
+RULES = {"sgd": (torch.optim.SGD, {"lr": 0.2}), "adagrad": (torch.optim.Adagrad, {"lr": 0.2, "eps": 1e-3})}
+
+
+@pytest.mark.parametrize("rule", list(RULES))
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_fused_sgd_equals_ebc_with_torch_sgd(backend, tolerance):
-    fused = FusedEmbeddingBagCollection(_tables(), torch.optim.SGD, {"lr": 0.2}, backend=backend)
+def test_fused_rule_equals_ebc_with_the_torch_optimizer(backend, rule, tolerance):
+    torch_rule, kwargs = RULES[rule]
+    fused = FusedEmbeddingBagCollection(_tables(), torch_rule, kwargs, backend=backend)
     plain = EmbeddingBagCollection(_tables(), backend=backend)
     plain.load_state_dict(fused.state_dict())
-    opt = torch.optim.SGD(plain.parameters(), lr=0.2)
-    for step in range(3):
+    opt = torch_rule(plain.parameters(), **kwargs)
+    for step in range(4):
         kjt, grad = _batch(step)
         fused(kjt).values().backward(grad)
         opt.zero_grad()
@@ -60,11 +67,14 @@ def test_fused_sgd_equals_ebc_with_torch_sgd(backend, tolerance):
     for name, param in fused.named_parameters():
         assert param.grad is None
         torch.testing.assert_close(param, plain.get_parameter(name), **tolerance(torch.float32))
+        if rule == "adagrad":  # torch's "sum" is the fused "momentum1", per element
+            momentum, expected = fused.fused_optimizer.state[param]["momentum1"], opt.state[plain.get_parameter(name)]
+            torch.testing.assert_close(momentum, expected["sum"], **tolerance(torch.float32))
 
 
-@pytest.mark.parametrize("optim", [OptimType.EXACT_ROWWISE_ADAGRAD, OptimType.ADAM])
+@pytest.mark.parametrize("optim", [OptimType.EXACT_ROWWISE_ADAGRAD, OptimType.ADAM, OptimType.EXACT_ADAGRAD])
 def test_checkpoint_round_trip_resumes_bit_identically(optim):
-    kwargs = {"lr": 0.1, "eps": 1e-6} if optim == OptimType.EXACT_ROWWISE_ADAGRAD else {"lr": 0.1, "betas": (0.8, 0.9)}
+    kwargs = {"lr": 0.1, "betas": (0.8, 0.9)} if optim == OptimType.ADAM else {"lr": 0.1, "eps": 1e-6}
     first = FusedEmbeddingBagCollection(_tables(), optim, kwargs, backend="torch")
     _train(first, 2)
     buffer = io.BytesIO()
@@ -133,8 +143,12 @@ def test_optimizer_types_and_kwargs():
     assert FusedEmbeddingBagCollection(_tables(), "exact_rowwise_adagrad", {})._fused_states[0].optim == (
         OptimType.EXACT_ROWWISE_ADAGRAD
     )
-    with pytest.raises(ValueError, match="optimizer_type=<class 'torch.optim.adagrad.Adagrad'> cannot be fused"):
-        FusedEmbeddingBagCollection(_tables(), torch.optim.Adagrad, {"lr": 0.1})
+    assert FusedEmbeddingBagCollection(_tables(), torch.optim.Adagrad, {})._fused_states[0].optim == (
+        OptimType.EXACT_ADAGRAD
+    )
+    assert FusedEmbeddingBagCollection(_tables(), "exact_adagrad", {})._fused_states[0].optim == OptimType.EXACT_ADAGRAD
+    with pytest.raises(ValueError, match="optimizer_type=<class 'torch.optim.rmsprop.RMSprop'> cannot be fused"):
+        FusedEmbeddingBagCollection(_tables(), torch.optim.RMSprop, {"lr": 0.1})
     with pytest.raises(ValueError, match=r"EXACT_SGD does not take \['momentum'\]"):
         FusedEmbeddingBagCollection(_tables(), torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
     with pytest.raises(TypeError, match="optimizer_kwargs must be a dict, got list"):
@@ -152,16 +166,18 @@ def test_half_precision_tables_keep_fp32_state():
     assert not torch.equal(before, module.embedding_bags["a"].weight)
 
 
+@pytest.mark.parametrize("rule", list(RULES))
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_fused_ec_sgd_equals_ec_with_torch_sgd(backend, tolerance):
+def test_fused_ec_rule_equals_ec_with_the_torch_optimizer(backend, rule, tolerance):
     tables = [
         EmbeddingConfig(num_embeddings=5, embedding_dim=4, name="a", feature_names=["f0", "f1"]),
         EmbeddingConfig(num_embeddings=4, embedding_dim=3, name="b", feature_names=["f2"], data_type=DataType.FP32),
     ]
-    fused = FusedEmbeddingCollection(tables, OptimType.EXACT_SGD, {"lr": 0.3}, backend=backend)
+    torch_rule, kwargs = RULES[rule]
+    fused = FusedEmbeddingCollection(tables, torch_rule, kwargs, backend=backend)
     plain = EmbeddingCollection(tables, backend=backend)
     plain.load_state_dict(fused.state_dict())
-    opt = torch.optim.SGD(plain.parameters(), lr=0.3)
+    opt = torch_rule(plain.parameters(), **kwargs)
     for step in range(2):
         kjt, _ = _batch(step)
         sum((jt.values() ** 2).sum() for jt in fused(kjt).values()).backward()
@@ -183,3 +199,45 @@ def test_assign_loading_rebinds_the_optimizer_to_the_new_parameters():
         assert torch.equal(param, source.get_parameter(name))
         assert any(param is p for p in module.fused_optimizer.param_groups[0]["params"])
         assert param in module.fused_optimizer.state
+
+
+def _reset_ec_tables(data_type: DataType) -> list[EmbeddingConfig]:
+    return [EmbeddingConfig(5, 4, "a", data_type, ["f0", "f1"]), EmbeddingConfig(4, 3, "b", feature_names=["f2"])]
+
+
+@pytest.mark.parametrize("collection", ["ebc", "ec"])
+@pytest.mark.parametrize("optim", [OptimType.EXACT_ROWWISE_ADAGRAD, OptimType.ADAM, OptimType.EXACT_ADAGRAD])
+def test_reset_parameters_also_resets_the_optimizer_state(optim, collection):
+    """After training, ``reset_parameters()`` leaves the module as a freshly built one with the same (re-drawn)
+    weights: zero momenta, zero step counts (Adam's bias correction starts over) and stochastic rounding of the fp16
+    table drawing the same stream again, so both then train bit-identically."""
+
+    def build():
+        if collection == "ebc":
+            return FusedEmbeddingBagCollection(_tables(DataType.FP16), optim, {"lr": 0.1}, backend="torch")
+        return FusedEmbeddingCollection(_reset_ec_tables(DataType.FP16), optim, {"lr": 0.1}, backend="torch")
+
+    def train(module, steps: int) -> None:
+        for step in range(steps):
+            kjt, grad = _batch(step)
+            out = module(kjt)
+            loss = out.values() * grad if collection == "ebc" else [jt.values() ** 2 for jt in out.values()]
+            sum(x.sum() for x in (loss if isinstance(loss, list) else [loss])).backward()
+
+    used = build()
+    train(used, 3)
+    used.fused_optimizer.param_groups[0]["lr"] = 0.05  # hyperparameters are kept
+    used.reset_parameters()
+    state = used.fused_optimizer.state_dict()["state"]
+    assert all(not tensor.any() for entry in state.values() for tensor in entry.values())
+    assert used.fused_optimizer.param_groups[0]["lr"] == 0.05
+    fresh = build()
+    fresh.load_state_dict(used.state_dict())
+    fresh.fused_optimizer.param_groups[0]["lr"] = 0.05
+    train(used, 2)
+    train(fresh, 2)
+    for name, param in fresh.named_parameters():
+        assert torch.equal(param, used.get_parameter(name))
+    for name, entry in fresh.fused_optimizer.state_dict()["state"].items():
+        for key, tensor in entry.items():
+            assert torch.equal(tensor, used.fused_optimizer.state_dict()["state"][name][key])

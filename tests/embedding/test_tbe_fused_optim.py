@@ -1,5 +1,6 @@
-"""Fused optimizers in the backward: 5 steps of SGD / rowwise Adagrad / Adam match a plain-torch implementation of
-the same rules (weights and state), for the Triton kernel and the torch twin (also split into one-row chunks);
+"""Fused optimizers in the backward: 5 steps of SGD / rowwise Adagrad / Adam / per-element Adagrad match a plain-torch
+implementation of the same rules (weights and state), for the Triton kernel and the torch twin (also split into
+one-row chunks);
 low-precision storage; the multi-block path for very wide rows; order independence of the updated weights."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ RULES = {
     OptimType.EXACT_SGD: {"lr": 0.1},
     OptimType.EXACT_ROWWISE_ADAGRAD: {"lr": 0.1, "eps": 1e-8, "weight_decay": 0.01},
     OptimType.ADAM: {"lr": 0.05, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.01},
+    OptimType.EXACT_ADAGRAD: {"lr": 0.1, "eps": 1e-3, "weight_decay": 0.01},
 }
 
 
@@ -69,6 +71,9 @@ class ReferenceOptimizer:
             elif self.optim == OptimType.EXACT_ROWWISE_ADAGRAD:
                 self.m1[t][rows] += (g * g).mean(dim=1)
                 w[rows] -= lr * g / (self.m1[t][rows].sqrt() + hp["eps"])[:, None]
+            elif self.optim == OptimType.EXACT_ADAGRAD:
+                self.m1[t][rows] += g * g
+                w[rows] -= lr * g / (self.m1[t][rows].sqrt() + hp["eps"])
             else:
                 b1, b2 = hp["betas"]
                 self.m1[t][rows] = b1 * self.m1[t][rows] + (1 - b1) * g
@@ -109,10 +114,11 @@ def test_five_fused_steps_match_plain_torch(backend, optim, dims, tolerance):
         if optim == OptimType.EXACT_ROWWISE_ADAGRAD:
             rows = slice(layout.table_row_offsets[t], layout.table_row_offsets[t + 1])
             torch.testing.assert_close(state.momentum1[rows], reference.m1[t], **tolerance(torch.float32))
-        if optim == OptimType.ADAM:
+        if optim in (OptimType.ADAM, OptimType.EXACT_ADAGRAD):
             torch.testing.assert_close(
                 layout.table_view(state.momentum1, t), reference.m1[t], **tolerance(torch.float32)
             )
+        if optim == OptimType.ADAM:
             torch.testing.assert_close(
                 layout.table_view(state.momentum2, t), reference.m2[t], **tolerance(torch.float32)
             )
@@ -145,13 +151,15 @@ def test_twin_in_one_row_chunks_matches_plain_torch(optim, dims, monkeypatch, to
         if optim == OptimType.EXACT_ROWWISE_ADAGRAD:
             rows = slice(layout.table_row_offsets[t], layout.table_row_offsets[t + 1])
             torch.testing.assert_close(state.momentum1[rows], reference.m1[t], **tolerance(torch.float32))
-        if optim == OptimType.ADAM:
-            m1, m2 = layout.table_view(state.momentum1, t), layout.table_view(state.momentum2, t)
+        if optim in (OptimType.ADAM, OptimType.EXACT_ADAGRAD):
+            m1 = layout.table_view(state.momentum1, t)
             torch.testing.assert_close(m1, reference.m1[t], **tolerance(torch.float32))
+        if optim == OptimType.ADAM:
+            m2 = layout.table_view(state.momentum2, t)
             torch.testing.assert_close(m2, reference.m2[t], **tolerance(torch.float32))
 
 
-@pytest.mark.parametrize("optim", [OptimType.EXACT_ROWWISE_ADAGRAD, OptimType.ADAM])
+@pytest.mark.parametrize("optim", [OptimType.EXACT_ROWWISE_ADAGRAD, OptimType.ADAM, OptimType.EXACT_ADAGRAD])
 def test_wide_rows_take_the_multi_block_path(optim, tolerance):
     layout = _layout()
     case = _batches(layout, 1)[0]

@@ -50,7 +50,9 @@ def test_pooled_forward_and_sequence(dtype):
     )
 
 
-@pytest.mark.parametrize("optim", [OptimType.EXACT_SGD, OptimType.EXACT_ROWWISE_ADAGRAD, OptimType.ADAM])
+@pytest.mark.parametrize(
+    "optim", [OptimType.EXACT_SGD, OptimType.EXACT_ROWWISE_ADAGRAD, OptimType.ADAM, OptimType.EXACT_ADAGRAD]
+)
 def test_fused_updates_and_gradients(optim):
     case = _case()
     grad = torch.randn(case.batch_size, case.layout.total_dim, device="cuda")

@@ -40,6 +40,8 @@ CASES = [
     ("ADAM", "rw", "rw"),
     ("ADAM", "tw", "cw"),
     ("ADAM", "cw", "rw"),
+    ("EXACT_ADAGRAD", "tw", "cw"),
+    ("EXACT_ADAGRAD", "cw", "rw"),
 ]
 
 

@@ -63,6 +63,10 @@ def test_storage_of_column_shards_adam_weights_and_sequences() -> None:
     assert _ddr(options["column_wise", FUSED, 2]) == [1600 + 400 + 800 + 2 * (20 * 4 * 4)] * 2
     adam = _options(ebc([(100, 8)]), topology(), sharder=PlanOnlySharder(fused_params={"optimizer": OptimType.ADAM}))
     assert _ddr(adam["table_wise", FUSED, None]) == [3200 + 2 * 800 * 4 + 800 + 2 * 640]  # two fp32 per element
+    per_element = PlanOnlySharder(fused_params={"optimizer": "exact_adagrad"})
+    adagrad = _options(ebc([(100, 8)]), topology(), constraints, sharder=per_element)
+    assert _ddr(adagrad["table_wise", FUSED, None]) == [3200 + 800 * 4 + 800 + 2 * 640]  # one fp32 per element
+    assert _ddr(adagrad["column_wise", FUSED, 2]) == [1600 + 400 * 4 + 800 + 2 * (20 * 4 * 4)] * 2  # its columns'
     sgd = _options(ebc([(100, 8)]), topology(), sharder=PlanOnlySharder(fused_params={"optimizer": "exact_sgd"}))
     assert _ddr(sgd["table_wise", FUSED, None]) == [3200 + 800 + 2 * 640]
     weighted = _options(ebc([(100, 8)], weighted=True), topology())

@@ -22,7 +22,7 @@ from tritonrec.data import KeyedJaggedTensor
 TABLES = [("t0", 12, 8, ["f0", "f1"]), ("t1", 1, 3, ["f2"]), ("t2", 9, 1, ["f3"]), ("t3", 20, 64, ["f4"])]
 FEATURES = [f for _, _, _, fs in TABLES for f in fs]
 BATCH_PER_RANK = {2: [3, 5], 4: [2, 4, 1, 3]}
-LR = {"EXACT_SGD": 0.1, "EXACT_ROWWISE_ADAGRAD": 0.1, "ADAM": 0.01}
+LR = {"EXACT_SGD": 0.1, "EXACT_ROWWISE_ADAGRAD": 0.1, "ADAM": 0.01, "EXACT_ADAGRAD": 0.1}
 
 
 @dataclass
@@ -254,7 +254,7 @@ def plans_by_type() -> dict[str, dict[str, Callable[[int], Any]]]:
     }
 
 
-OPTIMIZERS = ["EXACT_SGD", "EXACT_ROWWISE_ADAGRAD", "ADAM"]
+OPTIMIZERS = ["EXACT_SGD", "EXACT_ROWWISE_ADAGRAD", "ADAM", "EXACT_ADAGRAD"]
 POOLINGS = [("sum", "SUM", False), ("mean", "MEAN", False), ("weighted", "SUM", True)]
 
 

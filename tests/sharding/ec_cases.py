@@ -66,6 +66,7 @@ def ec_cases() -> list[ECCase]:
         cases.append(ECCase(f"{kind}-{optimizers[k % 3]}", EQUAL_DIMS, plans()[kind], optimizers[k % 3], steps=10))
     cases.append(ECCase("mixed-dense", TABLES, plans()["mixed"]))
     cases.append(ECCase("mixed-ADAM", TABLES, plans()["mixed"], "ADAM", steps=10))
+    cases.append(ECCase("mixed-EXACT_ADAGRAD", TABLES, plans()["mixed"], "EXACT_ADAGRAD", steps=10))
     cases.append(ECCase("row_wise-dedup-dense", EQUAL_DIMS, plans()["row_wise"], dedup=True))
     adagrad = "EXACT_ROWWISE_ADAGRAD"
     cases.append(ECCase(f"mixed-dedup-{adagrad}", TABLES, plans()["mixed"], adagrad, dedup=True, steps=10))

@@ -99,6 +99,10 @@ def _reference_update(group: FusedTables, grads: list[torch.Tensor], scalars, fu
                 squares = full[t][k] if t in full else (g * g).sum()
                 state.momentum1[state_row] += squares / (2 * spec.dim if t in full else spec.dim)
                 new = w - scalars.lr * g / (state.momentum1[state_row].sqrt() + scalars.eps)
+            elif state.optim == OptimType.EXACT_ADAGRAD:
+                m1 = state.momentum1[start : start + spec.dim]
+                m1.add_(g * g)
+                new = w - scalars.lr * g / (m1.sqrt() + scalars.eps)
             else:
                 m1 = state.momentum1[start : start + spec.dim]
                 m2 = state.momentum2[start : start + spec.dim]
@@ -121,6 +125,8 @@ def _reference_update(group: FusedTables, grads: list[torch.Tensor], scalars, fu
         (OptimType.EXACT_ROWWISE_ADAGRAD, torch.float16, {"lr": 0.1, "weight_decay": 0.02}),
         (OptimType.ADAM, torch.float32, {"lr": 0.01}),
         (OptimType.ADAM, torch.bfloat16, {"lr": 0.01, "weight_decay": 0.01}),
+        (OptimType.EXACT_ADAGRAD, torch.float32, {"lr": 0.1, "eps": 1e-3}),
+        (OptimType.EXACT_ADAGRAD, torch.float16, {"lr": 0.1, "weight_decay": 0.02}),
     ],
 )
 def test_span_update_matches_per_table_textbook_rules(optim: OptimType, dtype: torch.dtype, hyper: dict) -> None:

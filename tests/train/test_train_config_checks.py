@@ -1,8 +1,10 @@
 """Config mistakes of the training job fail early and say what to change: a CUDA device on a machine without CUDA,
-a TrainConfig without data, and (through the hydra entry point) no empty run folder left behind."""
+a TrainConfig without data, an unknown sparse rule, and (through the hydra entry point) no empty run folder left
+behind; every fused rule, per-element Adagrad included, is a valid ``optim.sparse``."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -54,3 +56,18 @@ def test_failed_config_leaves_no_run_folder(tmp_path: Path) -> None:
     assert result.returncode != 0
     assert "steps must be a positive int, got steps=0" in result.stderr
     assert not run_dir.exists(), sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
+
+
+def test_sparse_optimizer_takes_per_element_adagrad_and_names_the_rules(tmp_path: Path) -> None:
+    """``optim.sparse=EXACT_ADAGRAD`` trains (its per-element state next to the tables); an unknown rule's error lists
+    the fused rules."""
+    from tests.train.dist_job_cases import tiny_config
+    from tritonrec.dist.train import run
+    from tritonrec.dist.train.config import OptimConfig
+
+    optim = OptimConfig(sparse="EXACT_ADAGRAD", sparse_lr=0.05, sparse_kwargs={"eps": 1e-6}, dense="adagrad")
+    metrics = run(tiny_config(tmp_path, optim=optim, steps=2, eval_every=0, checkpoint_every=0))
+    assert metrics["steps"] == 2 and all(math.isfinite(loss) for loss in metrics["history"]["loss"])
+    unknown = r"optim.sparse / optim.sparse_kwargs: optimizer_type='ADAGRAD' cannot be fused; .*'EXACT_ADAGRAD'"
+    with pytest.raises(ValueError, match=unknown):
+        as_train_config(_cfg(optim=OptimConfig(sparse="ADAGRAD")))
