@@ -1,10 +1,10 @@
 """``ShardedEmbeddingCollection`` and ``EmbeddingCollectionSharder``: sequence embeddings on sharded tables
 (torchrec's names; data-parallel, table-wise, column-wise, table-column-wise and row-wise, row-wise on CPU too).
 
-A sharded EC takes this rank's KJT and returns ``{feature: JaggedTensor}`` with one ``[D]`` row per value, in the
-KJT's order, equal to the unsharded module's. The rows of a table's features come back from the ranks that looked
-them up by the sequence all-to-all (row-wise: then put back in input order with the bucketizer's permutation);
-column blocks are concatenated in column order.
+A sharded EC takes this rank's KJT and returns ``{embedding name: JaggedTensor}`` with one ``[D]`` row per value, in
+the KJT's order, equal to the unsharded module's (a feature several tables read is ``feature@table`` in each). The
+rows of a table's features come back from the ranks that looked them up by the sequence all-to-all (row-wise: then
+put back in input order with the bucketizer's permutation); column blocks are concatenated in column order.
 
 ``use_index_dedup``: each feature's ids are made unique before the input dist (fewer ids on the wire and fewer rows
 looked up), and the rows are expanded back after the output dist; gradients of repeated ids add up as without it.
@@ -19,7 +19,7 @@ from torch import nn
 
 from tritonrec.data import JaggedTensor, KeyedJaggedTensor
 from tritonrec.dist.awaitable import Awaitable, LazyAwaitable
-from tritonrec.dist.embeddingbag import check_index_bounds
+from tritonrec.dist.embeddingbag import check_index_bounds, feature_row_limits
 from tritonrec.dist.qcomm_protocol import QuantizedCommCodecs
 from tritonrec.dist.sharded_tables import ShardedTablesMixin, input_dist_checks, run_input_dists
 from tritonrec.dist.sharding.common import ShardingContext
@@ -69,27 +69,30 @@ class EmbeddingCollectionAwaitable(LazyAwaitable[dict[str, JaggedTensor]]):
         ctx: EmbeddingCollectionContext,
         names: list[str],
         need_indices: bool,
+        sources: dict[str, str],
     ) -> None:
         super().__init__()
         self._awaitables = awaitables
         self._ctx = ctx
         self._names = names
         self._need_indices = need_indices
+        self._sources = sources  # embedding name -> the feature (KJT key) it reads
 
     def _wait_impl(self) -> dict[str, JaggedTensor]:
         blocks: dict[str, list[tuple[int, torch.Tensor]]] = {}
         for awaitable, context in zip(self._awaitables, self._ctx.sharding_contexts, strict=True):
             rows = awaitable.wait()
             slots = context.extra["slots"]
-            for (feature, col_offset, _, _), piece in zip(slots, rows.split([n for *_, n in slots]), strict=True):
-                blocks.setdefault(feature, []).append((col_offset, piece))
+            for (name, col_offset, _, _), piece in zip(slots, rows.split([n for *_, n in slots]), strict=True):
+                blocks.setdefault(name, []).append((col_offset, piece))
         out = {}
         for name in self._names:
             parts = [piece for _, piece in sorted(blocks[name], key=lambda b: b[0])]
             rows = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-            if name in self._ctx.inverse:
-                rows = rows.index_select(0, self._ctx.inverse[name])
-            original = self._ctx.input_features[name]
+            feature = self._sources[name]
+            if feature in self._ctx.inverse:
+                rows = rows.index_select(0, self._ctx.inverse[feature])
+            original = self._ctx.input_features[feature]
             out[name] = JaggedTensor(
                 values=rows, lengths=original.lengths(), weights=original.values() if self._need_indices else None
             )
@@ -148,8 +151,12 @@ class ShardedEmbeddingCollection(
         )  # fmt: skip
         self._need_indices = module.need_indices()
         self._use_index_dedup = bool(use_index_dedup)
-        self._embedding_names = [f for c in self._configs for f in c.feature_names]
-        self._limits = {f: c.num_embeddings for c in self._configs for f in c.feature_names}
+        self._embedding_names = [n for t in self._tables for n in t.embedding_names]
+        self._sources = {
+            n: f for t in self._tables for n, f in zip(t.embedding_names, t.config.feature_names, strict=True)
+        }
+        self._features = list(dict.fromkeys(self._sources.values()))  # each KJT key once
+        self._limits = feature_row_limits(self._configs)
 
     def create_context(self) -> EmbeddingCollectionContext:
         return EmbeddingCollectionContext()
@@ -161,7 +168,7 @@ class ShardedEmbeddingCollection(
         with input_dist_checks(list(self._shardings), f"{type(self).__name__}.input_dist"):
             if not isinstance(features, KeyedJaggedTensor):
                 raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
-            missing = [f for f in self._embedding_names if f not in features.index_per_key()]
+            missing = [f for f in self._features if f not in features.index_per_key()]
             if missing:
                 raise ValueError(f"features is missing keys {missing} (it has {features.keys()})")
             if features.variable_stride_per_key():
@@ -171,9 +178,9 @@ class ShardedEmbeddingCollection(
             if self._options.bounds_check == BoundsCheckMode.FATAL:
                 check_index_bounds(features, self._limits)
             per_feature = features.to_dict()
-            ctx.input_features = {name: per_feature[name] for name in self._embedding_names}
+            ctx.input_features = {name: per_feature[name] for name in self._features}
             if self._use_index_dedup:
-                features, ctx.inverse = dedup_indices(features, self._embedding_names)
+                features, ctx.inverse = dedup_indices(features, self._features)
             ctx.sharding_contexts = [ShardingContext() for _ in self._shardings]
             return run_input_dists(list(self._shardings), features, ctx.sharding_contexts)
 
@@ -183,7 +190,7 @@ class ShardedEmbeddingCollection(
     def output_dist(self, ctx: EmbeddingCollectionContext, output: list[Any]) -> LazyAwaitable[dict[str, JaggedTensor]]:
         contexts = ctx.sharding_contexts
         awaitables = [s.output_dist(o, c) for s, o, c in zip(self._shardings, output, contexts, strict=True)]
-        return EmbeddingCollectionAwaitable(awaitables, ctx, self._embedding_names, self._need_indices)
+        return EmbeddingCollectionAwaitable(awaitables, ctx, self._embedding_names, self._need_indices, self._sources)
 
     def compute_and_output_dist(
         self, ctx: EmbeddingCollectionContext, input: list[KeyedJaggedTensor]
@@ -191,7 +198,7 @@ class ShardedEmbeddingCollection(
         awaitables = []
         for sharding, kjt, context in zip(self._shardings, input, ctx.sharding_contexts, strict=True):
             awaitables.append(sharding.output_dist(sharding.compute(kjt, context), context))
-        return EmbeddingCollectionAwaitable(awaitables, ctx, self._embedding_names, self._need_indices)
+        return EmbeddingCollectionAwaitable(awaitables, ctx, self._embedding_names, self._need_indices, self._sources)
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
         super()._apply(fn, recurse)

@@ -123,7 +123,7 @@ class GroupedEmbeddingLookup(nn.Module):
         for k, run in enumerate(_dtype_runs(self.shards)):
             specs = [TableSpec(s.spec.rows, s.spec.cols, s.pooling, s.table.name) for s in run]
             feature_tables = [t for t, s in enumerate(run) for _ in s.features]
-            names = [f for s in run for f in s.features]
+            names = [n for s in run for n in s.embedding_names]  # slot labels (errors); routing is positional
             layout = TableBatchedLayout(specs, feature_tables, names)
             flat = empty_table_storage(layout.num_weights, run[0].dtype, device)
             requires_grad = compute_kernel == EmbeddingComputeKernel.DENSE.value

@@ -82,7 +82,7 @@ class EmbeddingBagCollectionAwaitable(LazyAwaitable[KeyedTensor]):
 
 
 def _column_order(blocks: list[tuple[str, int, int]], names: list[str], dims: dict[str, int]) -> list[int] | None:
-    """Indices of the concatenated shardings' columns in key order (each feature's blocks in column order)."""
+    """Indices of the concatenated shardings' columns in key order (each embedding's blocks in column order)."""
     spans: dict[str, list[tuple[int, int, int]]] = {}
     position = 0
     for feature, col_offset, width in blocks:
@@ -138,15 +138,17 @@ class ShardedEmbeddingBagCollection(
             module, configs, weights, table_name_to_parameter_sharding, env, fused_params, device,
             qcomm_codecs_registry, pooled=True, container="embedding_bags",
         )  # fmt: skip
-        self._embedding_names = [f for c in self._configs for f in c.feature_names]
-        dims = {f: c.embedding_dim for c in self._configs for f in c.feature_names}
-        self._dims = [dims[f] for f in self._embedding_names]
+        # output keys are embedding names (``feature@table`` for a feature several tables read), as unsharded
+        self._embedding_names = [n for t in self._tables for n in t.embedding_names]
+        dims = {n: t.config.embedding_dim for t in self._tables for n in t.embedding_names}
+        self._dims = [dims[n] for n in self._embedding_names]
         blocks = [b for s in self._shardings for b in s.output_columns.blocks]
         order = _column_order(blocks, self._embedding_names, dims)
         self._column_order = None if order is None else torch.tensor(order, device=self._device)
+        self._features = list(dict.fromkeys(f for c in self._configs for f in c.feature_names))
         # FATAL bounds check on the global ids before the input dist: row-wise bucketizing would spread an id past its
         # table round-robin into a shard (where it may look valid), and the error names the global id
-        self._limits = {f: c.num_embeddings for c in self._configs for f in c.feature_names}
+        self._limits = feature_row_limits(self._configs)
         # set by a wrapper (feature processors) to transform each sharding's distributed KJT before its lookup
         self.input_transform: Callable[[Any, Any, KeyedJaggedTensor], KeyedJaggedTensor] | None = None
 
@@ -197,7 +199,7 @@ class ShardedEmbeddingBagCollection(
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
         index = features.index_per_key()
-        missing = [f for f in self._embedding_names if f not in index]
+        missing = [f for f in self._features if f not in index]
         if missing:
             raise ValueError(f"features is missing keys {missing} (it has {features.keys()})")
         if self._is_weighted and features.weights_or_none() is None:
@@ -226,6 +228,16 @@ class ShardedEmbeddingBagCollection(
     @property
     def shardings(self) -> list:
         return list(self._shardings)
+
+
+def feature_row_limits(configs: list) -> dict[str, int]:
+    """Feature -> the rows its ids must stay below: the smallest table reading it (a shared feature's ids index
+    every table that reads it)."""
+    limits: dict[str, int] = {}
+    for config in configs:
+        for feature in config.feature_names:
+            limits[feature] = min(limits.get(feature, config.num_embeddings), config.num_embeddings)
+    return limits
 
 
 def check_index_bounds(features: KeyedJaggedTensor, limits: dict[str, int]) -> None:
@@ -303,4 +315,5 @@ __all__ = [
     "EmbeddingBagCollectionSharder",
     "ShardedEmbeddingBagCollection",
     "check_index_bounds",
+    "feature_row_limits",
 ]

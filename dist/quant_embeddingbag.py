@@ -20,7 +20,8 @@ from tritonrec.data import KeyedJaggedTensor, KeyedTensor
 from tritonrec.dist.all_to_one import EmbeddingsAllToOne, EmbeddingsAllToOneReduce
 from tritonrec.dist.awaitable import Awaitable, LazyAwaitable, NoWait
 from tritonrec.dist.dist_data import KJTOneToAll, rank_device
-from tritonrec.dist.embeddingbag import _column_order, check_index_bounds
+from tritonrec.dist.embeddingbag import _column_order, check_index_bounds, feature_row_limits
+from tritonrec.dist.quant_state import QuantShardView, table_copies, table_state
 from tritonrec.dist.sharding.common import (
     LocalShard,
     ShardedTable,
@@ -49,6 +50,7 @@ from tritonrec.kernels.embedding import (
 )
 from tritonrec.modules.embedding_configs import QUANT_BITS
 from tritonrec.modules.quant_embedding_modules import QuantEmbeddingBagCollection
+from tritonrec.modules.quant_state import BUFFER_NAMES
 
 QUANT_SHARDING_TYPES = [ShardingType.TABLE_WISE.value, ShardingType.ROW_WISE.value, ShardingType.COLUMN_WISE.value]
 
@@ -59,7 +61,7 @@ def _shard_tables(
     """The shards' codes, scale and bias cut from the unsharded module's (no re-quantization)."""
     specs = [TableSpec(s.spec.rows, s.spec.cols, s.pooling, s.table.name) for s in shards]
     layout = TableBatchedLayout(
-        specs, [t for t, s in enumerate(shards) for _ in s.features], [f for s in shards for f in s.features]
+        specs, [t for t, s in enumerate(shards) for _ in s.features], [n for s in shards for n in s.embedding_names]
     )
     codes, scales, biases = [], [], []
     for shard in shards:
@@ -74,8 +76,8 @@ def _shard_tables(
         first = spec.col_offset * bits // 8
         width = (spec.cols * bits + 7) // 8
         codes.append(table_codes[rows, first : first + width].reshape(-1))
-        scales.append(scale[rows])
-        biases.append(bias[rows])
+        scales.append(scale.reshape(-1)[rows])  # the buffers are [rows, 1] (torchrec's shape)
+        biases.append(bias.reshape(-1)[rows])
     return QuantizedTables(
         layout, bits, torch.cat(codes).to(device), torch.cat(scales).to(device), torch.cat(biases).to(device)
     )
@@ -109,12 +111,17 @@ class _QuantSharding:
                         local.append(LocalShard(table, k, spec, pooling, tuple(table.config.feature_names)))
             self.shards_per_device.append(sorted(local, key=lambda s: -bits_of[s.table.name]))
         self.groups: list[list[tuple[int, int, QuantizedTables]]] = []  # per device: (first, end feature, tables)
+        self.views: dict[str, list[tuple[int, QuantShardView]]] = {}  # table -> (shard index, its storage views)
         for r, shards in enumerate(self.shards_per_device):
             groups, start = [], 0
             for bits in sorted({bits_of[s.table.name] for s in shards}, reverse=True):
                 mine = [s for s in shards if bits_of[s.table.name] == bits]
                 count = sum(len(s.features) for s in mine)
-                groups.append((start, start + count, _shard_tables(mine, source, bits, rank_device(device.type, r))))
+                quantized = _shard_tables(mine, source, bits, rank_device(device.type, r))
+                groups.append((start, start + count, quantized))
+                for t, shard in enumerate(mine):
+                    view = QuantShardView.of(quantized, t, shard.spec)
+                    self.views.setdefault(shard.table.name, []).append((shard.shard_index, view))
                 start += count
             self.groups.append(groups)
         self.features = [[f for s in shards for f in s.features] for shards in self.shards_per_device]
@@ -127,16 +134,16 @@ class _QuantSharding:
             self.dims = [s.spec.cols for s in first for _ in s.features]
             self.splitter = KJTOneToAll([len(self.send)] * world_size, world_size, device)
             self.merge: nn.Module = EmbeddingsAllToOneReduce(device, world_size)
-            self.columns = [(f, 0, d) for f, d in zip(self.send, self.dims, strict=True)]
+            self.columns = [(n, 0, s.spec.cols) for s in first for n in s.embedding_names]
         else:
             self.send = [f for per_device in self.features for f in per_device]
             self.splitter = KJTOneToAll([len(f) for f in self.features], world_size, device)
             self.merge = EmbeddingsAllToOne(device, world_size, cat_dim=1)
             self.columns = [
-                (f, s.spec.col_offset, s.spec.cols)
+                (n, s.spec.col_offset, s.spec.cols)
                 for shards in self.shards_per_device
                 for s in shards
-                for f in s.features
+                for n in s.embedding_names
             ]
         self._cache: dict[Any, list[int]] = {}
 
@@ -226,13 +233,15 @@ class ShardedQuantEmbeddingBagCollection(ShardedModule[Any, Any, KeyedTensor, Nu
         ]
         self._is_weighted = module.is_weighted()
         self._configs = configs
-        self._names = [f for c in configs for f in c.feature_names]
-        dims = {f: c.embedding_dim for c in configs for f in c.feature_names}
-        self._dims = [dims[f] for f in self._names]
+        self._names = [n for t in tables for n in t.embedding_names]  # output keys, as the unsharded module's
+        dims = {n: t.config.embedding_dim for t in tables for n in t.embedding_names}
+        self._dims = [dims[n] for n in self._names]
         order = _column_order([c for s in self._shardings for c in s.columns], self._names, dims)
         self._column_order = None if order is None else torch.tensor(order, device=self._device)
-        self._limits = {f: c.num_embeddings for c in configs for f in c.feature_names}
+        self._limits = feature_row_limits(configs)
         self._bounds_check = module.bounds_check
+        self._tables = tables
+        self._output_dtype = module.output_dtype()
 
     def create_context(self) -> NullShardedModuleContext:
         return NullShardedModuleContext()
@@ -258,10 +267,51 @@ class ShardedQuantEmbeddingBagCollection(ShardedModule[Any, Any, KeyedTensor, Nu
         values = merged[0] if len(merged) == 1 else torch.cat(merged, dim=1)
         if self._column_order is not None:
             values = values.index_select(1, self._column_order)
+        values = values.to(self._output_dtype)
         return _Ready(KeyedTensor(keys=self._names, length_per_key=self._dims, values=values))
 
     def embedding_bag_configs(self) -> list:
         return self._configs
+
+    def output_dtype(self) -> torch.dtype:
+        """The pooled output's dtype, the unsharded module's."""
+        return self._output_dtype
+
+    def copy(self, device: torch.device) -> ShardedQuantEmbeddingBagCollection:
+        """``self``, as torchrec's sharded modules (``ModuleNoCopyMixin``): its shards already sit on their devices."""
+        return self
+
+    def _table_views(self) -> list[tuple[ShardedTable, list[QuantShardView], int]]:
+        """Each table with its shards' storage views (shard order) and its bit width."""
+        views = {name: v for s in self._shardings for name, v in s.views.items()}
+        return [
+            (t, [view for _, view in sorted(views[t.name], key=lambda kv: kv[0])], QUANT_BITS[t.config.data_type])
+            for t in self._tables
+        ]
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        """torchrec's layout (:mod:`tritonrec.dist.quant_state`): live views of the shards."""
+        for table, views, bits in self._table_views():
+            for name, value in table_state(table, views, bits).items():
+                destination[f"{prefix}embedding_bags.{table.name}.{name}"] = value
+
+    def _load_from_state_dict(  # type: ignore[override]
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
+        """Checks every table's entries first (``ValueError`` naming the key), then copies into the shards."""
+        copies, expected = [], set()
+        for table, views, bits in self._table_views():
+            table_prefix = f"{prefix}embedding_bags.{table.name}."
+            expected.update(table_prefix + name for name in BUFFER_NAMES)
+            table_copy, missing = table_copies(state_dict, table_prefix, table, views, bits)
+            copies += table_copy
+            missing_keys.extend(missing)
+        if strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in expected)
+        with torch.no_grad():
+            for target, source in copies:
+                if target.data_ptr() != source.data_ptr():
+                    target.copy_(source)
 
 
 class _Ready(LazyAwaitable[KeyedTensor]):

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tritonrec.data import KeyedJaggedTensor, KeyedTensor
+from tritonrec.modules.embedding_configs import get_embedding_names
 
 
 def _check_layer_sizes(layer_sizes: object, name: str, min_layers: int = 1) -> list[int]:
@@ -58,7 +59,9 @@ class MLP(nn.Module):
 
 
 class SparseArch(nn.Module):
-    """Pooled embeddings of every sparse feature: KJT -> ``[B, F, D]`` (features in the tables' order)."""
+    """Pooled embeddings of every sparse feature: KJT -> ``[B, F, D]`` (embeddings in the tables' order). ``F``
+    counts embeddings, not distinct features: a feature read by several tables gives one embedding per table
+    (``feature@table``, torchrec's names)."""
 
     def __init__(self, embedding_bag_collection: nn.Module) -> None:
         super().__init__()
@@ -67,7 +70,7 @@ class SparseArch(nn.Module):
             raise ValueError("embedding_bag_collection must be an EmbeddingBagCollection with at least one table")
         self.embedding_bag_collection = embedding_bag_collection
         self.D: int = configs()[0].embedding_dim
-        self._sparse_feature_names: list[str] = [name for c in configs() for name in c.feature_names]
+        self._sparse_feature_names: list[str] = get_embedding_names(configs())
         self.F: int = len(self._sparse_feature_names)
 
     @property

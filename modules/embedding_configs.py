@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -122,6 +122,25 @@ class EmbeddingConfig(BaseEmbeddingConfig):
     """A table whose lookups return one row per value (sequence embeddings)."""
 
 
+def get_embedding_names_by_table(tables: Sequence[BaseEmbeddingConfig]) -> list[list[str]]:
+    """Each table's output (embedding) names, in config order (torchrec's rule): a feature read by several tables
+    is ``f"{feature}@{table}"`` in every table that reads it, an unshared feature keeps its own name. Pooled
+    outputs are keyed by these names, while the KJT key each one reads stays the plain feature name."""
+    readers: dict[str, int] = {}
+    for config in tables:
+        for feature in config.feature_names:
+            readers[feature] = readers.get(feature, 0) + 1
+    return [
+        [f"{feature}@{config.name}" if readers[feature] > 1 else feature for feature in config.feature_names]
+        for config in tables
+    ]
+
+
+def get_embedding_names(tables: Sequence[BaseEmbeddingConfig]) -> list[str]:
+    """Every table's embedding names, table after table: the keys of a pooled collection's output."""
+    return [name for names in get_embedding_names_by_table(tables) for name in names]
+
+
 __all__ = [
     "BaseEmbeddingConfig",
     "BoundsCheckMode",
@@ -130,5 +149,7 @@ __all__ = [
     "EmbeddingConfig",
     "PoolingType",
     "data_type_to_dtype",
+    "get_embedding_names",
+    "get_embedding_names_by_table",
     "pooling_type_to_pooling_mode",
 ]

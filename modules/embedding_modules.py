@@ -1,9 +1,12 @@
 """``EmbeddingBagCollection`` and ``EmbeddingCollection`` (torchrec's modules), on the table-batched kernels.
 
 * ``EmbeddingBagCollection(tables, is_weighted=False, device=None)``: ``forward(kjt) -> KeyedTensor`` of
-  ``[B, sum(D)]`` with keys = feature names in table order. Parameters ``embedding_bags.<table>.weight``.
-* ``EmbeddingCollection(tables, device=None)``: ``forward(kjt) -> dict[feature, JaggedTensor]`` whose values are
-  ``[N_f, D_f]`` rows; tables may have different dims. Parameters ``embeddings.<table>.weight``.
+  ``[B, sum(D)]`` with keys = embedding names in table order. Parameters ``embedding_bags.<table>.weight``.
+* ``EmbeddingCollection(tables, device=None)``: ``forward(kjt) -> dict[embedding name, JaggedTensor]`` whose
+  values are ``[N_f, D_f]`` rows; tables may have different dims. Parameters ``embeddings.<table>.weight``.
+
+Embedding names follow torchrec: a feature read by one table keeps its name, a feature read by several tables
+(a shared feature) is ``f"{feature}@{table}"`` in each, and each of those tables looks up the same KJT key's ids.
 
 Tables of one storage dtype share a flat buffer and a single kernel launch. Outputs are fp32 (rows are
 accumulated in fp32 whatever the storage dtype). Gradients reach the per-table parameters (dense, or sparse COO
@@ -25,7 +28,13 @@ from tritonrec.kernels.embedding import (
     sequence_embedding_lookup,
     split_sequence_output,
 )
-from tritonrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
+from tritonrec.modules.embedding_configs import (
+    EmbeddingBagConfig,
+    EmbeddingConfig,
+    PoolingType,
+    get_embedding_names,
+    get_embedding_names_by_table,
+)
 from tritonrec.modules.table_batched import (
     TableBatchedCollection,
     TableGroup,
@@ -90,7 +99,7 @@ class EmbeddingBagCollection(TableBatchedCollection):
         self._sparse = bool(sparse)
         self.embedding_bags = nn.ModuleDict()
         self._groups = build_groups(self._embedding_bag_configs, device, _embedding_bag_for, self.embedding_bags, True)
-        self._embedding_names = [f for config in self._embedding_bag_configs for f in config.feature_names]
+        self._embedding_names = get_embedding_names(self._embedding_bag_configs)
         self._lengths_per_embedding = [
             config.embedding_dim for config in self._embedding_bag_configs for _ in config.feature_names
         ]
@@ -102,7 +111,8 @@ class EmbeddingBagCollection(TableBatchedCollection):
         return None
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        """``features`` (KJT over at least this module's feature names) -> ``KeyedTensor`` ``[B, sum(D)]``."""
+        """``features`` (KJT over at least this module's feature names) -> ``KeyedTensor`` ``[B, sum(D)]`` keyed by
+        the embedding names."""
         self._ensure_packed()
         outputs = [self._lookup(features, i, group) for i, group in enumerate(self._groups)]
         values = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
@@ -163,13 +173,14 @@ class EmbeddingCollection(TableBatchedCollection):
         self._sparse = bool(sparse)
         self.embeddings = nn.ModuleDict()
         self._groups = build_groups(self._embedding_configs, device, _embedding_for, self.embeddings, False)
-        self._embedding_names = [f for config in self._embedding_configs for f in config.feature_names]
+        self._embedding_names = [n for names in self.embedding_names_by_table() for n in names]
 
     def _fused_state(self, group_index: int) -> FusedOptimizerState | None:
         return None
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
-        """``features`` -> ``{feature: JaggedTensor(values [N_f, D_f], lengths of the feature)}`` in table order."""
+        """``features`` -> ``{embedding name: JaggedTensor(values [N_f, D_f], lengths of its feature)}`` in table
+        order."""
         self._ensure_packed()
         result: dict[str, JaggedTensor] = {}
         for i, group in enumerate(self._groups):
@@ -200,8 +211,8 @@ class EmbeddingCollection(TableBatchedCollection):
         return self._embedding_configs
 
     def embedding_names_by_table(self) -> list[list[str]]:
-        """Each table's output feature names, in config order (torchrec's API)."""
-        return [list(config.feature_names) for config in self._embedding_configs]
+        """Each table's output (embedding) names, in config order (torchrec's API)."""
+        return get_embedding_names_by_table(self._embedding_configs)
 
     def reset_parameters(self) -> None:
         """Re-initialise every table from its config's ``init_fn`` (torchrec's API; a no-op on ``meta``)."""

@@ -115,7 +115,8 @@ class FeatureProcessedEmbeddingBagCollection(nn.Module):
     """Feature processors feeding a weighted :class:`EmbeddingBagCollection` (see module docstring).
 
     ``feature_processors`` is either a dict ``{feature: PositionWeightedModule}`` covering exactly the EBC's
-    features, or a :class:`PositionWeightedModuleCollection` (any module mapping a KJT to a weighted KJT).
+    features (one per feature, also for a feature several tables read), or a
+    :class:`PositionWeightedModuleCollection` (any module mapping a KJT to a weighted KJT).
     """
 
     def __init__(
@@ -132,7 +133,10 @@ class FeatureProcessedEmbeddingBagCollection(nn.Module):
         if not embedding_bag_collection.is_weighted():
             raise ValueError("embedding_bag_collection must be built with is_weighted=True to take processed weights")
         self._embedding_bag_collection = embedding_bag_collection
-        names = [f for config in embedding_bag_collection.embedding_bag_configs() for f in config.feature_names]
+        # processors are keyed by feature (torchrec): a feature several tables read is processed once, and each of
+        # those tables pools its ids with the same processed weights
+        configs = embedding_bag_collection.embedding_bag_configs()
+        names = list(dict.fromkeys(f for config in configs for f in config.feature_names))
         if isinstance(feature_processors, dict):
             if set(feature_processors) != set(names):
                 raise ValueError(

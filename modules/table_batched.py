@@ -24,6 +24,7 @@ from tritonrec.kernels.embedding.storage import empty_table_storage
 from tritonrec.modules.embedding_configs import (
     BaseEmbeddingConfig,
     data_type_to_dtype,
+    get_embedding_names_by_table,
     pooling_type_to_pooling_mode,
 )
 
@@ -36,9 +37,15 @@ class TableGroup:
     layout: TableBatchedLayout
     weights: torch.Tensor
     modules: list[nn.Module]
+    source_features: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.source_features:  # no shared features: each slot reads the KJT key it is named after
+            self.source_features = self.layout.feature_names
 
     @property
     def feature_names(self) -> tuple[str, ...]:
+        """The slots' embedding names (``feature@table`` for a shared feature): the output keys."""
         return self.layout.feature_names
 
     @property
@@ -62,11 +69,11 @@ class GroupInputs:
 
 
 def validate_tables(tables: object, config_type: type, module_name: str) -> list[BaseEmbeddingConfig]:
-    """Configs of the right type, unique non-empty table names, each feature read by at most one table."""
+    """Configs of the right type and unique non-empty table names, each listing a feature at most once. A feature
+    may feed several tables (torchrec's shared features, see :func:`get_embedding_names_by_table`)."""
     if not isinstance(tables, (list, tuple)) or not tables:
         raise ValueError(f"{module_name} needs a non-empty list of {config_type.__name__}, got tables={tables!r}")
     seen_tables: set[str] = set()
-    feature_owner: dict[str, str] = {}
     for i, config in enumerate(tables):
         if not isinstance(config, config_type):
             raise TypeError(f"tables[{i}] must be an {config_type.__name__}, got {type(config).__name__}")
@@ -75,13 +82,13 @@ def validate_tables(tables: object, config_type: type, module_name: str) -> list
         if config.name in seen_tables:
             raise ValueError(f"table names must be unique, got {config.name!r} twice")
         seen_tables.add(config.name)
-        for feature in config.feature_names:
-            if feature in feature_owner:
-                raise ValueError(
-                    f"feature {feature!r} is read by tables {feature_owner[feature]!r} and {config.name!r}; "
-                    "a feature may feed only one table"
-                )
-            feature_owner[feature] = config.name
+        repeated = sorted({f for f in config.feature_names if config.feature_names.count(f) > 1})
+        if repeated:
+            # torchrec would give both slots the name f"{feature}@{table}": duplicate output keys
+            raise ValueError(
+                f"table {config.name!r} lists features {repeated} more than once in feature_names="
+                f"{config.feature_names!r}; a table reads each feature once"
+            )
     return list(tables)
 
 
@@ -97,16 +104,18 @@ def build_groups(
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, config in enumerate(tables):
         by_dtype.setdefault(data_type_to_dtype(config.data_type), []).append(i)
+    embedding_names = get_embedding_names_by_table(tables)
     groups, modules = [], {}
     for dtype, positions in by_dtype.items():
-        specs, feature_tables, feature_names = [], [], []
+        specs, feature_tables, slot_names, source_features = [], [], [], []
         for local, pos in enumerate(positions):
             config = tables[pos]
             pooling = pooling_type_to_pooling_mode(config.pooling) if pooled else PoolingMode.NONE
             specs.append(TableSpec(config.num_embeddings, config.embedding_dim, pooling, config.name))
             feature_tables += [local] * len(config.feature_names)
-            feature_names += config.feature_names
-        layout = TableBatchedLayout(specs, feature_tables, feature_names)
+            slot_names += embedding_names[pos]
+            source_features += config.feature_names
+        layout = TableBatchedLayout(specs, feature_tables, slot_names)
         flat = empty_table_storage(layout.num_weights, dtype, device)
         for local, pos in enumerate(positions):
             view = layout.table_view(flat, local)
@@ -116,7 +125,8 @@ def build_groups(
                     if initialised is not None and initialised is not view:
                         view.copy_(initialised)
             modules[pos] = make_table_module(tables[pos], view)
-        groups.append(TableGroup(positions, layout, flat, [modules[pos] for pos in positions]))
+        group_modules = [modules[pos] for pos in positions]
+        groups.append(TableGroup(positions, layout, flat, group_modules, tuple(source_features)))
     for pos in range(len(tables)):  # registered in table order, so state-dict keys follow the configs
         container[tables[pos].name] = modules[pos]
     return groups
@@ -156,9 +166,10 @@ def is_packed(group: TableGroup) -> bool:
 def pooled_column_order(
     groups: Sequence[tuple[Sequence[str], Sequence[int]]], embedding_names: Sequence[str]
 ) -> torch.Tensor | None:
-    """Columns of the concatenated per-group pooled outputs (``(feature_names, feature_dims)`` per group) listed in
-    ``embedding_names`` order, as an int64 index tensor; ``None`` when the concatenation is already in that order.
-    Built from one span per feature (never a Python list per column: tables may be millions of columns wide)."""
+    """Columns of the concatenated per-group pooled outputs (``(slot embedding names, feature_dims)`` per group;
+    names unique over the groups) listed in ``embedding_names`` order, as an int64 index tensor; ``None`` when the
+    concatenation is already in that order. Built from one span per slot (never a Python list per column: tables
+    may be millions of columns wide)."""
     starts, dims, position = {}, {}, 0
     for names, group_dims in groups:
         for name, dim in zip(names, group_dims, strict=True):
@@ -220,8 +231,9 @@ class TableBatchedCollection(nn.Module):
     def _group_inputs(
         self, features: KeyedJaggedTensor, group: TableGroup, need_weights: bool, need_value_offsets: bool = True
     ) -> GroupInputs:
-        """The KJT's tensors restricted to (and ordered like) the group's features; no copy when the KJT already
-        is. Built from per-key slices (not ``KJT.permute``) so gradients flow back to the KJT's weights."""
+        """The KJT's tensors restricted to (and ordered like) the group's slots' source features (a shared feature
+        read by several of the group's tables is gathered once per table); no copy when the KJT already is. Built
+        from per-key slices (not ``KJT.permute``) so gradients flow back to the KJT's weights."""
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
         if features.variable_stride_per_key():
@@ -232,7 +244,7 @@ class TableBatchedCollection(nn.Module):
         weights = features.weights_or_none() if need_weights else None
         if need_weights and weights is None:
             raise ValueError(f"{type(self).__name__} was built with is_weighted=True but features has no weights")
-        names = list(group.feature_names)
+        names = list(group.source_features)
         if features.keys() == names:
             value_offsets = features.offset_per_key() if need_value_offsets else None
             return GroupInputs(features.values(), features.offsets(), weights, features.lengths(), value_offsets)

@@ -126,7 +126,8 @@ class EmbeddingSharding(nn.Module, abc.ABC):
         return list(dict.fromkeys(f for t in self.tables for f in t.config.feature_names))
 
     def rank_features(self, rank: int) -> list[str]:
-        """The features rank ``rank``'s lookup reads, in its input order."""
+        """The KJT keys rank ``rank``'s lookup reads, in its input order (a feature repeats for each local table, or
+        column block, that reads it)."""
         return [f for s in self.shards_per_rank[rank] for f in s.features]
 
     def codecs(self, op: CommOp) -> QuantizedCommCodecs | None:
@@ -224,7 +225,8 @@ def sequence_rows(local: list[torch.Tensor], width: int, device: torch.device) -
 
 
 def record_slots(ctx: ShardingContext, features: KeyedJaggedTensor, columns: list[tuple[str, int, int]]) -> None:
-    """For a sequence output dist: what each key of the sent KJT becomes (feature, column block) and its values."""
+    """For a sequence output dist: what each key of the sent KJT becomes (embedding name, column block) and its
+    values."""
     ctx.extra["slots"] = [(*c, n) for c, n in zip(columns, features.length_per_key(), strict=True)]
 
 
@@ -233,15 +235,26 @@ def no_dist(features: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTenso
     return NoWait(NoWait(features))
 
 
+def shard_columns(shards: list[LocalShard]) -> OutputColumns:
+    """Columns of a lookup's output over ``shards``: each shard's embeddings in feature order."""
+    return OutputColumns(tuple((name, s.spec.col_offset, s.spec.cols) for s in shards for name in s.embedding_names))
+
+
 def feature_dims(shards: list[LocalShard]) -> list[int]:
     return [s.spec.cols for s in shards for _ in s.features]
 
 
 def columns_of(shards_per_rank: list[list[LocalShard]]) -> OutputColumns:
-    """Columns of an all-to-all output: every rank's shards' features, rank by rank."""
-    return OutputColumns(
-        tuple((f, s.spec.col_offset, s.spec.cols) for shards in shards_per_rank for s in shards for f in s.features)
-    )
+    """Columns of an all-to-all output: every rank's shards' embeddings, rank by rank."""
+    return OutputColumns(tuple(b for shards in shards_per_rank for b in shard_columns(shards).blocks))
 
 
-__all__ = ["EmbeddingSharding", "columns_of", "feature_dims", "no_dist", "record_slots", "sequence_rows"]
+__all__ = [
+    "EmbeddingSharding",
+    "columns_of",
+    "feature_dims",
+    "no_dist",
+    "record_slots",
+    "sequence_rows",
+    "shard_columns",
+]

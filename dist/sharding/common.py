@@ -20,6 +20,7 @@ from tritonrec.modules.embedding_configs import (
     EmbeddingBagConfig,
     PoolingType,
     data_type_to_dtype,
+    get_embedding_names_by_table,
     pooling_type_to_pooling_mode,
 )
 
@@ -47,12 +48,15 @@ class ShardSpec:
 
 @dataclass(frozen=True)
 class ShardedTable:
-    """A table of the unsharded module with its placement (``index``: its position in the module's configs)."""
+    """A table of the unsharded module with its placement (``index``: its position in the module's configs;
+    ``embedding_names``: the output name of each of its features, ``feature@table`` for a feature other tables of
+    the module read too)."""
 
     index: int
     config: BaseEmbeddingConfig
     sharding: ParameterSharding
     shards: tuple[ShardSpec, ...]
+    embedding_names: tuple[str, ...]
 
     @property
     def name(self) -> str:
@@ -107,6 +111,7 @@ def sharded_tables(
     if missing:
         raise ValueError(f"tables {missing} have no ParameterSharding in the plan: every table needs one")
     out = []
+    embedding_names = get_embedding_names_by_table(configs)
     for index, config in enumerate(configs):
         sharding = plan[config.name]
         shards = table_shards(config, sharding, world_size)
@@ -118,7 +123,7 @@ def sharded_tables(
         check_table_layout(
             config.name, sharding.sharding_type, config.num_embeddings, config.embedding_dim, shards, world_size
         )
-        out.append(ShardedTable(index, config, sharding, shards))
+        out.append(ShardedTable(index, config, sharding, shards, tuple(embedding_names[index])))
     return out
 
 
@@ -135,8 +140,8 @@ _DTYPE_ORDER = (torch.float32, torch.float16, torch.bfloat16)
 
 @dataclass(frozen=True)
 class LocalShard:
-    """A shard this rank looks up, as the lookup sees it: a ``rows x cols`` table read by ``features`` (positions in
-    the lookup's feature list are the order the input dist delivers them in)."""
+    """A shard this rank looks up, as the lookup sees it: a ``rows x cols`` table read by ``features`` (the KJT keys;
+    positions in the lookup's feature list are the order the input dist delivers them in)."""
 
     table: ShardedTable
     shard_index: int
@@ -148,6 +153,11 @@ class LocalShard:
     def dtype(self) -> torch.dtype:
         return self.table.dtype
 
+    @property
+    def embedding_names(self) -> tuple[str, ...]:
+        """What each of ``features`` is called in the module's output (``feature@table`` when shared)."""
+        return self.table.embedding_names
+
 
 def order_for_lookup(shards: list[LocalShard]) -> list[LocalShard]:
     """Shards grouped by storage dtype (stable inside a dtype), so each dtype group's features are contiguous in the
@@ -157,7 +167,7 @@ def order_for_lookup(shards: list[LocalShard]) -> list[LocalShard]:
 
 @dataclass(frozen=True)
 class OutputColumns:
-    """Columns of a sharding's output ``[B_me, width]``: for each block, ``(feature, col_offset in the feature's
+    """Columns of a sharding's output ``[B_me, width]``: for each block, ``(embedding name, col_offset in that
     embedding, width)``, in output order."""
 
     blocks: tuple[tuple[str, int, int], ...]

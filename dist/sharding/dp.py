@@ -10,7 +10,7 @@ import torch
 from tritonrec.data import KeyedJaggedTensor
 from tritonrec.dist.awaitable import Awaitable, NoWait
 from tritonrec.dist.embedding_lookup import pad_variable_batch
-from tritonrec.dist.sharding.base import EmbeddingSharding, no_dist, record_slots, sequence_rows
+from tritonrec.dist.sharding.base import EmbeddingSharding, no_dist, record_slots, sequence_rows, shard_columns
 from tritonrec.dist.sharding.common import LocalShard, OutputColumns, ShardingContext
 from tritonrec.dist.types import ShardingType
 
@@ -26,7 +26,7 @@ class DpSharding(EmbeddingSharding):
         super().__init__(*args, **kwargs)
         shards = self.shards_per_rank[self.rank]
         self._features = self.rank_features(self.rank)
-        self._columns = OutputColumns(tuple((f, 0, s.spec.cols) for s in shards for f in s.features))
+        self._columns = shard_columns(shards)
         self.lookup.all_reduce_gradients(self.pg)
 
     def local_shards(self, rank: int) -> list[LocalShard]:
@@ -56,8 +56,9 @@ class DpSharding(EmbeddingSharding):
         keys, inverse = ctx.extra["inverse_indices"]
         row_of = {k: i for i, k in enumerate(keys)}
         blocks, start = [], 0
-        for name, _, width in self._columns.blocks:
-            blocks.append(padded[:, start : start + width].index_select(0, inverse[row_of[name]].long()))
+        # the inverse indices are the KJT's, keyed by feature (not by the embedding names of the columns)
+        for feature, (_, _, width) in zip(self._features, self._columns.blocks, strict=True):
+            blocks.append(padded[:, start : start + width].index_select(0, inverse[row_of[feature]].long()))
             start += width
         return torch.cat(blocks, dim=1) if blocks else padded[:0]
 

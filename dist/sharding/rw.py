@@ -25,7 +25,7 @@ from tritonrec.dist.embedding_dist import (
 )
 from tritonrec.dist.kjt_dist import get_recat
 from tritonrec.dist.qcomm_protocol import CommOp
-from tritonrec.dist.sharding.base import EmbeddingSharding, feature_dims, record_slots, sequence_rows
+from tritonrec.dist.sharding.base import EmbeddingSharding, feature_dims, record_slots, sequence_rows, shard_columns
 from tritonrec.dist.sharding.common import LocalShard, OutputColumns, ShardingContext, mean_divisor
 from tritonrec.dist.sharding.tw import expand_variable_batch, lookup_received
 from tritonrec.dist.types import ShardingType
@@ -79,7 +79,7 @@ class RwSharding(EmbeddingSharding):
         self._block_sizes = [max(s.rows for s in shard.table.shards) for shard in shards for _ in shard.features]
         self._dims = feature_dims(shards)
         self._is_mean = [shard.table.is_mean for shard in shards for _ in shard.features]
-        self._columns = OutputColumns(tuple((f, 0, shard.spec.cols) for shard in shards for f in shard.features))
+        self._columns = shard_columns(shards)  # row shards hold every column: col_offset 0
         if self.pooled:
             codecs = self.codecs(CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER)
             self.rs = PooledEmbeddingsReduceScatter(self.pg, codecs=codecs)

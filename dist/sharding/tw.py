@@ -150,7 +150,9 @@ def flatten_per_rank(padded: torch.Tensor, strides: list[list[int]], dims: list[
         for r in range(len(strides[0]) if strides else 0)
         for i in range(len(strides))
     ]
-    return torch.cat(parts) if parts else padded.new_zeros(0)
+    # a rank without local features still sends through the all-to-all whose backward every rank must join: its
+    # empty input stays in the graph (the lookup's placeholder requires grad)
+    return torch.cat(parts) if parts else padded.reshape(-1)[:0]
 
 
 def expand_variable_batch(

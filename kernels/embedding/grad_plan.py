@@ -34,6 +34,12 @@ _MIX_SCALE = -0x61C8864680B583EB
 _MIX_ROW = -0x40A7B892E31B1A47
 
 
+def _int64_product(a: int, b: int) -> int:
+    """``a * b`` wrapped to int64, as the same product of int64 tensors gives (a Python int past 2**64 does not
+    convert to a tensor scalar: slot 7 of a layout times ``_MIX_FEATURE`` is)."""
+    return (a * b + 2**63) % 2**64 - 2**63
+
+
 @dataclass
 class ValueGradientInfo:
     """Per value ``[N]``: its gradient row offset, its table's first global row (pooled: int32 when every global row
@@ -262,7 +268,9 @@ def sequence_fingerprints(info: ValueGradientInfo, layout: TableBatchedLayout, g
             if mine.numel():
                 offsets = info.grad_offsets[positions[mine]]
                 window = grad_flat.as_strided((grad_flat.numel() - dim + 1, dim), (1, 1))
-                keys[mine] = row_fingerprints(window.index_select(0, offsets)) * _MIX_ROW + f * _MIX_FEATURE
+                keys[mine] = row_fingerprints(window.index_select(0, offsets)) * _MIX_ROW + _int64_product(
+                    f, _MIX_FEATURE
+                )
         return keys
 
     return fingerprints

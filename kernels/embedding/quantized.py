@@ -3,7 +3,8 @@
 Each row is stored as ``ceil(D * bits / 8)`` bytes of codes (INT4: two codes per byte, the even column in the low
 nibble) plus an fp16 ``scale`` and ``bias`` per row; ``value = code * scale + bias`` in fp32. Quantization follows
 FBGEMM's row-wise rule: ``bias = fp16(min(row))``, ``scale = fp16((max(row) - bias) / (2**bits - 1))`` (1 when the
-row is constant or the scale is not representable), ``code = clamp(round((x - bias) / scale), 0, 2**bits - 1)``.
+row is constant or the scale is not representable), ``code = clamp(round((x - bias) * (1 / scale)), 0,
+2**bits - 1)`` with the fp32 reciprocal (as FBGEMM: dividing instead rounds a few ties the other way).
 
 The lookup runs the pooled forward kernel with ``QUANT_BITS`` set (same tiling, same order of sums as the float
 path); the torch twin dequantizes only the gathered rows and pools them with ``embedding_bag``.
@@ -53,7 +54,8 @@ def quantize_rowwise(table: torch.Tensor, bits: int) -> tuple[torch.Tensor, torc
     scale = ((x.amax(dim=1) - bias.float()) / levels).half()
     unusable = (scale == 0) | ~torch.isfinite(scale) | ~torch.isfinite(1.0 / scale.float())
     scale = torch.where(unusable, torch.ones_like(scale), scale)
-    codes = torch.round((x - bias.float()[:, None]) / scale.float()[:, None]).clamp(0, levels).to(torch.uint8)
+    inverse_scale = 1.0 / scale.float()  # FBGEMM multiplies by the fp32 reciprocal: same codes on ties
+    codes = torch.round((x - bias.float()[:, None]) * inverse_scale[:, None]).clamp(0, levels).to(torch.uint8)
     if bits == 4:
         if dim % 2:
             codes = F.pad(codes, (0, 1))

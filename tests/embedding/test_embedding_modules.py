@@ -172,13 +172,10 @@ def test_ebc_input_errors():
             ValueError,
             "table names must be unique, got 'a' twice",
         ),
-        (
-            [
-                EmbeddingBagConfig(num_embeddings=3, embedding_dim=2, name="a", feature_names=["f"]),
-                EmbeddingBagConfig(num_embeddings=3, embedding_dim=2, name="b", feature_names=["f"]),
-            ],
+        (  # torchrec names both slots "f@a" (duplicate output keys); several tables may share "f", one table not
+            [EmbeddingBagConfig(num_embeddings=3, embedding_dim=2, name="a", feature_names=["f", "g", "f"])],
             ValueError,
-            "feature 'f' is read by tables 'a' and 'b'",
+            r"table 'a' lists features \['f'\] more than once in feature_names=\['f', 'g', 'f'\]",
         ),
         (
             [EmbeddingBagConfig(num_embeddings=3, embedding_dim=2, name="a", data_type=DataType.INT8)],

@@ -22,18 +22,22 @@ from tritonrec.data import KeyedJaggedTensor
 
 # name, rows: a table with fewer rows than ranks, and one a rank's row block leaves empty at 4 ranks
 TABLES = [("t0", 40), ("t1", 7), ("t2", 1), ("t3", 25)]
+# the "shared-" kinds: f_t1 (ids < 7) is also read by t0 and t3, so the DLRM interacts 6 embeddings of 4 features
+SHARED_FEATURES = {"t0": ["f_t0", "f_t1"], "t1": ["f_t1"], "t2": ["f_t2"], "t3": ["f_t3", "f_t1"]}
 DIM, DENSE_IN, BATCH_PER_RANK, STEPS = 8, 5, 4, 10
 SPARSE_LR, DENSE_LR = 0.1, 0.05
 SHARDED_PATH = "sparse_arch.embedding_bag_collection"
 
 
-def build_dlrm(device: str | torch.device = "cpu", seed: int = 3) -> nn.Module:
-    """The test DLRM (fused rowwise Adagrad tables; ``device="meta"`` builds nothing)."""
+def build_dlrm(device: str | torch.device = "cpu", seed: int = 3, shared: bool = False) -> nn.Module:
+    """The test DLRM (fused rowwise Adagrad tables; ``device="meta"`` builds nothing; ``shared``: tables read
+    :data:`SHARED_FEATURES`)."""
     from tritonrec.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection
     from tritonrec.modules.dlrm import DLRM
 
     torch.manual_seed(seed)
-    tables = [EmbeddingBagConfig(num_embeddings=rows, embedding_dim=DIM, name=n, feature_names=[f"f_{n}"])
+    features = {n: SHARED_FEATURES[n] if shared else [f"f_{n}"] for n, _ in TABLES}
+    tables = [EmbeddingBagConfig(num_embeddings=rows, embedding_dim=DIM, name=n, feature_names=features[n])
               for n, rows in TABLES]  # fmt: skip
     ebc = FusedEmbeddingBagCollection(
         tables, "EXACT_ROWWISE_ADAGRAD", {"lr": SPARSE_LR}, device=device, backend="torch", stochastic_rounding=False
@@ -90,6 +94,9 @@ def table_generators(kind: str, world: int) -> dict[str, Any]:
         "twrw": lambda i: table_row_wise(host_index=i % _hosts(world)),
         "dp": lambda i: data_parallel(compute_kernel="fused"),
     }
+    if kind == "mixed":  # one table per sharding type
+        mixed = [row_wise(), table_wise(rank=world - 1), gens["dp"](2), column_wise(ranks=list(range(world)))]
+        return {name: mixed[i] for i, (name, _) in enumerate(TABLES)}
     return {name: gens[kind](i) for i, (name, _) in enumerate(TABLES)}
 
 
@@ -169,12 +176,13 @@ def compare_with_reference(dmp: Any, reference: nn.Module, dmp_dense: Any, ref_d
 
 
 def run_training_case(kind: str, rank: int, world: int) -> dict[str, Any]:
-    """10 steps of DMP (plan ``kind``) vs the single-process model on the global batch."""
+    """10 steps of DMP (plan ``kind``; ``shared-<plan>``: with shared features) vs the single-process model on the
+    global batch."""
     import torch.distributed as dist
 
-    model = build_dlrm()
+    model = build_dlrm(shared=kind.startswith("shared-"))
     reference = copy.deepcopy(model)
-    dmp = wrap(model, kind, world)
+    dmp = wrap(model, kind.removeprefix("shared-"), world)
     dmp_dense, ref_dense = dense_optimizer(dmp.named_parameters()), dense_optimizer(reference.named_parameters())
     total, lo = BATCH_PER_RANK * world, BATCH_PER_RANK * rank
     loss_diff = 0.0
@@ -195,10 +203,22 @@ def run_training_case(kind: str, rank: int, world: int) -> dict[str, Any]:
     result["loss"] = loss_diff
     result["plan"] = str(dmp.plan)
     result["types"] = sorted({p.sharding_type for p in dmp.plan.get_plan_for_module(SHARDED_PATH).values()})
+    result["sparse_names"] = dmp.module.sparse_arch.sparse_feature_names
+    if kind.startswith("shared-"):  # the checkpoint view: per-table keys, the trained tables gathered whole
+        from tritonrec.dist.sharded_state import gather_unsharded_state_dict
+
+        gathered = gather_unsharded_state_dict(dmp)
+        if gathered is not None:
+            expected = reference.state_dict()
+            result["state_dict_keys"] = sorted(gathered) == sorted(expected)
+            result["state_dict"] = max(max_diff(gathered[k], v) for k, v in expected.items() if k in gathered)
     return result
 
 
-KINDS_BY_WORLD = {2: ("tw", "rw", "cw", "twrw", "dp", "planner"), 4: ("rw", "cw", "twrw", "planner")}
+KINDS_BY_WORLD = {
+    2: ("tw", "rw", "cw", "twrw", "dp", "planner", "shared-mixed", "shared-planner"),
+    4: ("rw", "cw", "twrw", "planner"),
+}
 
 
 def run_suite(rank: int, world: int) -> dict[str, Any]:

@@ -57,6 +57,31 @@ def test_storage_counts_weights_optimizer_state_and_buffers() -> None:
     assert _ddr(options["data_parallel", DENSE, None]) == [3200 + 3200 + (40 * 8 + 10 * 8) + 2 * 320] * 2
 
 
+def test_a_shared_feature_costs_every_table_reading_it() -> None:
+    """Two tables reading one feature (torchrec's shared features) are estimated as if each read its own copy."""
+    from tritonrec.modules import EmbeddingBagCollection, EmbeddingBagConfig
+
+    def options(second: list[str]) -> dict:  # type: ignore[type-arg]
+        configs = [
+            EmbeddingBagConfig(num_embeddings=100, embedding_dim=8, name="t0", feature_names=["a", "b"]),
+            EmbeddingBagConfig(num_embeddings=60, embedding_dim=8, name="t1", feature_names=second),
+        ]
+        topo = topology()
+        enumerator = EmbeddingEnumerator(
+            topo, 10, estimator=[EmbeddingPerfEstimator(topo), EmbeddingStorageEstimator(topo)]
+        )
+        found = enumerator.enumerate(EmbeddingBagCollection(configs, device="meta"), [PlanOnlySharder()])
+        return {(o.name, o.sharding_type, o.compute_kernel, o.num_column_shards): o for o in found}
+
+    shared, separate = options(["a"]), options(["c"])
+    assert shared.keys() == separate.keys() and {key[0] for key in shared} == {"t0", "t1"}
+    for key, option in shared.items():
+        other = separate[key]
+        assert len(option.input_lengths) == len(other.input_lengths) == (2 if key[0] == "t0" else 1), key
+        assert [s.perf for s in option.shards] == [s.perf for s in other.shards], key
+        assert _ddr(option) == _ddr(other), key
+
+
 def test_storage_of_column_shards_adam_weights_and_sequences() -> None:
     constraints = {"t0": ParameterConstraints(pooling_factors=[4.0], min_partition=4)}
     options = _options(ebc([(100, 8)]), topology(), constraints)

@@ -37,9 +37,15 @@ class Case:
     steps: int = 1
     precision: str = "FP32"
     extra: dict[str, Any] = field(default_factory=dict)
+    tables: list = field(default_factory=lambda: TABLES)  # (name, rows, dim, features); features may be shared
 
 
-def make_tables(pooling: str, precision: str = "FP32") -> list:
+def features_of(tables: list) -> list[str]:
+    """The KJT keys ``tables`` read, each once, in table order."""
+    return list(dict.fromkeys(f for _, _, _, fs in tables for f in fs))
+
+
+def make_tables(pooling: str, precision: str = "FP32", tables: list = TABLES) -> list:
     from tritonrec.modules import DataType, EmbeddingBagConfig, PoolingType
 
     return [
@@ -51,31 +57,45 @@ def make_tables(pooling: str, precision: str = "FP32") -> list:
             pooling=PoolingType[pooling],
             data_type=DataType[precision],
         )
-        for name, rows, dim, features in TABLES
+        for name, rows, dim, features in tables
     ]
 
 
-def global_batch(step: int, total: int, weighted: bool) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-    """``lengths [F, total]`` (0..4, so some bags are empty) and per-feature values (and weights)."""
+def global_batch(
+    step: int, total: int, weighted: bool, tables: list = TABLES
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """``lengths [F, total]`` (0..4, so some bags are empty) and per-feature values (and weights); a feature's ids
+    stay below the rows of every table reading it."""
     g = torch.Generator().manual_seed(1000 + step)
-    rows = {f: n for _, n, _, fs in TABLES for f in fs}
-    lengths = torch.randint(0, 5, (len(FEATURES), total), generator=g)
-    values = [torch.randint(0, rows[f], (int(lengths[i].sum()),), generator=g) for i, f in enumerate(FEATURES)]
+    rows: dict[str, int] = {}
+    for _, n, _, fs in tables:
+        for f in fs:
+            rows[f] = min(rows.get(f, n), n)
+    features = features_of(tables)
+    lengths = torch.randint(0, 5, (len(features), total), generator=g)
+    values = [torch.randint(0, rows[f], (int(lengths[i].sum()),), generator=g) for i, f in enumerate(features)]
     weights = [torch.rand(v.numel(), generator=g) + 0.5 for v in values] if weighted else []
     return lengths, values, weights
 
 
-def kjt_slice(lengths: torch.Tensor, values: list[torch.Tensor], weights: list[torch.Tensor], lo: int, hi: int):
+def kjt_slice(
+    lengths: torch.Tensor,
+    values: list[torch.Tensor],
+    weights: list[torch.Tensor],
+    lo: int,
+    hi: int,
+    features: list[str] = FEATURES,
+):
     """The KJT of samples ``[lo, hi)`` of the global batch."""
     out_lengths, out_values, out_weights = [], [], []
-    for i in range(len(FEATURES)):
+    for i in range(len(features)):
         start, n = int(lengths[i, :lo].sum()), int(lengths[i, lo:hi].sum())
         out_lengths.append(lengths[i, lo:hi])
         out_values.append(values[i][start : start + n])
         if weights:
             out_weights.append(weights[i][start : start + n])
     return KeyedJaggedTensor(
-        FEATURES, torch.cat(out_values), torch.cat(out_weights) if weights else None, lengths=torch.cat(out_lengths)
+        features, torch.cat(out_values), torch.cat(out_weights) if weights else None, lengths=torch.cat(out_lengths)
     )
 
 
@@ -88,7 +108,7 @@ def build_pair(case: Case, rank: int, world: int, codecs: Any = None):
     from tritonrec.modules import EmbeddingBagCollection, FusedEmbeddingBagCollection
 
     torch.manual_seed(7)
-    tables = make_tables(case.pooling, case.precision)
+    tables = make_tables(case.pooling, case.precision, case.tables)
     if case.optimizer is None:
         reference = EmbeddingBagCollection(tables, is_weighted=case.weighted, backend="torch")
         fused_params = None
@@ -160,14 +180,16 @@ def _run_ebc_case(case: Case, rank: int, world: int, codecs: Any, reference_scal
     batch = BATCH_PER_RANK[world]
     total, lo = sum(batch), sum(batch[:rank])
     hi = lo + batch[rank]
-    result = {"forward": 0.0, "grad": 0.0, "weights": 0.0, "state": 0.0}
+    result: dict[str, Any] = {"forward": 0.0, "grad": 0.0, "weights": 0.0, "state": 0.0}
+    features = features_of(case.tables)
     for step in range(case.steps):
-        lengths, values, weights = global_batch(step, total, case.weighted)
-        out = sharded(kjt_slice(lengths, values, weights, lo, hi)).wait()
-        full = reference(kjt_slice(lengths, values, weights, 0, total))
+        lengths, values, weights = global_batch(step, total, case.weighted, case.tables)
+        out = sharded(kjt_slice(lengths, values, weights, lo, hi, features)).wait()
+        full = reference(kjt_slice(lengths, values, weights, 0, total, features))
         grad_out = torch.randn(full.values().shape, generator=torch.Generator().manual_seed(50 + step))
         if step == 0:  # same weights on both sides: the lookup itself is compared
             result["forward"] = max_diff(out.values(), full.values()[lo:hi])
+            result["keys"] = (list(out.keys()), list(full.keys()), out.length_per_key() == full.length_per_key())
         (out.values() * grad_out[lo:hi]).sum().backward()
         (full.values() * grad_out * reference_scale).sum().backward()
         if step == 0 and case.optimizer is None:

@@ -20,7 +20,7 @@ LOCAL_WORLD_SIZE = {2: 2, 4: 2}
 
 
 def _suites() -> dict[str, tuple[Callable[[int, int], Any], tuple[int, ...]]]:
-    from tests.sharding import ebc_cases, ec_cases, fp_cases, misc_cases, state_cases, wire_cases
+    from tests.sharding import ebc_cases, ec_cases, fp_cases, misc_cases, shared_cases, state_cases, wire_cases
 
     return {
         "ebc": (ebc_cases.run_suite, (2, 4)),
@@ -29,6 +29,7 @@ def _suites() -> dict[str, tuple[Callable[[int, int], Any], tuple[int, ...]]]:
         "wire": (wire_cases.run_suite, (2,)),
         "fp": (fp_cases.run_suite, (2,)),
         "state": (state_cases.run_suite, (2,)),
+        "shared": (shared_cases.run_suite, (2,)),
     }
 
 

@@ -61,3 +61,19 @@ def test_check_index_bounds_without_checked_values_is_a_no_op() -> None:
     check_index_bounds(kjt([-5] * 10), {})
     empty = KeyedJaggedTensor(KEYS, torch.tensor([], dtype=torch.int64), lengths=torch.zeros(8, dtype=torch.int64))
     check_index_bounds(empty, dict.fromkeys(KEYS, 1))
+
+
+def test_a_shared_feature_is_bounded_by_the_smallest_table_reading_it() -> None:
+    from tritonrec.dist.embeddingbag import feature_row_limits
+    from tritonrec.modules import EmbeddingBagConfig
+
+    configs = [
+        EmbeddingBagConfig(num_embeddings=10, embedding_dim=2, name="big", feature_names=["f0", "f1"]),
+        EmbeddingBagConfig(num_embeddings=4, embedding_dim=2, name="small", feature_names=["f1"]),
+    ]
+    limits = feature_row_limits(configs)
+    assert limits == {"f0": 10, "f1": 4}
+    # f1's 5 fits "big" but not "small": row-wise bucketizing would send it past "small"'s last block
+    values = [0, 9, 3, 1, 5, 2, 0, 1, 6, 7]
+    with pytest.raises(ValueError, match=re.escape("index 5 of feature 'f1' is outside its table's [0, 4) rows")):
+        check_index_bounds(kjt(values), limits)

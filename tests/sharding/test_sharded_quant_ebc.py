@@ -80,3 +80,30 @@ def test_unsupported_quant_plans_raise() -> None:
     good = construct_module_sharding_plan(qebc, _plan("table_wise", 2), sharder, 2, 2, "cpu")
     with pytest.raises(ValueError, match=r"pass env=ShardingEnv.from_local"):
         sharder.shard(qebc, good, object(), torch.device("cpu"))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", ["table_wise", "row_wise", "column_wise", "mixed"])
+def test_sharded_quant_ebc_with_a_shared_feature(kind: str) -> None:
+    """f1 read by all three tables (INT8): every device gets f1's ids for each of its tables; keys are torchrec's."""
+    torch.manual_seed(5)
+    configs = [
+        EmbeddingBagConfig(num_embeddings=n, embedding_dim=d, name=t, feature_names=f, pooling=PoolingType[p])
+        for t, n, d, f, p in [
+            ("t0", 12, 8, ["f0", "f1"], "SUM"),
+            ("t1", 5, 4, ["f1", "f2"], "MEAN"),
+            ("t2", 9, 6, ["f3", "f1"], "MEAN"),
+        ]
+    ]
+    qebc = QuantEmbeddingBagCollection.from_float(EmbeddingBagCollection(configs, backend="torch"), DataType.INT8)
+    sharder = QuantEmbeddingBagCollectionSharder()
+    plan = construct_module_sharding_plan(qebc, _plan(kind, 2), sharder, 2, 2, "cpu")
+    sharded = sharder.shard(qebc, plan, ShardingEnv.from_local(2, 0), torch.device("cpu"))
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(0, 4, (len(FEATURES), 5), generator=g)
+    values = torch.randint(0, 5, (int(lengths.sum()),), generator=g)  # below every table's rows
+    kjt = KeyedJaggedTensor(FEATURES, values, lengths=lengths.reshape(-1))
+    expected = qebc(kjt)
+    got = sharded(kjt).wait()
+    assert got.keys() == expected.keys() == ["f0", "f1@t0", "f1@t1", "f2", "f3", "f1@t2"]
+    assert got.length_per_key() == expected.length_per_key()
+    torch.testing.assert_close(got.values(), expected.values(), rtol=1e-6, atol=1e-6)

@@ -21,6 +21,7 @@ from tests.sharding.ebc_cases import (
     TABLES,
     Case,
     build_pair,
+    features_of,
     global_batch,
     kjt_slice,
     max_diff,
@@ -106,14 +107,17 @@ def codec_cases(rank: int, world: int) -> dict[str, dict[str, float]]:
     return out
 
 
-def _vbe_batch(step: int, world: int) -> list[dict[str, Any]]:
+def vbe_batch(step: int, world: int, tables: list = TABLES) -> list[dict[str, Any]]:
     """Per rank: per feature a compressed batch of ``b_f`` bags and ``inverse [B_r]`` into it."""
     g = torch.Generator().manual_seed(500 + step)
-    rows = {f: n for _, n, _, fs in TABLES for f in fs}
+    rows: dict[str, int] = {}
+    for _, n, _, fs in tables:
+        for f in fs:
+            rows[f] = min(rows.get(f, n), n)  # a shared feature's ids index every table reading it
     ranks = []
     for batch in BATCH_PER_RANK[world]:
         per_feature = []
-        for f in FEATURES:
+        for f in features_of(tables):
             b = int(torch.randint(1, batch + 1, (1,), generator=g))
             lengths = torch.randint(0, 4, (b,), generator=g)
             values = torch.randint(0, rows[f], (int(lengths.sum()),), generator=g)
@@ -126,27 +130,27 @@ def _vbe_batch(step: int, world: int) -> list[dict[str, Any]]:
     return ranks
 
 
-def _vbe_kjt(data: dict[str, Any]) -> KeyedJaggedTensor:
+def vbe_kjt(data: dict[str, Any], features: list[str] = FEATURES) -> KeyedJaggedTensor:
     lengths = torch.cat([f[0] for f in data["features"]])
     values = torch.cat([f[1] for f in data["features"]])
     strides = [[f[0].numel()] for f in data["features"]]
     inverse = torch.stack([f[2] for f in data["features"]])
     return KeyedJaggedTensor(
-        FEATURES, values, lengths=lengths, stride_per_key_per_rank=strides, inverse_indices=(FEATURES, inverse)
+        features, values, lengths=lengths, stride_per_key_per_rank=strides, inverse_indices=(features, inverse)
     )
 
 
-def _expanded_kjt(ranks: list[dict[str, Any]]) -> KeyedJaggedTensor:
+def expanded_kjt(ranks: list[dict[str, Any]], features: list[str] = FEATURES) -> KeyedJaggedTensor:
     """Every rank's samples, each feature's bag looked up through its inverse index (what VBE stands for)."""
     lengths, values = [], []
-    for f in range(len(FEATURES)):
+    for f in range(len(features)):
         for data in ranks:
             bag_lengths, bag_values, inverse = data["features"][f]
             starts = torch.cumsum(bag_lengths, 0) - bag_lengths
             for i in inverse.tolist():
                 lengths.append(int(bag_lengths[i]))
                 values.append(bag_values[int(starts[i]) : int(starts[i]) + int(bag_lengths[i])])
-    return KeyedJaggedTensor(FEATURES, torch.cat(values), lengths=torch.tensor(lengths))
+    return KeyedJaggedTensor(features, torch.cat(values), lengths=torch.tensor(lengths))
 
 
 VBE_CASES = [
@@ -172,9 +176,9 @@ def vbe_cases(rank: int, world: int) -> dict[str, dict[str, float]]:
             lo = sum(BATCH_PER_RANK[world][:rank])
             result = {"forward": 0.0, "grad": 0.0, "weights": 0.0}
             for step in range(case.steps):
-                ranks = _vbe_batch(step, world)
-                got = sharded(_vbe_kjt(ranks[rank])).wait().values()
-                full = reference(_expanded_kjt(ranks)).values()
+                ranks = vbe_batch(step, world)
+                got = sharded(vbe_kjt(ranks[rank])).wait().values()
+                full = reference(expanded_kjt(ranks)).values()
                 mine = full[lo : lo + ranks[rank]["batch"]]
                 if step == 0:
                     result["forward"] = max_diff(got, mine)

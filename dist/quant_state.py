@@ -1,0 +1,146 @@
+"""State dict of :class:`~tritonrec.dist.quant_embeddingbag.ShardedQuantEmbeddingBagCollection`: torchrec 1.8's
+sharded quantized EBC layout (``torchrec.distributed.quant_state``): entries ``embedding_bags.<table>.weight``,
+``.weight_qscale`` and ``.weight_qbias`` shaped as the unsharded module's (:mod:`tritonrec.modules.quant_state`):
+
+* ``weight``: a table in one shard (table-wise), the shard's codes themselves; else a ``ShardedTensorBase`` of the
+  global ``[rows, row_bytes]`` codes (offsets and sizes in bytes: a column block at column ``c`` starts at byte
+  ``c * bits / 8``);
+* ``weight_qscale`` / ``weight_qbias``: column-wise, a list with each column block's ``[rows, 1]`` copy (every block
+  keeps its rows' scale and bias); else as ``weight``, of the global ``[rows, 1]``.
+
+Every shard is a view of the live lookup storage, so loading copies in place. ``load_state_dict`` takes such a
+state dict from a module of the same plan (shards are matched by offsets and sizes, as torchrec does) or an
+unsharded one in any format the unsharded module loads, of which each shard keeps its slice. ``ShardedTensorBase``
+here has no process group (one process holds every shard): read it with ``local_shards()`` and ``metadata()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensorBase, ShardedTensorMetadata, ShardMetadata
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+
+from tritonrec.dist.sharding.common import ShardedTable, ShardSpec
+from tritonrec.dist.types import ShardingType
+from tritonrec.kernels.embedding import QuantizedTables
+from tritonrec.modules.quant_state import BUFFER_NAMES, code_row_bytes, normalize_table_state
+
+
+@dataclass
+class QuantShardView:
+    """One shard of a table in the lookup storage: codes ``[rows, row_bytes(cols)]`` uint8, scale / bias
+    ``[rows, 1]`` fp16 (views), and where its bytes sit in the table's ``[rows, row_bytes(dim)]`` codes."""
+
+    spec: ShardSpec
+    codes: torch.Tensor
+    scale: torch.Tensor
+    bias: torch.Tensor
+    byte_offset: int
+
+    @staticmethod
+    def of(tables: QuantizedTables, t: int, spec: ShardSpec) -> QuantShardView:
+        scale, bias = tables.table_scale_bias(t)
+        offset = spec.col_offset * tables.bits // 8
+        return QuantShardView(spec, tables.table_codes(t), scale.unsqueeze(1), bias.unsqueeze(1), offset)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return {"weight": self.codes, "weight_qscale": self.scale, "weight_qbias": self.bias}[name]
+
+    def region(self, name: str) -> tuple[list[int], list[int]]:
+        """Offsets and sizes of this shard's ``name`` tensor in the table's global one."""
+        rows = self.spec.row_offset
+        if name == "weight":
+            return [rows, self.byte_offset], list(self.codes.shape)
+        return [rows, 0], list(self.scale.shape)
+
+
+def _sharded(views: list[QuantShardView], name: str, size: list[int]) -> ShardedTensorBase:
+    shards = [
+        Shard(v.tensor(name), ShardMetadata(*v.region(name), f"rank:{v.spec.rank}/{v.codes.device}"))
+        for v in views
+        if v.tensor(name).numel()
+    ]
+    dtype = torch.uint8 if name == "weight" else torch.float16
+    metadata = ShardedTensorMetadata([s.metadata for s in shards], torch.Size(size), TensorProperties(dtype=dtype))
+    return ShardedTensorBase._init_from_local_shards_and_global_metadata(shards, metadata)
+
+
+def _column_wise(table: ShardedTable) -> bool:
+    return table.sharding_type == ShardingType.COLUMN_WISE.value
+
+
+def table_state(table: ShardedTable, views: list[QuantShardView], bits: int) -> dict[str, Any]:
+    """``{"weight": ..., "weight_qscale": ..., "weight_qbias": ...}`` for ``table`` (``views`` in shard order)."""
+    rows = table.config.num_embeddings
+    out: dict[str, Any] = {}
+    for name in BUFFER_NAMES:
+        if name != "weight" and _column_wise(table):
+            out[name] = [v.tensor(name) for v in views]
+        elif len(views) == 1:
+            out[name] = views[0].tensor(name)
+        else:
+            out[name] = _sharded(
+                views, name, [rows, code_row_bytes(table.config.embedding_dim, bits) if name == "weight" else 1]
+            )
+    return out
+
+
+def _check_block(key: str, block: Any, target: torch.Tensor, where: str) -> torch.Tensor:
+    if not isinstance(block, torch.Tensor) or block.dtype != target.dtype or block.shape != target.shape:
+        got = f"{block.dtype} {list(block.shape)}" if isinstance(block, torch.Tensor) else type(block).__name__
+        raise ValueError(f"{key}: {where} must be {target.dtype} {list(target.shape)}, got {got}")
+    return block
+
+
+def _source_block(key: str, source: Any, view: QuantShardView, name: str, index: int) -> torch.Tensor:
+    """What ``view``'s ``name`` tensor loads from ``source`` (a full tensor, a ShardedTensorBase or a list)."""
+    target = view.tensor(name)
+    offsets, sizes = view.region(name)
+    if isinstance(source, ShardedTensorBase):
+        for shard in source.local_shards():
+            if shard.metadata.shard_offsets == offsets and shard.metadata.shard_sizes == sizes:
+                return _check_block(key, shard.tensor, target, f"the local shard at {offsets}")
+        raise ValueError(
+            f"{key}: the ShardedTensor has no local shard at offsets {offsets} of sizes {sizes}; load a state dict "
+            "of the same plan, or an unsharded one"
+        )
+    if isinstance(source, list):
+        if index >= len(source):
+            raise ValueError(f"{key}: a list of {len(source)} tensors, this table has {index + 1} or more shards")
+        return _check_block(key, source[index], target, f"entry {index}")
+    rows = slice(offsets[0], offsets[0] + sizes[0])
+    return _check_block(key, source[rows, offsets[1] : offsets[1] + sizes[1]], target, f"its block at {offsets}")
+
+
+def table_copies(
+    state_dict: Mapping[str, Any], prefix: str, table: ShardedTable, views: list[QuantShardView], bits: int
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[str]]:
+    """The ``(target, source)`` copies that load ``table`` from ``state_dict`` (checked, not yet done) and its
+    missing keys. Unsharded entries are first brought to our format (torchrec's layouts, ``[rows]`` scale)."""
+    config = table.config
+    full = {
+        prefix + name: state_dict[prefix + name]
+        for name in BUFFER_NAMES
+        if prefix + name in state_dict
+        and isinstance(state_dict[prefix + name], torch.Tensor)
+        and not isinstance(state_dict[prefix + name], ShardedTensorBase)
+    }
+    normalize_table_state(full, prefix, config.num_embeddings, config.embedding_dim, bits)
+    copies, missing = [], []
+    for name in BUFFER_NAMES:
+        key = prefix + name
+        source = full.get(key, state_dict.get(key))
+        if source is None:
+            missing.append(key)
+            continue
+        for index, view in enumerate(views):
+            if view.tensor(name).numel():
+                copies.append((view.tensor(name), _source_block(key, source, view, name, index)))
+    return copies, missing
+
+
+__all__ = ["QuantShardView", "table_copies", "table_state"]
