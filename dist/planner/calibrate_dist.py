@@ -4,6 +4,7 @@ training step through ``DistributedModelParallel``). See :mod:`~tritonrec.dist.p
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Any
@@ -100,6 +101,9 @@ def measure_group_steps(
 
     world = dist.get_world_size()
     rows, dim, batch = GROUP_TABLE
+    # column-wise types split the table into one equal block per rank: a width every world size divides (8 at 2 or 4
+    # ranks, 24 at 3), or they could not be built at an odd world size and would silently go untimed
+    dim = math.lcm(dim, world)
     sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": "EXACT_ROWWISE_ADAGRAD", "learning_rate": 0.01})
     gen = torch.Generator().manual_seed(dist.get_rank())
     kjts = [

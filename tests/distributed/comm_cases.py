@@ -223,12 +223,12 @@ def _all_gather_case(name: str, world: int, shape: tuple[int, ...]) -> OpCase:
 
 
 # Per world size: uneven sizes with a zero on purpose (a rank with no batch, no columns, no rows).
-_UNEVEN_BATCH = {2: [4, 0], 4: [1, 0, 3, 2]}
-_UNEVEN_DIMS = {2: [5, 0], 4: [2, 0, 5, 1]}
-_FEATURE_DIMS = {2: [[3], [2, 4]], 4: [[2], [], [3, 1], [4]]}
-_ALLTOALLV_DIMS = {2: [[2, 1], [3]], 4: [[1], [2, 2], [0], [3]]}
-_ALLTOALLV_WIDTHS = {2: [[2], [2, 2]], 4: [[2], [2, 2], [2], [2, 2, 2]]}
-_ROW_SPLITS = {2: [3, 0], 4: [2, 0, 1, 3]}
+_UNEVEN_BATCH = {2: [4, 0], 3: [2, 0, 3], 4: [1, 0, 3, 2]}
+_UNEVEN_DIMS = {2: [5, 0], 3: [3, 0, 5], 4: [2, 0, 5, 1]}
+_FEATURE_DIMS = {2: [[3], [2, 4]], 3: [[3], [], [2, 4]], 4: [[2], [], [3, 1], [4]]}
+_ALLTOALLV_DIMS = {2: [[2, 1], [3]], 3: [[2, 1], [0], [3]], 4: [[1], [2, 2], [0], [3]]}
+_ALLTOALLV_WIDTHS = {2: [[2], [2, 2]], 3: [[2], [2, 2], [2, 2, 2]], 4: [[2], [2, 2], [2], [2, 2, 2]]}
+_ROW_SPLITS = {2: [3, 0], 3: [3, 0, 2], 4: [2, 0, 1, 3]}
 
 
 def build_op_cases(world: int) -> list[OpCase]:
