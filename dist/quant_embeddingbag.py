@@ -1,12 +1,13 @@
-"""``ShardedQuantEmbeddingBagCollection`` and ``QuantEmbeddingBagCollectionSharder``: row-wise INT8 / INT4 tables
-sharded over the devices of one process, for inference (torchrec's design: ``ShardingEnv.from_local(world_size,
-0)``, ``KJTOneToAll`` in, ``EmbeddingsAllToOne`` / ``EmbeddingsAllToOneReduce`` out; no autograd).
+"""``ShardedQuantEmbeddingBagCollection`` and ``QuantEmbeddingBagCollectionSharder``: INT8 / INT4 / INT2 (row-wise)
+and FP16 / FP32 tables sharded over the devices of one process, for inference (torchrec's design:
+``ShardingEnv.from_local(world_size, 0)``, ``KJTOneToAll`` in, ``EmbeddingsAllToOne`` / ``EmbeddingsAllToOneReduce``
+out; no autograd).
 
 Sharding types: table-wise, row-wise (on CPU too) and column-wise. A shard keeps its rows' codes and their fp16
 scale and bias exactly as the unsharded module quantized them (a column block reuses its row's scale and bias), so
 every shard dequantizes to the unsharded module's values: table- and column-wise outputs are bit-identical to it,
-row-wise ones equal up to the order of the partial sums. INT4 column blocks must start on an even column (two codes
-share a byte).
+row-wise ones equal up to the order of the partial sums. INT4 / INT2 column blocks must start on a multiple of 2 / 4
+columns (the codes of a byte stay together).
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ from tritonrec.kernels.embedding import (
     TableSpec,
     quantized_pooled_lookup,
 )
+from tritonrec.kernels.embedding.quantized import has_scale_bias
 from tritonrec.modules.embedding_configs import QUANT_BITS
 from tritonrec.modules.quant_embedding_modules import QuantEmbeddingBagCollection
-from tritonrec.modules.quant_state import BUFFER_NAMES
+from tritonrec.modules.quant_state import BUFFER_NAMES, buffer_names
 
 QUANT_SHARDING_TYPES = [ShardingType.TABLE_WISE.value, ShardingType.ROW_WISE.value, ShardingType.COLUMN_WISE.value]
 
@@ -68,18 +70,25 @@ def _shard_tables(
         spec = shard.spec
         table_codes, scale, bias = source[shard.table.name]
         rows = slice(spec.row_offset, spec.row_offset + spec.rows)
-        if bits == 4 and spec.col_offset % 2:
+        if spec.col_offset * bits % 8:
+            per_byte = 8 // bits
             raise ValueError(
-                f"table {shard.table.name!r}: an INT4 column block must start on an even column (two codes share a "
-                f"byte), got a block at column {spec.col_offset}"
+                f"table {shard.table.name!r}: an INT{bits} column block must start on a multiple of {per_byte} "
+                f"columns ({per_byte} codes share a byte), got a block at column {spec.col_offset}"
             )
         first = spec.col_offset * bits // 8
         width = (spec.cols * bits + 7) // 8
         codes.append(table_codes[rows, first : first + width].reshape(-1))
-        scales.append(scale.reshape(-1)[rows])  # the buffers are [rows, 1] (torchrec's shape)
-        biases.append(bias.reshape(-1)[rows])
+        if has_scale_bias(bits):
+            scales.append(scale.reshape(-1)[rows])  # the buffers are [rows, 1] (torchrec's shape)
+            biases.append(bias.reshape(-1)[rows])
+    empty = torch.zeros(0, dtype=torch.float16)  # FP16 / FP32 tables have no scale / bias
     return QuantizedTables(
-        layout, bits, torch.cat(codes).to(device), torch.cat(scales).to(device), torch.cat(biases).to(device)
+        layout,
+        bits,
+        torch.cat(codes).to(device),
+        torch.cat(scales or [empty]).to(device),
+        torch.cat(biases or [empty]).to(device),
     )
 
 
@@ -100,7 +109,7 @@ class _QuantSharding:
         self.bounds_check, self.backend = bounds_check, backend
         row_wise = kind == ShardingType.ROW_WISE.value
         bits_of = {t.name: QUANT_BITS[t.config.data_type] for t in tables}
-        # per device: its shards, 8-bit before 4-bit tables (one lookup per bit width, features contiguous)
+        # per device: its shards, wider data types first (one lookup per data type, features contiguous)
         self.shards_per_device: list[list[LocalShard]] = []
         for r in range(world_size):
             local = []
@@ -217,12 +226,7 @@ class ShardedQuantEmbeddingBagCollection(ShardedModule[Any, Any, KeyedTensor, Nu
         configs = module.embedding_bag_configs()
         tables = sharded_tables(configs, table_name_to_parameter_sharding, env.world_size)
         source = {
-            c.name: (
-                module.embedding_bags[c.name].weight,
-                module.embedding_bags[c.name].weight_qscale,
-                module.embedding_bags[c.name].weight_qbias,
-            )
-            for c in configs
+            c.name: tuple(getattr(module.embedding_bags[c.name], name, None) for name in BUFFER_NAMES) for c in configs
         }
         by_type: dict[str, list[ShardedTable]] = {}
         for table in tables:
@@ -302,7 +306,7 @@ class ShardedQuantEmbeddingBagCollection(ShardedModule[Any, Any, KeyedTensor, Nu
         copies, expected = [], set()
         for table, views, bits in self._table_views():
             table_prefix = f"{prefix}embedding_bags.{table.name}."
-            expected.update(table_prefix + name for name in BUFFER_NAMES)
+            expected.update(table_prefix + name for name in buffer_names(bits))
             table_copy, missing = table_copies(state_dict, table_prefix, table, views, bits)
             copies += table_copy
             missing_keys.extend(missing)

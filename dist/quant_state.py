@@ -5,8 +5,9 @@ sharded quantized EBC layout (``torchrec.distributed.quant_state``): entries ``e
 * ``weight``: a table in one shard (table-wise), the shard's codes themselves; else a ``ShardedTensorBase`` of the
   global ``[rows, row_bytes]`` codes (offsets and sizes in bytes: a column block at column ``c`` starts at byte
   ``c * bits / 8``);
-* ``weight_qscale`` / ``weight_qbias``: column-wise, a list with each column block's ``[rows, 1]`` copy (every block
-  keeps its rows' scale and bias); else as ``weight``, of the global ``[rows, 1]``.
+* ``weight_qscale`` / ``weight_qbias`` (INT tables; FP16 / FP32 ones have only ``weight``): column-wise, a list with
+  each column block's ``[rows, 1]`` copy (every block keeps its rows' scale and bias); else as ``weight``, of the
+  global ``[rows, 1]``.
 
 Every shard is a view of the live lookup storage, so loading copies in place. ``load_state_dict`` takes such a
 state dict from a module of the same plan (shards are matched by offsets and sizes, as torchrec does) or an
@@ -27,7 +28,7 @@ from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from tritonrec.dist.sharding.common import ShardedTable, ShardSpec
 from tritonrec.dist.types import ShardingType
 from tritonrec.kernels.embedding import QuantizedTables
-from tritonrec.modules.quant_state import BUFFER_NAMES, code_row_bytes, normalize_table_state
+from tritonrec.modules.quant_state import BUFFER_NAMES, buffer_names, code_row_bytes, normalize_table_state
 
 
 @dataclass
@@ -77,7 +78,7 @@ def table_state(table: ShardedTable, views: list[QuantShardView], bits: int) -> 
     """``{"weight": ..., "weight_qscale": ..., "weight_qbias": ...}`` for ``table`` (``views`` in shard order)."""
     rows = table.config.num_embeddings
     out: dict[str, Any] = {}
-    for name in BUFFER_NAMES:
+    for name in buffer_names(bits):
         if name != "weight" and _column_wise(table):
             out[name] = [v.tensor(name) for v in views]
         elif len(views) == 1:
@@ -131,7 +132,7 @@ def table_copies(
     }
     normalize_table_state(full, prefix, config.num_embeddings, config.embedding_dim, bits)
     copies, missing = [], []
-    for name in BUFFER_NAMES:
+    for name in buffer_names(bits):
         key = prefix + name
         source = full.get(key, state_dict.get(key))
         if source is None:

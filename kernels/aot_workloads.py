@@ -169,7 +169,7 @@ def small_workloads(sweep: str = "full") -> dict[str, Workload]:
         out[f"jagged/{tag}/D=200"] = lambda w=wdt, i=idt: jagged(200, w, i)
         out[f"sparse/{tag}"] = lambda w=wdt, i=idt: sparse(w, i, 5)
     for idt in INDEX_DTYPES if full else (i64,):
-        for bits in (8, 4):
+        for bits in (8, 4, 2):  # FP16 / FP32 tables run the float path's fp16 / fp32 kernels
             out[f"quantized/int{bits}/{_name(idt)}"] = lambda b=bits, i=idt: quantized([3, 130], b, i)
     for row_dim, stochastic in itertools.product((32, 8192) if full else (8192,), (False, True)):
         out[f"codecs/row_dim={row_dim}/stochastic={stochastic}"] = lambda r=row_dim, s=stochastic: codecs(r, s)

@@ -28,13 +28,14 @@ class PoolingType(enum.Enum):
 
 
 class DataType(enum.Enum):
-    """Storage type of a table's weights (torchrec's values). INT8 / INT4 are inference-only (QuantEBC)."""
+    """Storage type of a table's weights (torchrec's values). INT8 / INT4 / INT2 are inference-only (QuantEBC)."""
 
     FP32 = "FP32"
     FP16 = "FP16"
     BF16 = "BF16"
     INT8 = "INT8"
     INT4 = "INT4"
+    INT2 = "INT2"
 
 
 FLOAT_DTYPES: dict[DataType, torch.dtype] = {
@@ -42,7 +43,15 @@ FLOAT_DTYPES: dict[DataType, torch.dtype] = {
     DataType.FP16: torch.float16,
     DataType.BF16: torch.bfloat16,
 }
-QUANT_BITS: dict[DataType, int] = {DataType.INT8: 8, DataType.INT4: 4}
+# bits per weight of the data types QuantEmbeddingBagCollection stores (torchrec's DATA_TYPE_NUM_BITS for the ones its
+# quantized EBC accepts on CPU; BF16 is not among them)
+QUANT_BITS: dict[DataType, int] = {
+    DataType.FP32: 32,
+    DataType.FP16: 16,
+    DataType.INT8: 8,
+    DataType.INT4: 4,
+    DataType.INT2: 2,
+}
 _POOLING_MODES = {
     PoolingType.SUM: PoolingMode.SUM,
     PoolingType.MEAN: PoolingMode.MEAN,
@@ -51,7 +60,8 @@ _POOLING_MODES = {
 
 
 def data_type_to_dtype(data_type: DataType) -> torch.dtype:
-    """The torch dtype of a float table (INT8 / INT4 tables store uint8 codes, see QuantEmbeddingBagCollection)."""
+    """The torch dtype of a float table (INT8 / INT4 / INT2 tables store uint8 codes, see
+    QuantEmbeddingBagCollection)."""
     if data_type not in FLOAT_DTYPES:
         raise ValueError(f"data_type {data_type} has no float storage dtype; quantized tables are inference-only")
     return FLOAT_DTYPES[data_type]

@@ -1,17 +1,20 @@
-"""``QuantEmbeddingBagCollection``: row-wise INT8 / INT4 tables for inference (torchrec's quantized EBC).
+"""``QuantEmbeddingBagCollection``: INT8 / INT4 / INT2 (row-wise) and FP16 / FP32 tables for inference (torchrec's
+quantized EBC).
 
 ``QuantEmbeddingBagCollection.from_float(ebc, data_type=DataType.INT8)`` quantizes a trained (float)
-EmbeddingBagCollection; every row keeps an fp16 scale and bias and the pooled kernel dequantizes inside the lookup
-(``code * scale + bias``, accumulated in fp32). The state dict is torchrec's quantized EBC's, byte for byte
-(:mod:`tritonrec.modules.quant_state`): ``embedding_bags.<table>.weight`` (uint8 codes ``[rows, ceil(dim * bits /
-8)]``), ``.weight_qscale`` and ``.weight_qbias`` (fp16 ``[rows, 1]``); ``load_state_dict`` also takes torchrec's
-other layouts. The buffers are views of one flat buffer per bit width, re-packed before a forward if ``.to()`` or
-``load_state_dict(assign=True)`` replaced them. No autograd: this module is for inference.
+EmbeddingBagCollection; every row of an INT table keeps an fp16 scale and bias and the pooled kernel dequantizes
+inside the lookup (``code * scale + bias``, accumulated in fp32); FP16 tables store the weights rounded to fp16, FP32
+ones as they are. Tables may mix data types (one table batch per type). The state dict is torchrec's quantized EBC's,
+byte for byte (:mod:`tritonrec.modules.quant_state`): ``embedding_bags.<table>.weight`` (uint8 ``[rows, ceil(dim *
+bits / 8)]``), plus for INT tables ``.weight_qscale`` and ``.weight_qbias`` (fp16 ``[rows, 1]``); ``load_state_dict``
+also takes torchrec's other layouts. The buffers are views of one flat buffer per data type, re-packed before a
+forward if ``.to()`` or ``load_state_dict(assign=True)`` replaced them. No autograd: this module is for inference.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -36,17 +39,24 @@ from tritonrec.modules.embedding_configs import (
     pooling_type_to_pooling_mode,
 )
 from tritonrec.modules.embedding_modules import EmbeddingBagCollection
-from tritonrec.modules.quant_state import BUFFER_NAMES, normalize_table_state
+from tritonrec.modules.quant_state import buffer_names, normalize_table_state
 from tritonrec.modules.table_batched import TableBatchedCollection, pooled_column_order, validate_tables
 
 _OUTPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # torch.ao qconfig weight dtypes (torchrec's from_float reads module.qconfig) -> our data types
-_QCONFIG_DATA_TYPES = {torch.quint8: DataType.INT8, torch.quint4x2: DataType.INT4}
+_QCONFIG_DATA_TYPES = {
+    torch.float32: DataType.FP32,
+    torch.float16: DataType.FP16,
+    torch.quint8: DataType.INT8,
+    torch.quint4x2: DataType.INT4,
+    torch.quint2x4: DataType.INT2,
+}
+_DATA_TYPE_NAMES = "FP32, FP16, INT8, INT4 or INT2"
 
 
 @dataclass
 class _QuantGroup:
-    """Tables of one bit width: their quantized flat storage and the per-table modules holding buffer views."""
+    """Tables of one data type: their flat storage and the per-table modules holding buffer views."""
 
     tables: QuantizedTables
     modules: list[nn.Module]
@@ -56,31 +66,39 @@ class _QuantGroup:
     def feature_names(self) -> tuple[str, ...]:
         return self.tables.layout.feature_names
 
-    def views(self, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Table ``t``'s codes ``[rows, row_bytes]`` and scale / bias ``[rows, 1]`` (torchrec's shapes)."""
+    @property
+    def buffer_names(self) -> tuple[str, ...]:
+        return buffer_names(self.tables.bits)
+
+    def views(self, t: int) -> tuple[torch.Tensor, ...]:
+        """Table ``t``'s codes ``[rows, row_bytes]`` and (INT tables) scale / bias ``[rows, 1]`` (torchrec's shapes)."""
         scale, bias = self.tables.table_scale_bias(t)
-        return self.tables.table_codes(t), scale.unsqueeze(1), bias.unsqueeze(1)
+        return (self.tables.table_codes(t), scale.unsqueeze(1), bias.unsqueeze(1))[: len(self.buffer_names)]
 
     def bind(self) -> None:
         """(Re)register each table's buffers as views of the flat storage."""
         for t, module in enumerate(self.modules):
-            for name, view in zip(BUFFER_NAMES, self.views(t), strict=True):
+            for name, view in zip(self.buffer_names, self.views(t), strict=True):
                 module.register_buffer(name, view)
 
     def is_packed(self) -> bool:
         return all(
             getattr(module, name).data_ptr() == view.data_ptr() and getattr(module, name).device == view.device
             for t, module in enumerate(self.modules)
-            for name, view in zip(BUFFER_NAMES, self.views(t), strict=True)
+            for name, view in zip(self.buffer_names, self.views(t), strict=True)
             if view.numel()
         )
 
     def repack(self) -> None:
         """Gather the modules' current buffers into new flat storage (after a device move or assignment)."""
         codes = torch.cat([m.weight.reshape(-1) for m in self.modules])
-        scale = torch.cat([m.weight_qscale.reshape(-1) for m in self.modules])
-        bias = torch.cat([m.weight_qbias.reshape(-1) for m in self.modules])
-        self.tables = QuantizedTables(self.tables.layout, self.tables.bits, codes, scale, bias)
+        scale, bias = self.tables.scale[:0], self.tables.bias[:0]  # FP16 / FP32 tables have none
+        if "weight_qscale" in self.buffer_names:
+            scale = torch.cat([m.weight_qscale.reshape(-1) for m in self.modules])
+            bias = torch.cat([m.weight_qbias.reshape(-1) for m in self.modules])
+        self.tables = QuantizedTables(
+            self.tables.layout, self.tables.bits, codes, scale.to(codes.device), bias.to(codes.device)
+        )
         self.bind()
 
 
@@ -98,26 +116,50 @@ def _check_output_dtype(output_dtype: object) -> torch.dtype:
     return output_dtype  # type: ignore[return-value]
 
 
+def _qconfig_data_type(weight_dtype: object, where: str) -> DataType:
+    if weight_dtype not in _QCONFIG_DATA_TYPES:
+        raise ValueError(f"{where} must be one of {list(_QCONFIG_DATA_TYPES)}, got {weight_dtype}")
+    return _QCONFIG_DATA_TYPES[weight_dtype]  # type: ignore[index]
+
+
 def _types_from_qconfig(
-    module: nn.Module, data_type: DataType | None, output_dtype: torch.dtype | None
-) -> tuple[DataType, torch.dtype]:
-    """``data_type`` / ``output_dtype``, else (as torchrec) ``module.qconfig``'s weight / activation dtypes, else
-    INT8 / fp32."""
+    module: EmbeddingBagCollection,
+    data_type: DataType | Mapping[str, DataType] | None,
+    output_dtype: torch.dtype | None,
+) -> tuple[dict[str, DataType], torch.dtype]:
+    """Each table's data type and the output dtype: ``data_type`` (one for all tables, or per table name) /
+    ``output_dtype``, else (as torchrec) ``module.qconfig``'s weight dtype (``per_table_weight_dtype`` first, as
+    torchrec's ``QuantConfig``) / activation dtype, else INT8 / fp32."""
+    names = [c.name for c in module.embedding_bag_configs()]
     qconfig = getattr(module, "qconfig", None)
-    if data_type is None and qconfig is not None:
-        weight_dtype = qconfig.weight().dtype
-        if weight_dtype not in _QCONFIG_DATA_TYPES:
-            raise ValueError(f"module.qconfig: weight dtype must be torch.quint8 or torch.quint4x2, got {weight_dtype}")
-        data_type = _QCONFIG_DATA_TYPES[weight_dtype]
     if output_dtype is None and qconfig is not None:
         output_dtype = qconfig.activation().dtype
-    return DataType.INT8 if data_type is None else data_type, torch.float32 if output_dtype is None else output_dtype
+    default, per_table = DataType.INT8, {}
+    if data_type is not None and not isinstance(data_type, Mapping):
+        default = data_type  # one data type for every table: the qconfig's weight dtypes are not read
+    elif qconfig is not None:
+        default = _qconfig_data_type(qconfig.weight().dtype, "module.qconfig: weight dtype")
+        for name, dtype in (getattr(qconfig, "per_table_weight_dtype", None) or {}).items():
+            per_table[name] = _qconfig_data_type(dtype, f"module.qconfig.per_table_weight_dtype[{name!r}]")
+    if isinstance(data_type, Mapping):
+        unknown = sorted(set(data_type) - set(names))
+        if unknown:
+            raise ValueError(f"data_type names tables the module does not have: {unknown} (tables: {names})")
+        per_table.update(data_type)
+    types = {name: per_table.get(name, default) for name in names}
+    for name, table_type in types.items():
+        if table_type not in QUANT_BITS:
+            raise ValueError(
+                f"data_type must be DataType {_DATA_TYPE_NAMES}, got data_type={table_type!r} for table {name!r}"
+            )
+    return types, torch.float32 if output_dtype is None else output_dtype
 
 
 class QuantEmbeddingBagCollection(TableBatchedCollection):
     """Pooled lookups on row-wise quantized tables (see module docstring).
 
-    ``tables`` carry ``data_type`` INT8 or INT4; weights start as each table's ``init_fn`` draw, quantized.
+    ``tables`` carry ``data_type`` FP32, FP16, INT8, INT4 or INT2 (mixed: one table batch per data type); weights
+    start as each table's ``init_fn`` draw, quantized.
     Prefer :meth:`from_float` to quantize a trained collection. ``output_dtype``: the pooled output's dtype
     (float32, float16 or bfloat16; accumulated in fp32 and cast once, as FBGEMM's TBE).
     """
@@ -139,7 +181,7 @@ class QuantEmbeddingBagCollection(TableBatchedCollection):
         for config in self._embedding_bag_configs:
             if config.data_type not in QUANT_BITS:
                 raise ValueError(
-                    f"table {config.name!r}: QuantEmbeddingBagCollection needs data_type INT8 or INT4, got "
+                    f"table {config.name!r}: QuantEmbeddingBagCollection needs data_type {_DATA_TYPE_NAMES}, got "
                     f"{config.data_type}"
                 )
         self._is_weighted = bool(is_weighted)
@@ -189,7 +231,7 @@ class QuantEmbeddingBagCollection(TableBatchedCollection):
     def from_float(
         cls,
         module: EmbeddingBagCollection,
-        data_type: DataType | None = None,
+        data_type: DataType | Mapping[str, DataType] | None = None,
         *,
         output_dtype: torch.dtype | None = None,
         bounds_check: BoundsCheckMode | None = None,
@@ -198,16 +240,17 @@ class QuantEmbeddingBagCollection(TableBatchedCollection):
     ) -> QuantEmbeddingBagCollection:
         """Quantize a float :class:`EmbeddingBagCollection` (its tables, weights, weighting and device).
 
+        ``data_type``: one for every table, or ``{table name: DataType}`` for some (the others take the default).
         ``data_type`` / ``output_dtype`` default to ``module.qconfig``'s weight (``torch.quint8`` -> INT8,
-        ``torch.quint4x2`` -> INT4) and activation dtypes when it has one (torchrec's way, which lets
-        ``torch.ao.quantization.quantize_dynamic`` swap modules), else INT8 / float32.
+        ``torch.quint4x2`` -> INT4, ``torch.quint2x4`` -> INT2, ``torch.float16`` -> FP16, ``torch.float32`` -> FP32;
+        per table from its ``per_table_weight_dtype`` as torchrec's ``QuantConfig``) and activation dtypes when it
+        has one (torchrec's way, which lets ``torch.ao.quantization.quantize_dynamic`` swap modules), else INT8 /
+        float32.
         ``use_precomputed_fake_quant`` is accepted and ignored, as torchrec does."""
         if not isinstance(module, EmbeddingBagCollection):
             raise TypeError(f"module must be an EmbeddingBagCollection, got {type(module).__name__}")
-        data_type, output_dtype = _types_from_qconfig(module, data_type, output_dtype)
-        if data_type not in QUANT_BITS:
-            raise ValueError(f"data_type must be DataType.INT8 or DataType.INT4, got data_type={data_type!r}")
-        configs = [dataclasses.replace(c, data_type=data_type) for c in module.embedding_bag_configs()]
+        data_types, output_dtype = _types_from_qconfig(module, data_type, output_dtype)
+        configs = [dataclasses.replace(c, data_type=data_types[c.name]) for c in module.embedding_bag_configs()]
         weights = [module.embedding_bags[c.name].weight for c in configs]
         return cls(
             configs,

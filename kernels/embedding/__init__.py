@@ -1,5 +1,6 @@
 """Table-batched embedding lookups (FBGEMM TBE's role): pooled and sequence forward, deterministic backward with
-fused optimizers, fp16/bf16 storage with stochastic rounding, and row-wise INT8/INT4 inference lookups.
+fused optimizers, fp16/bf16 storage with stochastic rounding, and inference lookups on row-wise INT8/INT4/INT2 or
+FP16/FP32 byte tables (torchrec's quantized EBC storage).
 
 Every op takes a :class:`TableBatchedLayout` (tables packed into one flat buffer, features mapped to tables) and a
 KJT's flat tensors; each kernel module holds its Triton kernel(s), launcher and ``*_reference`` torch twin.

@@ -12,8 +12,8 @@ fp32. Any ``D >= 1`` works (columns are masked, no multiple-of-4 rule).
 Triton: grid ``(cdiv(B, BAGS), F, cdiv(max D, BLOCK_D))``; a program pools ``BAGS`` bags of one feature at once,
 walking their positions ``BLOCK_L`` at a time as a ``[BAGS, BLOCK_L, BLOCK_D]`` tile, so short bags share a
 program instead of each paying a launch slot (autotune picks the split between bags and positions). The same
-kernel reads row-wise INT8 / INT4 storage (``QUANT_BITS``, see :mod:`~tritonrec.kernels.embedding.quantized`), so
-quantized lookups pool in exactly the float path's order.
+kernel reads row-wise INT8 / INT4 / INT2 storage (``QUANT_BITS``, see
+:mod:`~tritonrec.kernels.embedding.quantized`), so quantized lookups pool in exactly the float path's order.
 """
 
 from __future__ import annotations
@@ -45,17 +45,19 @@ def _pooled_forward_fits(config: dict, args: dict) -> bool:
 @triton.jit
 def load_rows(storage_ptr, scale_ptr, bias_ptr, row_start, global_row, row_ok, cols, mask, QUANT_BITS: tl.constexpr):
     """``[BAGS, BLOCK_L, BLOCK_D]`` fp32 tile of rows (``row_start``, ``global_row`` and ``row_ok`` are
-    ``[BAGS, BLOCK_L]``). Float storage: element ``row_start + col``. Row-wise quantized storage (8 or 4 bits): byte
-    ``row_start + col * bits / 8`` holds the code (low nibble first for 4 bits) and the row's fp16 scale and bias
-    dequantize it as ``code * scale + bias`` (the product is exact in fp32, so only the add rounds)."""
+    ``[BAGS, BLOCK_L]``). Float storage: element ``row_start + col``. Row-wise quantized storage (8, 4 or 2 bits):
+    byte ``row_start + col * bits // 8`` holds the code in bits ``(col % (8 / bits)) * bits`` (low bits first) and the
+    row's fp16 scale and bias dequantize it as ``code * scale + bias`` (the product is exact in fp32, so only the add
+    rounds)."""
     if QUANT_BITS == 0:
         return tl.load(storage_ptr + row_start[:, :, None] + cols, mask=mask, other=0.0).to(tl.float32)
     else:
         if QUANT_BITS == 8:
             code = tl.load(storage_ptr + row_start[:, :, None] + cols, mask=mask, other=0).to(tl.int32)
         else:
-            packed = tl.load(storage_ptr + row_start[:, :, None] + cols // 2, mask=mask, other=0).to(tl.int32)
-            code = (packed >> ((cols % 2) * 4)) & 0xF
+            # 8 / QUANT_BITS codes a byte, the lowest bits first
+            packed = tl.load(storage_ptr + row_start[:, :, None] + cols // (8 // QUANT_BITS), mask=mask, other=0)
+            code = (packed.to(tl.int32) >> ((cols % (8 // QUANT_BITS)) * QUANT_BITS)) & ((1 << QUANT_BITS) - 1)
         scale = tl.load(scale_ptr + global_row, mask=row_ok, other=0.0).to(tl.float32)
         bias = tl.load(bias_ptr + global_row, mask=row_ok, other=0.0).to(tl.float32)
         return tl.where(mask, code.to(tl.float32) * scale[:, :, None] + bias[:, :, None], 0.0)

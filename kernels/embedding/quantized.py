@@ -1,13 +1,17 @@
-"""Row-wise INT8 / INT4 tables for inference: quantize once, dequantize inside the pooled lookup.
+"""Tables for inference as torchrec's quantized EBC stores them: row-wise INT8 / INT4 / INT2 codes, or FP16 / FP32.
 
-Each row is stored as ``ceil(D * bits / 8)`` bytes of codes (INT4: two codes per byte, the even column in the low
-nibble) plus an fp16 ``scale`` and ``bias`` per row; ``value = code * scale + bias`` in fp32. Quantization follows
+Each row is stored as ``ceil(D * bits / 8)`` bytes. Row-wise quantized (``bits`` 8, 4, 2): codes packed ``8 / bits``
+to a byte, column ``c`` in bits ``(c % (8 / bits)) * bits`` of byte ``c * bits // 8`` (INT4: the even column in the
+low nibble), plus an fp16 ``scale`` and ``bias`` per row; ``value = code * scale + bias`` in fp32. FP16 / FP32
+(``bits`` 16, 32): the row's little-endian float bytes (FP16: the float weights rounded to nearest), no scale or
+bias. Quantization follows
 FBGEMM's row-wise rule: ``bias = fp16(min(row))``, ``scale = fp16((max(row) - bias) / (2**bits - 1))`` (1 when the
 row is constant or the scale is not representable), ``code = clamp(round((x - bias) * (1 / scale)), 0,
 2**bits - 1)`` with the fp32 reciprocal (as FBGEMM: dividing instead rounds a few ties the other way).
 
 The lookup runs the pooled forward kernel with ``QUANT_BITS`` set (same tiling, same order of sums as the float
-path); the torch twin dequantizes only the gathered rows and pools them with ``embedding_bag``.
+path; FP16 / FP32 bytes are read as float storage); the torch twin dequantizes only the gathered rows and pools them
+with ``embedding_bag``.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from tritonrec.kernels.embedding.lookup_grads import bounds_checked
 from tritonrec.kernels.embedding.pooled_forward import launch_pooled_forward
 from tritonrec.kernels.library import custom_op
 
-QUANT_BIT_WIDTHS = (8, 4)
+QUANT_BIT_WIDTHS = (32, 16, 8, 4, 2)
+FLOAT_BIT_DTYPES = {32: torch.float32, 16: torch.float16}  # stored as float bytes, no scale / bias
 
 
 def row_bytes(dim: int, bits: int) -> int:
@@ -39,16 +44,39 @@ def row_bytes(dim: int, bits: int) -> int:
     return (dim * bits + 7) // 8
 
 
-def quantize_rowwise(table: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``[rows, D]`` float -> (codes ``[rows, row_bytes]`` uint8, scale ``[rows]`` fp16, bias ``[rows]`` fp16)."""
-    check_tensor(table, "table", ndim=2, dtypes=(torch.float32, torch.float16, torch.bfloat16))
+def _check_bits(bits: object) -> int:
     if bits not in QUANT_BIT_WIDTHS:
         raise ValueError(f"bits must be one of {QUANT_BIT_WIDTHS}, got bits={bits!r}")
+    return bits  # type: ignore[return-value]
+
+
+def has_scale_bias(bits: int) -> bool:
+    """Whether tables of ``bits`` carry a per-row fp16 scale and bias (row-wise quantized, not FP16 / FP32)."""
+    return bits not in FLOAT_BIT_DTYPES
+
+
+def float_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """FP16 / FP32 bytes ``[..., D * bits / 8]`` uint8 -> ``[..., D]`` of the float dtype (a view when aligned)."""
+    dtype = FLOAT_BIT_DTYPES[bits]
+    codes = codes.contiguous()
+    if codes.storage_offset() % dtype.itemsize:
+        codes = codes.clone()  # a dtype view needs an element-aligned start
+    return codes.view(dtype)
+
+
+def quantize_rowwise(table: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[rows, D]`` float -> (codes ``[rows, row_bytes]`` uint8, scale ``[rows]`` fp16, bias ``[rows]`` fp16);
+    FP16 / FP32 (``bits`` 16, 32): the rows' float bytes and empty scale / bias."""
+    check_tensor(table, "table", ndim=2, dtypes=(torch.float32, torch.float16, torch.bfloat16))
+    _check_bits(bits)
     rows, dim = table.shape
+    empty = torch.zeros(0, dtype=torch.float16, device=table.device)
+    if bits in FLOAT_BIT_DTYPES:
+        stored = table.to(FLOAT_BIT_DTYPES[bits]).contiguous()  # round to nearest (torchrec's tensor.half())
+        return stored.view(torch.uint8).reshape(rows, row_bytes(dim, bits)).clone(), empty, empty.clone()
     x = table.float()
     levels = (1 << bits) - 1
     if rows == 0:
-        empty = torch.zeros(0, dtype=torch.float16, device=table.device)
         return torch.zeros(0, row_bytes(dim, bits), dtype=torch.uint8, device=table.device), empty, empty.clone()
     bias = x.amin(dim=1).half()
     scale = ((x.amax(dim=1) - bias.float()) / levels).half()
@@ -56,19 +84,28 @@ def quantize_rowwise(table: torch.Tensor, bits: int) -> tuple[torch.Tensor, torc
     scale = torch.where(unusable, torch.ones_like(scale), scale)
     inverse_scale = 1.0 / scale.float()  # FBGEMM multiplies by the fp32 reciprocal: same codes on ties
     codes = torch.round((x - bias.float()[:, None]) * inverse_scale[:, None]).clamp(0, levels).to(torch.uint8)
-    if bits == 4:
-        if dim % 2:
-            codes = F.pad(codes, (0, 1))
-        codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    per_byte = 8 // bits
+    if per_byte > 1:
+        codes = F.pad(codes, (0, -dim % per_byte))  # the last byte's unused high bits stay 0
+        packed = codes[:, 0::per_byte].clone()
+        for k in range(1, per_byte):
+            packed |= codes[:, k::per_byte] << (k * bits)
+        codes = packed
     return codes.contiguous(), scale, bias
 
 
 def dequantize_rowwise(
     codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, dim: int, bits: int
 ) -> torch.Tensor:
-    """The inverse: ``[rows, row_bytes]`` codes + per-row fp16 scale / bias -> ``[rows, dim]`` fp32."""
-    if bits == 4:
-        unpacked = torch.stack((codes & 0xF, codes >> 4), dim=2).reshape(codes.shape[0], -1)[:, :dim]
+    """The inverse: ``[rows, row_bytes]`` codes + per-row fp16 scale / bias -> ``[rows, dim]`` fp32 (FP16 / FP32:
+    the float bytes, ``scale`` / ``bias`` unused)."""
+    if bits in FLOAT_BIT_DTYPES:
+        return float_rows(codes, bits)[:, :dim].float()
+    per_byte = 8 // bits
+    if per_byte > 1:
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+        unpacked = (codes[:, :, None] >> shifts) & ((1 << bits) - 1)
+        unpacked = unpacked.reshape(codes.shape[0], codes.shape[1] * per_byte)[:, :dim]
     else:
         unpacked = codes[:, :dim]
     return unpacked.float() * scale.float()[:, None] + bias.float()[:, None]
@@ -78,7 +115,7 @@ def dequantize_rowwise(
 class QuantizedTables:
     """Quantized tables batched like :class:`TableBatchedLayout`: flat ``codes`` (table ``t`` at
     ``byte_offsets[t]``, ``row_bytes(dim, bits)`` bytes per row) and flat per-row ``scale`` / ``bias`` indexed by
-    global row."""
+    global row (empty for FP16 / FP32 tables)."""
 
     layout: TableBatchedLayout
     bits: int
@@ -87,15 +124,16 @@ class QuantizedTables:
     bias: torch.Tensor
 
     def __post_init__(self) -> None:
-        if self.bits not in QUANT_BIT_WIDTHS:
-            raise ValueError(f"bits must be one of {QUANT_BIT_WIDTHS}, got bits={self.bits!r}")
+        _check_bits(self.bits)
         check_tensor(self.codes, "codes", ndim=1, dtypes=(torch.uint8,))
         check_tensor(self.scale, "scale", ndim=1, dtypes=(torch.float16,))
         check_tensor(self.bias, "bias", ndim=1, dtypes=(torch.float16,))
         if self.codes.numel() != self.byte_offsets[-1]:
             raise ValueError(f"codes must hold {self.byte_offsets[-1]} bytes for this layout, got {self.codes.numel()}")
         for name, t in (("scale", self.scale), ("bias", self.bias)):
-            if t.numel() != self.layout.num_rows:
+            if not has_scale_bias(self.bits) and t.numel():
+                raise ValueError(f"{name} must be empty for {self.bits}-bit float tables, got {t.numel()} entries")
+            if has_scale_bias(self.bits) and t.numel() != self.layout.num_rows:
                 raise ValueError(f"{name} must hold one entry per row ({self.layout.num_rows}), got {t.numel()}")
 
     @property
@@ -123,6 +161,9 @@ class QuantizedTables:
         return self.codes[start : start + spec.num_rows * width].view(spec.num_rows, width)
 
     def table_scale_bias(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Table ``t``'s ``[rows]`` scale and bias (empty for FP16 / FP32)."""
+        if not has_scale_bias(self.bits):
+            return self.scale, self.bias
         r0, r1 = self.layout.table_row_offsets[t], self.layout.table_row_offsets[t + 1]
         return self.scale[r0:r1], self.bias[r0:r1]
 
@@ -140,10 +181,16 @@ def _quantized_triton(
     q: QuantizedTables, indices, offsets, per_sample_weights, bag_divisors, batch_size: int
 ) -> torch.Tensor:
     layout, device = q.layout, q.codes.device
-    storage_offsets = torch.tensor([q.byte_offsets[t] for t in layout.feature_tables], device=device)
-    strides = torch.tensor([row_bytes(layout.tables[t].dim, q.bits) for t in layout.feature_tables], device=device)
+    if q.bits in FLOAT_BIT_DTYPES:  # float bytes: the float path, offsets and strides in elements
+        storage, unit, quant = float_rows(q.codes, q.bits), q.bits // 8, None
+    else:
+        storage, unit, quant = q.codes, 1, (q.scale, q.bias, q.bits)
+    storage_offsets = torch.tensor([q.byte_offsets[t] // unit for t in layout.feature_tables], device=device)
+    strides = torch.tensor(
+        [row_bytes(layout.tables[t].dim, q.bits) // unit for t in layout.feature_tables], device=device
+    )
     return launch_pooled_forward(
-        q.codes,
+        storage,
         layout,
         indices,
         offsets,
@@ -152,7 +199,7 @@ def _quantized_triton(
         batch_size,
         storage_offsets,
         strides,
-        quant=(q.scale, q.bias, q.bits),
+        quant=quant,
     )
 
 
@@ -177,7 +224,9 @@ def quantized_pooled_lookup_reference(
         safe = torch.where(ok, idx, 0)
         scale, bias = q.table_scale_bias(t)
         if spec.num_rows:
-            rows = dequantize_rowwise(q.table_codes(t)[safe], scale[safe], bias[safe], spec.dim, q.bits)
+            if has_scale_bias(q.bits):
+                scale, bias = scale[safe], bias[safe]
+            rows = dequantize_rowwise(q.table_codes(t)[safe], scale, bias, spec.dim, q.bits)
         else:
             rows = torch.zeros(idx.numel(), spec.dim, device=idx.device)
         psw = ok.float() if per_sample_weights is None else per_sample_weights[starts[f] : starts[f + 1]].float() * ok

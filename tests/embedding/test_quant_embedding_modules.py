@@ -1,5 +1,6 @@
 """QuantEmbeddingBagCollection.from_float: torchrec's buffer names, exact agreement with an EBC holding the
-dequantized weights, closeness to the float EBC, re-packing after moves, and input errors."""
+dequantized weights (every data type, and mixed in one collection), closeness to the float EBC, re-packing after
+moves, and input errors."""
 
 from __future__ import annotations
 
@@ -34,18 +35,20 @@ def _kjt(weighted: bool = False) -> KeyedJaggedTensor:
     return KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=values, lengths=lengths, weights=weights)
 
 
+BITS = {DataType.FP32: 32, DataType.FP16: 16, DataType.INT8: 8, DataType.INT4: 4, DataType.INT2: 2}
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("data_type", [DataType.INT8, DataType.INT4])
+@pytest.mark.parametrize("data_type", list(BITS))
 @pytest.mark.parametrize("weighted", [False, True])
 def test_from_float_matches_dequantized_weights_exactly(backend, data_type, weighted):
     ebc = _ebc(backend, weighted)
     quant = QuantEmbeddingBagCollection.from_float(ebc, data_type)
     keys = list(quant.state_dict())
-    assert keys == [
-        f"embedding_bags.{t}.{b}" for t in ("t0", "t1") for b in ("weight", "weight_qscale", "weight_qbias")
-    ]
+    buffers = ("weight", "weight_qscale", "weight_qbias") if BITS[data_type] <= 8 else ("weight",)
+    assert keys == [f"embedding_bags.{t}.{b}" for t in ("t0", "t1") for b in buffers]
     assert quant.embedding_bags["t0"].weight.dtype == torch.uint8
-    assert quant.embedding_bags["t0"].weight.shape == (6, 5 if data_type == DataType.INT8 else 3)
+    assert quant.embedding_bags["t0"].weight.shape == (6, (5 * BITS[data_type] + 7) // 8)
     dequantized = _ebc(backend, weighted)
     with torch.no_grad():
         for name, table in quant.dequantized_weights().items():
@@ -54,8 +57,13 @@ def test_from_float_matches_dequantized_weights_exactly(backend, data_type, weig
     out = quant(kjt)
     assert out.keys() == ["f0", "f2", "f1"]
     assert torch.equal(out.values(), dequantized(kjt).values())
-    # within quantization error of the float module: at most half a step per row, summed over each bag
-    steps = {n: quant.embedding_bags[n].weight_qscale.float().max().item() for n in ("t0", "t1")}
+    # within quantization error of the float module: at most half a step per row, summed over each bag (FP16: the
+    # step is one ulp of the largest weight, 2**-10 relative; FP32: exact)
+    if BITS[data_type] <= 8:
+        steps = {n: quant.embedding_bags[n].weight_qscale.float().max().item() for n in ("t0", "t1")}
+    else:
+        ulp = 2.0**-10 if data_type == DataType.FP16 else 0.0
+        steps = {n: ebc.embedding_bags[n].weight.abs().max().item() * ulp for n in ("t0", "t1")}
     float_out = ebc(kjt)
     for feature, table in (("f0", "t0"), ("f2", "t0"), ("f1", "t1")):
         jt = kjt[feature]
@@ -94,15 +102,71 @@ def test_repacks_after_buffers_are_replaced_and_keeps_options():
     assert quant.bounds_check == ebc.bounds_check and quant.backend == "torch"
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mixed_data_types_one_group_per_type(backend):
+    """Five data types over six tables (two INT2 tables share a group), odd dims, a shared MEAN table, empty bags:
+    the output, column for column, is an EBC's on the dequantized weights; torchrec's state-dict entries per type."""
+    types = [DataType.INT2, DataType.FP32, DataType.INT8, DataType.FP16, DataType.INT2, DataType.INT4]
+    dims = [3, 1, 4, 5, 8, 6]
+    configs = [
+        EmbeddingBagConfig(
+            num_embeddings=5 + t,
+            embedding_dim=dims[t],
+            name=f"t{t}",
+            feature_names=[f"f{t}"] + (["g"] if t == 3 else []),
+            pooling=PoolingType.MEAN if t in (1, 3) else PoolingType.SUM,
+        )
+        for t in range(6)
+    ]
+    ebc = EmbeddingBagCollection(configs, is_weighted=True, backend=backend)
+    quant = QuantEmbeddingBagCollection.from_float(ebc, {c.name: d for c, d in zip(configs, types, strict=True)})
+    assert [c.data_type for c in quant.embedding_bag_configs()] == types
+    assert sorted(g.tables.bits for g in quant._quant_groups) == [2, 4, 8, 16, 32]
+    state = quant.state_dict()
+    for config, data_type in zip(configs, types, strict=True):
+        prefix = f"embedding_bags.{config.name}."
+        assert state[prefix + "weight"].shape == (
+            config.num_embeddings,
+            (config.embedding_dim * BITS[data_type] + 7) // 8,
+        )
+        assert (prefix + "weight_qscale" in state) == (BITS[data_type] <= 8)
+    dequantized = EmbeddingBagCollection(configs, is_weighted=True, backend=backend)
+    with torch.no_grad():
+        for name, table in quant.dequantized_weights().items():
+            dequantized.embedding_bags[name].weight.copy_(table)
+    keys = [f"f{t}" for t in range(6)] + ["g"]
+    lengths = torch.tensor([2, 0, 1, 3, 0, 0, 1, 2, 2, 0, 1, 0, 3, 1])  # B = 2; f1 has two empty bags
+    values = torch.cat([torch.arange(int(n)) % 5 for n in lengths])
+    kjt = KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=torch.rand(values.numel()) + 0.5)
+    out, expected = quant(kjt), dequantized(kjt)
+    assert out.keys() == expected.keys() == ["f0", "f1", "f2", "f3", "g", "f4", "f5"]
+    assert torch.equal(out.values(), expected.values())
+    reloaded = QuantEmbeddingBagCollection.from_float(ebc, {c.name: d for c, d in zip(configs, types, strict=True)})
+    with torch.no_grad():
+        for buffer in reloaded.buffers():
+            buffer.zero_()
+    reloaded.load_state_dict(state)
+    assert torch.equal(reloaded(kjt).values(), out.values())
+
+
 def test_input_errors():
     with pytest.raises(
-        ValueError, match="data_type must be DataType.INT8 or DataType.INT4, got data_type=<DataType.FP16"
+        ValueError,
+        match="data_type must be DataType FP32, FP16, INT8, INT4 or INT2, got data_type=<DataType.BF16.* table 't0'",
     ):
-        QuantEmbeddingBagCollection.from_float(_ebc("torch"), DataType.FP16)
+        QuantEmbeddingBagCollection.from_float(_ebc("torch"), DataType.BF16)
+    with pytest.raises(ValueError, match=r"data_type names tables the module does not have: \['t9'\]"):
+        QuantEmbeddingBagCollection.from_float(_ebc("torch"), {"t9": DataType.INT2})
+    with pytest.raises(ValueError, match="got data_type=<DataType.BF16.* for table 't1'"):
+        QuantEmbeddingBagCollection.from_float(_ebc("torch"), {"t1": DataType.BF16})
     with pytest.raises(TypeError, match="module must be an EmbeddingBagCollection, got Linear"):
         QuantEmbeddingBagCollection.from_float(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="table 't': QuantEmbeddingBagCollection needs data_type INT8 or INT4"):
-        QuantEmbeddingBagCollection([EmbeddingBagConfig(num_embeddings=3, embedding_dim=2, name="t")])
+    with pytest.raises(
+        ValueError, match="table 't': QuantEmbeddingBagCollection needs data_type FP32, FP16, INT8, INT4 or INT2"
+    ):
+        QuantEmbeddingBagCollection(
+            [EmbeddingBagConfig(num_embeddings=3, embedding_dim=2, name="t", data_type=DataType.BF16)]
+        )
     quant = QuantEmbeddingBagCollection.from_float(_ebc("torch", weighted=True))
     with pytest.raises(ValueError, match="is_weighted=True but features has no weights"):
         quant(_kjt())

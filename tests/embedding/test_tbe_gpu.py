@@ -70,7 +70,7 @@ def test_fused_updates_and_gradients(optim):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [32, 16, 8, 4, 2])
 def test_quantized_lookup(bits):
     case = _case()
     q = QuantizedTables.from_float(case.layout, [case.layout.table_view(case.weights, t) for t in range(4)], bits)

@@ -1,8 +1,9 @@
 """ShardedQuantEmbeddingBagCollection's state dict, torchrec's sharded quant layout: a table-wise table's entries are
 the unsharded module's tensors; row-wise entries are ShardedTensors of row slices; a column-wise ``weight`` is a
-ShardedTensor of byte-column blocks (INT4: column ``c`` at byte ``c / 2``) and its scale / bias a list with one
-``[rows, 1]`` copy per block. Every shard is a live view: loading an unsharded state dict (ours, torchrec's fused
-rows, our earlier ``[rows]`` scale) or a same-plan sharded one changes the lookups; bad entries raise naming the key.
+ShardedTensor of byte-column blocks (INT4: column ``c`` at byte ``c / 2``, INT2 ``c / 4``, FP16 ``2 * c``) and its
+scale / bias a list with one ``[rows, 1]`` copy per block (FP16 / FP32 tables: no scale / bias entries). Every
+shard is a live view: loading an unsharded state dict (ours, torchrec's fused rows, our earlier ``[rows]`` scale) or
+a same-plan sharded one changes the lookups; bad entries raise naming the key.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from tritonrec.modules.quant_embedding_modules import QuantEmbeddingBagCollectio
 
 TABLES = [("t0", 7, 8, "SUM"), ("t1", 5, 4, "MEAN"), ("t2", 6, 8, "SUM")]  # t0 row-wise, t1 table-wise, t2 columns
 PLAN = {"t0": row_wise(), "t1": table_wise(rank=1), "t2": column_wise(ranks=[1, 0])}
+BITS = {DataType.INT8: 8, DataType.INT4: 4, DataType.INT2: 2, DataType.FP16: 16, DataType.FP32: 32}
+ALL_TYPES = list(BITS)
 
 
 def _quant(data_type: DataType, seed: int, output_dtype: torch.dtype = torch.float32) -> QuantEmbeddingBagCollection:
@@ -47,24 +50,26 @@ def _shards(value: ShardedTensorBase) -> list[tuple[list[int], list[int], torch.
     return [(s.metadata.shard_offsets, s.metadata.shard_sizes, s.tensor) for s in value.local_shards()]
 
 
-@pytest.mark.parametrize("data_type", [DataType.INT8, DataType.INT4])
+@pytest.mark.parametrize("data_type", ALL_TYPES)
 def test_state_dict_layout(data_type: DataType) -> None:
     quant = _quant(data_type, 0)
     full = quant.state_dict()
     state = _shard(quant).state_dict()
     assert sorted(state) == sorted(full)
-    for name in ("weight", "weight_qscale", "weight_qbias"):  # table-wise: the tensors themselves
+    names = ("weight", "weight_qscale", "weight_qbias") if BITS[data_type] <= 8 else ("weight",)
+    assert len(full) == 3 * len(names)
+    for name in names:  # table-wise: the tensors themselves
         assert torch.equal(state[f"embedding_bags.t1.{name}"], full[f"embedding_bags.t1.{name}"])
-    for name in ("weight", "weight_qscale", "weight_qbias"):  # row-wise over 2 devices: rows 0-3 and 4-6
+    for name in names:  # row-wise over 2 devices: rows 0-3 and 4-6
         value, whole = state[f"embedding_bags.t0.{name}"], full[f"embedding_bags.t0.{name}"]
         assert isinstance(value, ShardedTensorBase) and list(value.metadata().size) == list(whole.shape)
         assert [(o, s) for o, s, _ in _shards(value)] == [([0, 0], [4, whole.shape[1]]), ([4, 0], [3, whole.shape[1]])]
         assert all(torch.equal(t, whole[o[0] : o[0] + s[0]]) for o, s, t in _shards(value))
-    width = 8 if data_type == DataType.INT8 else 4  # t2's 8 columns in bytes; blocks of 4 columns
+    width = BITS[data_type]  # t2's 8 columns in bytes; blocks of 4 columns
     weight = state["embedding_bags.t2.weight"]
     assert [(o, s) for o, s, _ in _shards(weight)] == [([0, 0], [6, width // 2]), ([0, width // 2], [6, width // 2])]
     assert torch.equal(torch.cat([t for _, _, t in _shards(weight)], 1), full["embedding_bags.t2.weight"])
-    for name in ("weight_qscale", "weight_qbias"):
+    for name in names[1:]:
         blocks = state[f"embedding_bags.t2.{name}"]
         assert len(blocks) == 2 and all(torch.equal(b, full[f"embedding_bags.t2.{name}"]) for b in blocks)
 
@@ -77,13 +82,15 @@ def _fused_format(state: dict) -> dict:
     """torchrec's default quant state dict: per table one uint8 ``[scale, bias, codes, pad to 16 bytes]`` row."""
     out = {}
     for table, *_ in TABLES:
-        codes, scale, bias = (state[f"embedding_bags.{table}.{n}"] for n in ("weight", "weight_qscale", "weight_qbias"))
-        rows = torch.cat([scale.view(torch.uint8), bias.view(torch.uint8), codes], 1)
+        names = ("weight_qscale", "weight_qbias", "weight")  # FP16 / FP32 rows: only the float bytes
+        rows = torch.cat(
+            [state[key].view(torch.uint8) for n in names if (key := f"embedding_bags.{table}.{n}") in state], 1
+        )
         out[f"embedding_bags.{table}.weight"] = torch.nn.functional.pad(rows, (0, 16 - rows.shape[1] % 16))
     return out
 
 
-@pytest.mark.parametrize("data_type", [DataType.INT8, DataType.INT4])
+@pytest.mark.parametrize("data_type", ALL_TYPES)
 @pytest.mark.parametrize("source", ["unsharded", "old_format", "fused_format", "sharded"])
 def test_load_changes_the_lookups(data_type: DataType, source: str) -> None:
     other = _quant(data_type, 1)
