@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tritonrec.data._validation import UnknownKeyError
-from tritonrec.kernels.checks import value_checks_enabled
+from tritonrec.kernels.checks import check_int, value_checks_enabled
 
 if TYPE_CHECKING:
     from tritonrec.data.keyed_jagged_tensor import KeyedJaggedTensor
@@ -32,12 +32,10 @@ def as_strides(stride_per_key_per_rank: Sequence[Sequence[int]] | torch.Tensor |
                 f"{tuple(stride_per_key_per_rank.shape)} dtype {stride_per_key_per_rank.dtype}"
             )
         stride_per_key_per_rank = stride_per_key_per_rank.tolist()
-    rows = [list(row) for row in stride_per_key_per_rank]
-    for t, row in enumerate(rows):
-        for r, s in enumerate(row):
-            if not isinstance(s, int) or isinstance(s, bool) or s < 0:
-                raise ValueError(f"stride_per_key_per_rank[{t}][{r}] must be a non-negative int, got {s!r}")
-    return rows
+    return [
+        [check_int(s, f"stride_per_key_per_rank[{t}][{r}]", 0) for r, s in enumerate(row)]
+        for t, row in enumerate(stride_per_key_per_rank)
+    ]
 
 
 def check_lengths_rows(lengths: torch.Tensor | None, keys: list[str]) -> None:
@@ -52,12 +50,11 @@ def _int_list(value: object, name: str, size: int, increasing: bool = False) -> 
     """``value`` as a list of ``size`` non-negative ints (non-decreasing with ``increasing``)."""
     if not isinstance(value, (list, tuple)) or len(value) != size:
         raise ValueError(f"{name} must be a list of {size} ints, got {value!r}")
-    for i, n in enumerate(value):
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise ValueError(f"{name}[{i}] must be a non-negative int, got {n!r}")
-        if increasing and i and n < value[i - 1]:
-            raise ValueError(f"{name} must be non-decreasing, got {name}[{i - 1}] = {value[i - 1]} > {n}")
-    return list(value)
+    numbers = [check_int(n, f"{name}[{i}]", 0) for i, n in enumerate(value)]
+    for i in range(1, len(numbers) if increasing else 0):
+        if numbers[i] < numbers[i - 1]:
+            raise ValueError(f"{name} must be non-decreasing, got {name}[{i - 1}] = {numbers[i - 1]} > {numbers[i]}")
+    return numbers
 
 
 def check_cached_metadata(

@@ -13,7 +13,7 @@ import torch
 
 from tritonrec.data.jagged_tensor import JaggedTensor
 from tritonrec.kernels import permute_1d_sparse_data, permute_2d_sparse_data
-from tritonrec.kernels.checks import value_checks_enabled
+from tritonrec.kernels.checks import check_int, value_checks_enabled
 
 if TYPE_CHECKING:
     from tritonrec.data.keyed_jagged_tensor import KeyedJaggedTensor
@@ -22,10 +22,10 @@ if TYPE_CHECKING:
 def _check_key_indices(indices: object, num_keys: int) -> list[int]:
     if not isinstance(indices, (list, tuple)):
         raise TypeError(f"indices must be a list of ints, got {type(indices).__name__}")
-    for position, index in enumerate(indices):
-        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < num_keys:
-            raise ValueError(f"indices[{position}] = {index!r} is not a key index in [0, {num_keys})")
-    return list(indices)
+    what = f"a key index in [0, {num_keys})"
+    return [
+        check_int(index, f"indices[{position}]", 0, num_keys - 1, what=what) for position, index in enumerate(indices)
+    ]
 
 
 def _check_indices_tensor(indices_tensor: object, indices: list[int]) -> None:
@@ -89,10 +89,9 @@ def permute(
 def split(kjt: KeyedJaggedTensor, segments: list[int]) -> list[KeyedJaggedTensor]:
     """Consecutive key groups; each part keeps the stride (and, for VBE, its keys' rows of strides)."""
     keys = kjt.keys()
-    if not isinstance(segments, (list, tuple)) or any(
-        not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in segments
-    ):
+    if not isinstance(segments, (list, tuple)):
         raise ValueError(f"segments must be a list of non-negative ints, got {segments!r}")
+    segments = [check_int(s, f"segments[{i}]", 0) for i, s in enumerate(segments)]
     if sum(segments) != len(keys):
         raise ValueError(f"segments must sum to the number of keys ({len(keys)}), got {list(segments)}")
     offset_per_key = kjt.offset_per_key()

@@ -34,6 +34,7 @@ import torch
 from tritonrec.data.batch_store import BatchStore
 from tritonrec.data.cache_layouts import KJTLayout, Layout, Layouts, check_layouts
 from tritonrec.data.keyed_jagged_tensor import KeyedJaggedTensor
+from tritonrec.kernels.checks import check_int
 
 
 class DataGroup:
@@ -70,8 +71,7 @@ class DataGroup:
         cache_views: bool = False,
         cache_key_major: Iterable[str] = (),
     ) -> None:
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got batch_size={batch_size!r}")
+        batch_size = check_int(batch_size, "batch_size", 1)
         if not isinstance(data, Iterable):
             raise TypeError(f"data must be a sequence or iterable of item descriptors, got {type(data).__name__}")
         self.data: Sequence[Any] = data if isinstance(data, Sequence) else list(data)

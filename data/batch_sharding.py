@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from tritonrec.data.packing import balance_bins_across_ranks, get_packer
+from tritonrec.kernels.checks import check_int
 
 
 def _round_up(values: np.ndarray, multiple: int) -> np.ndarray:
@@ -41,9 +42,7 @@ def check_args(
         if key not in args:
             raise ValueError(f"{name} is missing the key {key!r} (required: {list(required)})")
     for key in int_keys:
-        value = args[key]
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{name}[{key!r}] must be a positive int, got {value!r}")
+        check_int(args[key], f"{name}[{key!r}]", 1)
     for key in key_names:
         if not isinstance(args[key], str):
             raise ValueError(f"{name}[{key!r}] must be a str (a key of the batch), got {args[key]!r}")

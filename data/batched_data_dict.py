@@ -31,7 +31,7 @@ from tritonrec.data.batched_data_args import DynamicBatchingArgs, SequencePackin
 from tritonrec.data.batched_data_values import Indices, row_count, stack_values, take_rows
 from tritonrec.data.packing.checks import integers_as_int64
 from tritonrec.kernels.backend import Backend
-from tritonrec.kernels.checks import host_ints
+from tritonrec.kernels.checks import check_int, check_optional_int, host_ints
 from tritonrec.kernels.pack_sequences import PackedSequences, make_packing_plan, pack_sequences
 
 DictT = TypeVar("DictT", bound=Mapping[str, Any])
@@ -116,10 +116,10 @@ class BatchedDataDict(UserDict, Generic[DictT]):
     def chunk(self, rank: int, chunks: int) -> SlicedDataDict:
         """The ``rank``-th of ``chunks`` equal contiguous parts (``size`` must divide evenly); tensors are copied."""
         total = self._uniform_size()
-        if not isinstance(chunks, int) or chunks < 1 or total % chunks:
+        chunks = check_int(chunks, "chunks", 1)
+        if total % chunks:
             raise ValueError(f"batch size ({total}) is not a multiple of chunks ({chunks!r})")
-        if not isinstance(rank, int) or not 0 <= rank < chunks:
-            raise ValueError(f"rank must be in [0, chunks={chunks}), got rank={rank!r}")
+        rank = check_int(rank, "rank", 0, chunks - 1, what=f"in [0, chunks={chunks})")
         return SlicedDataDict(self._select_rows(torch.arange(total).tensor_split(chunks)[rank]))
 
     def reorder_data(self, reorded_indices: Indices) -> None:
@@ -142,17 +142,15 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         """Cut the batch into ``batch_size`` chunks and give shard ``s`` its part of every chunk (see
         :mod:`tritonrec.data.batch_sharding`). With dynamic batching or sequence packing, also returns the
         original row of every sharded row (shard after shard), which ``reorder_data`` inverts."""
-        if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
-            raise ValueError(f"shards must be a positive int, got shards={shards!r}")
+        shards = check_int(shards, "shards", 1)
         if allow_uneven_shards and batch_size is not None:
             raise ValueError(f"batch_size must be None if allow_uneven_shards is True, got batch_size={batch_size!r}")
         if dynamic_batching_args is not None and sequence_packing_args is not None:
             raise ValueError("dynamic_batching_args and sequence_packing_args cannot be passed together")
         total = self._uniform_size()
-        if batch_size is None:  # the whole batch; an empty one has no chunks, so any multiple of shards will do
-            batch_size = total or shards
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int (or None for the whole batch), got {batch_size!r}")
+        # None: the whole batch; an empty one has no chunks, so any multiple of shards will do
+        what = "a positive int (or None for the whole batch)"
+        batch_size = check_optional_int(batch_size, "batch_size", 1, what=what) or total or shards
         if total % batch_size:
             raise ValueError(f"Total batch size ({total}) is not a multiple of batch_size ({batch_size})")
         if not allow_uneven_shards and batch_size % shards:
@@ -238,8 +236,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             batch.elem_counts_per_gb = [counts[batch_idx]]
             batch.sequence_packing_args = self.sequence_packing_args
         else:
-            if not isinstance(batch_size, int) or batch_size < 1:
-                raise ValueError(f"batch_size must be a positive int for this dict, got batch_size={batch_size!r}")
+            batch_size = check_int(batch_size, "batch_size", 1, what="a positive int for this dict")
             batch = self.slice(batch_size * batch_idx, batch_size * (batch_idx + 1))
         if self.micro_batch_indices is not None and self.micro_batch_lengths is not None:
             batch.micro_batch_indices = [self.micro_batch_indices[batch_idx]]
@@ -249,14 +246,14 @@ class BatchedDataDict(UserDict, Generic[DictT]):
     def slice(self, start: int, end: int) -> SlicedDataDict:
         """Rows ``start:end``."""
         total = self._uniform_size()
-        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= total):
+        start, end = check_int(start, "start"), check_int(end, "end")
+        if not 0 <= start <= end <= total:
             raise ValueError(f"need 0 <= start <= end <= size ({total}), got start={start!r}, end={end!r}")
         return SlicedDataDict({key: value[start:end] for key, value in self.data.items()})
 
     def repeat_interleave(self, num_repeats: int) -> BatchedDataDict:
         """Every row ``num_repeats`` times in a row (list items are deep-copied)."""
-        if isinstance(num_repeats, bool) or not isinstance(num_repeats, int) or num_repeats < 0:
-            raise ValueError(f"num_repeats must be an int >= 0, got num_repeats={num_repeats!r}")
+        num_repeats = check_int(num_repeats, "num_repeats", 0, what="an int >= 0")
         repeated = type(self)()
         for key, value in self.data.items():
             if isinstance(value, torch.Tensor):
@@ -278,7 +275,8 @@ class BatchedDataDict(UserDict, Generic[DictT]):
     def make_microbatch_iterator(self, microbatch_size: int) -> Iterator[SlicedDataDict]:
         """Consecutive slices of ``microbatch_size`` rows (which must divide ``size``)."""
         total = self.size
-        if not isinstance(microbatch_size, int) or microbatch_size < 1 or total % microbatch_size:
+        microbatch_size = check_int(microbatch_size, "microbatch_size", 1)
+        if total % microbatch_size:
             raise ValueError(f"Data dict size ({total}) is not a multiple of microbatch_size={microbatch_size!r}")
         for start in range(0, total, microbatch_size):
             yield self.slice(start, start + microbatch_size)

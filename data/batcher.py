@@ -39,15 +39,14 @@ from tritonrec.data.collate import chunk_from_elements, collate, collate_chunk, 
 from tritonrec.data.element_chunk import ElementChunk
 from tritonrec.data.elements import BatchSpec, ElementSource, ElementSpec, RecElement, TensorSpec
 from tritonrec.data.sharding import ChunkReader
+from tritonrec.kernels.checks import check_int
 
 _STREAM_KEYS = ("epoch", "position", "batches")
 _STATE_KEYS = (*_STREAM_KEYS, "computed_statistics", "statistics_reset")
 
 
 def _check_batch_size(batch_size: object) -> int:
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got batch_size={batch_size!r}")
-    return batch_size
+    return check_int(batch_size, "batch_size", 1)
 
 
 @dataclass(frozen=True)
@@ -103,9 +102,7 @@ class Batcher:
                 f"statistics were kept), got {sorted(state)}"
             )
         for key in _STREAM_KEYS:
-            value = state[key]
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"state[{key!r}] must be a non-negative int, got {value!r}")
+            check_int(state[key], f"state[{key!r}]", 0)
         if "computed_statistics" in state:
             stats, reset = state["computed_statistics"], state["statistics_reset"]
             if stats is not None and not isinstance(stats, Mapping):

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from tritonrec.data.keyed_jagged_tensor import KeyedJaggedTensor
+from tritonrec.kernels.checks import check_int
 
 ID_DTYPES = (torch.int32, torch.int64)
 
@@ -48,9 +49,8 @@ class KJTLayout:
         if not all(isinstance(k, str) and k for k in keys) or len(set(keys)) != len(keys):
             raise ValueError(f"KJTLayout keys must be distinct non-empty str, got keys={list(keys)!r}")
         object.__setattr__(self, "keys", tuple(keys))
-        count = self.max_values_per_item
-        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-            raise ValueError(f"KJTLayout max_values_per_item must be a positive int, got {count!r}")
+        count = check_int(self.max_values_per_item, "max_values_per_item", 1, context="KJTLayout")
+        object.__setattr__(self, "max_values_per_item", count)
         if self.dtype not in ID_DTYPES:
             raise ValueError(f"KJTLayout dtype must be torch.int64 or torch.int32, got dtype={self.dtype!r}")
         if not isinstance(self.weighted, bool):

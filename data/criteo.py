@@ -46,6 +46,7 @@ from tritonrec.data.criteo_parse import (
 from tritonrec.data.element_chunk import ElementChunk
 from tritonrec.data.elements import ElementSpec, RecElement, check_position
 from tritonrec.data.sharding import Shard, block_shuffled, check_seed, check_shuffle_buffer, elements_of
+from tritonrec.kernels.checks import check_int
 
 __all__ = [
     "CAT_FEATURE_COUNT",
@@ -71,15 +72,14 @@ class MalformedLineError(ValueError):
 
 def resolve_num_embeddings(num_embeddings: int | Sequence[int], num_features: int = CAT_FEATURE_COUNT) -> list[int]:
     """One hash size per categorical feature, from a single size or a list of ``num_features`` sizes."""
-    sizes = list(num_embeddings) if isinstance(num_embeddings, (list, tuple)) else [num_embeddings] * num_features
+    if not isinstance(num_embeddings, (list, tuple)):
+        return [check_int(num_embeddings, "num_embeddings", 1)] * num_features
+    sizes = list(num_embeddings)
     if len(sizes) != num_features:
         raise ValueError(
             f"num_embeddings must be one int or {num_features} ints, got num_embeddings={num_embeddings!r}"
         )
-    for size in sizes:
-        if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"num_embeddings entries must be positive ints, got num_embeddings={num_embeddings!r}")
-    return [int(s) for s in sizes]
+    return [check_int(s, f"num_embeddings[{i}]", 1) for i, s in enumerate(sizes)]
 
 
 def hash_id_matrix(raw_ids: np.ndarray, num_embeddings: np.ndarray) -> np.ndarray:

@@ -22,6 +22,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from tritonrec.kernels.checks import check_int
+
 
 @dataclass(frozen=True, slots=True)
 class RecElement:
@@ -50,8 +52,7 @@ class ElementSpec:
     sparse_keys: tuple[str, ...]
 
     def __post_init__(self) -> None:
-        if not isinstance(self.dense_dim, int) or isinstance(self.dense_dim, bool) or self.dense_dim < 0:
-            raise ValueError(f"dense_dim must be a non-negative int, got dense_dim={self.dense_dim!r}")
+        object.__setattr__(self, "dense_dim", check_int(self.dense_dim, "dense_dim", 0))  # frozen
         keys = self.sparse_keys
         if not isinstance(keys, (tuple, list)) or not all(isinstance(k, str) and k for k in keys):
             raise TypeError(f"sparse_keys must be a sequence of non-empty str, got sparse_keys={keys!r}")
@@ -100,6 +101,5 @@ class ElementSource(Protocol):
 
 def check_position(position: object, epoch: object) -> None:
     """``position`` and ``epoch`` of :meth:`ElementSource.iter_from` are non-negative ints."""
-    for name, value in (("position", position), ("epoch", epoch)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{name} must be a non-negative int, got {name}={value!r}")
+    check_int(position, "position", 0)
+    check_int(epoch, "epoch", 0)

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from tritonrec.data.batch_cache import Batch, DataGroup
+from tritonrec.kernels.checks import check_int
 
 LoaderFn = Callable[[Any, dict[str, torch.Tensor], int | None], Mapping[str, Any] | None]
 _END = object()
@@ -83,9 +84,9 @@ class GroupLoader:
         for name, group in (("training", training), ("validation", validation)):
             if group is not None and not isinstance(group, DataGroup):
                 raise TypeError(f"{name} must be a DataGroup, got {type(group).__name__}")
-        for name, value, minimum in (("epochs", epochs, 1), ("depth", depth, 1), ("seed", seed, 0)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-                raise ValueError(f"{name} must be an int >= {minimum}, got {name}={value!r}")
+        epochs = check_int(epochs, "epochs", 1, what="an int >= 1")
+        depth = check_int(depth, "depth", 1, what="an int >= 1")
+        seed = check_int(seed, "seed", 0, what="an int >= 0")
         if not isinstance(shuffle, bool):
             raise TypeError(f"shuffle must be a bool, got shuffle={shuffle!r}")
         self.loader_fn, self.training, self.validation = loader_fn, training, validation

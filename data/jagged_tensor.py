@@ -18,6 +18,7 @@ import torch
 from tritonrec.data._jagged_parts import JaggedParts
 from tritonrec.data._validation import check_jagged_parts, complete_empty_offsets, normalise_index_tensor
 from tritonrec.kernels import jagged_to_padded_dense
+from tritonrec.kernels.checks import check_int
 
 
 class JaggedTensor(JaggedParts):
@@ -105,8 +106,8 @@ class JaggedTensor(JaggedParts):
         lengths = self.lengths()
         if desired_length is None:
             desired_length = int(lengths.max().item()) if lengths.numel() else 0
-        elif not isinstance(desired_length, int) or desired_length < 0:
-            raise ValueError(f"desired_length must be a non-negative int or None, got {desired_length!r}")
+        else:
+            desired_length = check_int(desired_length, "desired_length", 0, what="a non-negative int or None")
         return jagged_to_padded_dense(source, self.offsets(), desired_length, padding_value)
 
     def to_padded_dense(self, desired_length: int | None = None, padding_value: float = 0.0) -> torch.Tensor:

@@ -44,6 +44,7 @@ from tritonrec.data._validation import (
     normalise_index_tensor,
 )
 from tritonrec.data.jagged_tensor import JaggedTensor
+from tritonrec.kernels.checks import check_optional_int
 
 
 class KeyedJaggedTensor(JaggedParts):
@@ -80,8 +81,7 @@ class KeyedJaggedTensor(JaggedParts):
         strides = as_strides(stride_per_key_per_rank)
         if inverse_indices is not None:
             check_inverse_indices(inverse_indices, keys)
-        if stride is not None and (not isinstance(stride, int) or isinstance(stride, bool) or stride < 0):
-            raise ValueError(f"stride must be a non-negative int or None, got stride={stride!r}")
+        stride = check_optional_int(stride, "stride", 0)
         num_bags = lengths.numel() if lengths is not None else max(offsets.numel() - 1, 0)
         source = "lengths" if lengths is not None else "offsets (minus one)"
         if strides is not None:

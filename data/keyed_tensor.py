@@ -16,6 +16,7 @@ from itertools import accumulate
 import torch
 
 from tritonrec.data._validation import UnknownKeyError
+from tritonrec.kernels.checks import check_int
 
 
 def _check_same_batch(g: int, keys: list[str], blocks: list[torch.Tensor], key_dim: int) -> None:
@@ -47,10 +48,9 @@ class KeyedTensor:
             raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
         if len(length_per_key) != len(keys):
             raise ValueError(f"length_per_key must have one entry per key ({len(keys)}), got {list(length_per_key)}")
-        if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in length_per_key):
-            raise ValueError(f"length_per_key must hold non-negative ints, got {list(length_per_key)}")
-        if not isinstance(key_dim, int) or isinstance(key_dim, bool) or not -values.dim() <= key_dim < values.dim():
-            raise ValueError(f"key_dim={key_dim} is not a dim of values with shape {tuple(values.shape)}")
+        length_per_key = [check_int(n, f"length_per_key[{i}]", 0) for i, n in enumerate(length_per_key)]
+        key_dim = check_int(key_dim, "key_dim", -values.dim(), values.dim() - 1,
+                            what=f"a dim of values with shape {tuple(values.shape)}")  # fmt: skip
         if values.shape[key_dim] != sum(length_per_key):
             raise ValueError(
                 f"values has size {values.shape[key_dim]} along key_dim={key_dim} but sum(length_per_key) = "

@@ -31,15 +31,11 @@ from tritonrec.data.batch import Batch
 from tritonrec.data.batcher import Batcher
 from tritonrec.data.elements import ElementSource
 from tritonrec.data.worker_transfer import UnpackingIterator, WorkerPacker
+from tritonrec.kernels.checks import check_int, check_optional_int
 
 
 def _check_count(value: object, name: str, allow_none: bool = False, minimum: int = 1) -> int | None:
-    if value is None and allow_none:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        kind = "a positive int" if minimum == 1 else "a non-negative int"
-        raise ValueError(f"{name} must be {kind}{' or None' if allow_none else ''}, got {name}={value!r}")
-    return value
+    return check_optional_int(value, name, minimum) if allow_none else check_int(value, name, minimum)
 
 
 class ShardedBatchDataset(IterableDataset):
@@ -130,9 +126,11 @@ class ShardedBatchDataset(IterableDataset):
         self.batcher.set_state(state["batcher"])
         epoch = self.batcher.get_state()["epoch"]
         first = state.get("first_epoch", epoch)
-        if not isinstance(first, int) or isinstance(first, bool) or not 0 <= first <= epoch:
+        try:
+            first = check_int(first, "state['first_epoch']", 0, epoch, what=f"an int in [0, batcher epoch={epoch}]")
+        except ValueError:
             self.batcher.set_state(before)  # a refused state leaves the dataset as it was
-            raise ValueError(f"state['first_epoch'] must be an int in [0, batcher epoch={epoch}], got {first!r}")
+            raise
         self._first_epoch = first
         self._resuming = True
 

@@ -36,25 +36,17 @@ import torch
 import torch.distributed as dist
 
 from tritonrec.data.batch import Batch
+from tritonrec.kernels.checks import check_int, check_optional_int
 
 _STATE_KEYS = {"step", "iterator_length", "world_size", "loader", "pending", "epoch_ended"}
 _OLD_STATE_KEYS = _STATE_KEYS - {"epoch_ended"}  # states saved before the flag was kept
 Shapes = list[tuple[str, tuple[int, ...]]]
 
 
-def _optional_count(value: object, name: str, minimum: int) -> int | None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < minimum):
-        kind = "positive" if minimum == 1 else "non-negative"
-        raise ValueError(f"{name} must be a {kind} int or None, got {name}={value!r}")
-    return value
-
-
 def _state_count(value: object, name: str, maximum: int | None = None) -> int:
     """A count read from a saved state: an int (not a bool) in ``[0, maximum]``."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or (maximum is not None and value > maximum):
-        bound = f"in [0, iterator_length={maximum}]" if maximum is not None else ">= 0"
-        raise ValueError(f"{name} must be an int {bound}, got {name}={value!r}")
-    return value
+    bound = f"in [0, iterator_length={maximum}]" if maximum is not None else ">= 0"
+    return check_int(value, name, 0, maximum, what=f"an int {bound}")
 
 
 def dense_shapes(batch: Any, path: str = "batch") -> Shapes:
@@ -154,8 +146,8 @@ class MultiHostDataLoadIterator:
         if not isinstance(dataloader, Iterable):
             raise TypeError(f"dataloader must be iterable, got {type(dataloader).__name__}")
         self.dataloader = dataloader
-        self.iterator_length = _optional_count(iterator_length, "iterator_length", minimum=1)
-        self.dataset_size = _optional_count(dataset_size, "dataset_size", minimum=0)
+        self.iterator_length = check_optional_int(iterator_length, "iterator_length", 1)
+        self.dataset_size = check_optional_int(dataset_size, "dataset_size", 0)
         for name, flag in (("reset_after_epoch", reset_after_epoch), ("pad_shapes", pad_shapes)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {name}={flag!r}")

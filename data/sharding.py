@@ -26,15 +26,13 @@ import numpy as np
 
 from tritonrec.data.element_chunk import ElementChunk
 from tritonrec.data.elements import RecElement
+from tritonrec.kernels.checks import check_int
 
 
 def check_rank(rank: object, world_size: object) -> tuple[int, int]:
     """``world_size`` a positive int and ``0 <= rank < world_size``; returns them as ints."""
-    if not isinstance(world_size, (int, np.integer)) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got world_size={world_size!r}")
-    if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be an int in [0, world_size={world_size}), got rank={rank!r}")
-    return int(rank), int(world_size)
+    world_size = check_int(world_size, "world_size", 1)
+    return check_int(rank, "rank", 0, world_size - 1, what=f"an int in [0, world_size={world_size})"), world_size
 
 
 @dataclass(frozen=True)
@@ -49,11 +47,10 @@ class Shard:
 
     def split(self, index: int, count: int) -> Shard:
         """Part ``index`` of ``count`` of this shard (a worker's part of a rank's shard)."""
-        if not isinstance(count, (int, np.integer)) or isinstance(count, bool) or count < 1:
-            raise ValueError(f"count must be a positive int, got count={count!r}")
-        if not isinstance(index, (int, np.integer)) or isinstance(index, bool) or not 0 <= index < count:
-            raise ValueError(f"index must be an int in [0, count={count}), got index={index!r}")
-        return Shard((*self.levels, (int(index), int(count))))
+        count = check_int(count, "count", 1)
+        return Shard(
+            (*self.levels, (check_int(index, "index", 0, count - 1, what=f"an int in [0, count={count})"), count))
+        )
 
     @property
     def rank(self) -> int:
@@ -84,15 +81,11 @@ class Shard:
 
 
 def check_shuffle_buffer(shuffle_buffer: object) -> int:
-    if not isinstance(shuffle_buffer, (int, np.integer)) or isinstance(shuffle_buffer, bool) or shuffle_buffer < 0:
-        raise ValueError(f"shuffle_buffer must be a non-negative int (0: no shuffle), got {shuffle_buffer=!r}")
-    return int(shuffle_buffer)
+    return check_int(shuffle_buffer, "shuffle_buffer", 0, what="a non-negative int (0: no shuffle)")
 
 
 def check_seed(seed: object, name: str = "seed") -> int:
-    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {name}={seed!r}")
-    return int(seed)
+    return check_int(seed, name, 0)
 
 
 class ChunkReader:

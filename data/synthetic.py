@@ -31,15 +31,10 @@ import numpy as np
 from tritonrec.data.element_chunk import ElementChunk
 from tritonrec.data.elements import ElementSpec, RecElement, check_position
 from tritonrec.data.sharding import Shard, block_shuffled, check_seed, check_shuffle_buffer, elements_of
+from tritonrec.kernels.checks import check_int, check_optional_int
 
 POOLING_DISTRIBUTIONS = ("fixed", "poisson", "uniform")
 _HIDDEN_MODEL_STREAM = 2**31 - 1  # generator stream of the hidden weights, disjoint from any sample stream
-
-
-def _positive_int(value: object, name: str) -> int:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
-    return int(value)
 
 
 def _per_feature(value: float | Sequence[float], num_features: int, name: str) -> list[float]:
@@ -101,13 +96,12 @@ class SyntheticRecSource:
     ) -> None:
         if not isinstance(num_embeddings, (list, tuple)) or not num_embeddings:
             raise ValueError(f"num_embeddings must be a non-empty list of positive ints, got {num_embeddings!r}")
-        self._num_rows = [_positive_int(n, "num_embeddings[i]") for n in num_embeddings]
+        self._num_rows = [check_int(n, "num_embeddings[i]", 1) for n in num_embeddings]
         num_features = len(self._num_rows)
         keys = [f"cat_{i}" for i in range(num_features)] if keys is None else list(keys)
         if len(keys) != num_features:
             raise ValueError(f"keys must name the {num_features} sparse features, got keys={keys!r}")
-        if not isinstance(num_dense, int) or isinstance(num_dense, bool) or num_dense < 0:
-            raise ValueError(f"num_dense must be a non-negative int, got num_dense={num_dense!r}")
+        num_dense = check_int(num_dense, "num_dense", 0)
         self.element_spec = ElementSpec(num_dense, tuple(keys))
         for name, value in (("zipf_alpha", zipf_alpha), ("signal_std", signal_std)):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
@@ -117,18 +111,12 @@ class SyntheticRecSource:
         if not isinstance(bias, (int, float)) or isinstance(bias, bool):
             raise TypeError(f"bias must be a number, got bias={bias!r}")
         self._pooling_factors = _per_feature(pooling_factor, num_features, "pooling_factor")
+        min_pooling, max_pooling = check_int(min_pooling, "min_pooling", 0), check_int(max_pooling, "max_pooling", 0)
         self._check_pooling(pooling, min_pooling, max_pooling)
         self.pooling, self.min_pooling, self.max_pooling = pooling, min_pooling, max_pooling
-        if num_samples is not None and (
-            not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 0
-        ):
-            raise ValueError(f"num_samples must be a non-negative int or None, got num_samples={num_samples!r}")
-        self.num_samples = num_samples
-        for name, value in (("seed", seed), ("stream", stream)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {name}={value!r}")
-        self.seed, self.stream = seed, stream
-        self.chunk_size = _positive_int(chunk_size, "chunk_size")
+        self.num_samples = check_optional_int(num_samples, "num_samples", 0)
+        self.seed, self.stream = check_int(seed, "seed", 0), check_int(stream, "stream", 0)
+        self.chunk_size = check_int(chunk_size, "chunk_size", 1)
         self.shuffle_buffer = check_shuffle_buffer(shuffle_buffer)
         self.shuffle_seed = check_seed(shuffle_seed, "shuffle_seed")
         self._set_shard(Shard.of(rank, world_size))
@@ -145,13 +133,10 @@ class SyntheticRecSource:
         part._set_shard(self.shard.split(index, count))
         return part
 
-    def _check_pooling(self, pooling: object, min_pooling: object, max_pooling: object) -> None:
+    def _check_pooling(self, pooling: object, min_pooling: int, max_pooling: int) -> None:
         if pooling not in POOLING_DISTRIBUTIONS:
             raise ValueError(f"pooling must be one of {POOLING_DISTRIBUTIONS}, got pooling={pooling!r}")
-        for name, value in (("min_pooling", min_pooling), ("max_pooling", max_pooling)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {name}={value!r}")
-        if max_pooling < min_pooling:  # type: ignore[operator]
+        if max_pooling < min_pooling:
             raise ValueError(f"max_pooling ({max_pooling}) must be >= min_pooling ({min_pooling})")
         if pooling == "fixed" and any(p != int(p) for p in self._pooling_factors):
             raise ValueError(f"pooling='fixed' needs integer pooling_factor, got {self._pooling_factors}")

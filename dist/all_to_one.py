@@ -8,12 +8,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tritonrec.kernels.checks import check_int
+
 
 def _check_device_and_size(device: object, world_size: object) -> None:
     if not isinstance(device, torch.device):
         raise TypeError(f"device must be a torch.device, got {device!r}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got world_size={world_size!r}")
+    check_int(world_size, "world_size", 1)
 
 
 def _check_tensor_list(tensors: object, world_size: int, exact: bool) -> list[torch.Tensor]:

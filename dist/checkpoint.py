@@ -59,6 +59,7 @@ from tritonrec.dist.checkpoint_read import reason as _reason
 from tritonrec.dist.checkpoint_state import apply_loaded_state, build_state
 from tritonrec.dist.model_parallel import DistributedModelParallel
 from tritonrec.dist.sharded_state import gather_unsharded_state_dict
+from tritonrec.kernels.checks import check_optional_int
 
 __all__ = [
     "CheckpointError",
@@ -158,8 +159,7 @@ def save_checkpoint(
     """Save ``model`` (a DMP or any module), ``optimizers`` (name -> optimizer; fused ones are saved per table from
     the model) and ``extra_state`` into the directory ``path`` (see module docstring). Collective. ``async_save``:
     return a :class:`PendingCheckpoint` once the state is copied (``dcp.async_save``); its ``wait()`` publishes."""
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
-        raise ValueError(f"step must be a non-negative int or None, got step={step!r}")
+    step = check_optional_int(step, "step", 0)
     if not isinstance(async_save, bool):
         raise TypeError(f"async_save must be a bool, got async_save={async_save!r}")
     final = _as_path(path, "path")
@@ -268,8 +268,7 @@ class CheckpointManager:
         keep_last: int | None = None,
         async_save: bool = False,
     ) -> None:
-        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
-            raise ValueError(f"keep_last must be a positive int or None, got keep_last={keep_last!r}")
+        keep_last = check_optional_int(keep_last, "keep_last", 1)
         if not isinstance(async_save, bool):
             raise TypeError(f"async_save must be a bool, got async_save={async_save!r}")
         self.root = _as_path(root, "root")

@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tritonrec.dist.checkpoint_files import CheckpointError, check_files, read_manifest
+from tritonrec.kernels.checks import check_int
 
 
 def as_path(value: object, argument: str) -> Path:
@@ -28,9 +29,7 @@ def as_path(value: object, argument: str) -> Path:
 
 
 def check_step(step: object, argument: str = "step") -> int:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"{argument} must be a non-negative int, got {argument}={step!r}")
-    return step
+    return check_int(step, argument, 0)
 
 
 @contextlib.contextmanager

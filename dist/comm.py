@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tritonrec.dist.side_groups import group_timeout
+from tritonrec.kernels.checks import check_int, check_optional_int
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -50,14 +51,13 @@ def _env_int(names: tuple[str, ...]) -> tuple[str, int] | None:
     return None
 
 
-def _check_optional_int(value: object, name: str, minimum: int) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
-        raise ValueError(f"{name} must be an int >= {minimum} or None, got {name}={value!r}")
+def _check_optional_int(value: object, name: str, minimum: int) -> int | None:
+    return check_optional_int(value, name, minimum, what=f"an int >= {minimum} or None")
 
 
 def get_local_size(world_size: int | None = None) -> int:
     """Ranks per node: ``LOCAL_WORLD_SIZE`` (or an MPI equivalent), else the whole world (one node)."""
-    _check_optional_int(world_size, "world_size", 1)
+    world_size = _check_optional_int(world_size, "world_size", 1)
     if world_size is None:
         world_size = dist.get_world_size()
     found = _env_int(_LOCAL_SIZE_VARS)
@@ -71,7 +71,7 @@ def get_local_size(world_size: int | None = None) -> int:
 
 def get_local_rank(world_size: int | None = None, rank: int | None = None) -> int:
     """This rank's index within its node: ``LOCAL_RANK`` (or an MPI equivalent), else ``rank % local_size``."""
-    _check_optional_int(rank, "rank", 0)
+    rank = _check_optional_int(rank, "rank", 0)
     local_size = get_local_size(world_size)
     found = _env_int(_LOCAL_RANK_VARS)
     if found is not None and found[1] < local_size:
@@ -85,7 +85,7 @@ def get_local_rank(world_size: int | None = None, rank: int | None = None) -> in
 
 def get_group_rank(world_size: int | None = None, rank: int | None = None) -> int:
     """This rank's node index (torchrun's ``GROUP_RANK``), in ``[0, get_num_groups())``."""
-    _check_optional_int(rank, "rank", 0)
+    rank = _check_optional_int(rank, "rank", 0)
     if rank is None:
         rank = dist.get_rank()
     return rank // get_local_size(world_size)
@@ -93,7 +93,7 @@ def get_group_rank(world_size: int | None = None, rank: int | None = None) -> in
 
 def get_num_groups(world_size: int | None = None) -> int:
     """Number of nodes (worker groups)."""
-    _check_optional_int(world_size, "world_size", 1)
+    world_size = _check_optional_int(world_size, "world_size", 1)
     if world_size is None:
         world_size = dist.get_world_size()
     return world_size // get_local_size(world_size)
@@ -141,8 +141,7 @@ def intra_and_cross_node_pg(
 
 def is_leader(pg: dist.ProcessGroup | None, leader_rank: int = 0) -> bool:
     """Whether this process is rank ``leader_rank`` of ``pg`` (``None``: a single-process program, rank 0)."""
-    if isinstance(leader_rank, bool) or not isinstance(leader_rank, int) or leader_rank < 0:
-        raise ValueError(f"leader_rank must be a non-negative int, got leader_rank={leader_rank!r}")
+    leader_rank = check_int(leader_rank, "leader_rank", 0)
     if pg is None:
         return leader_rank == 0
     return pg.rank() == leader_rank
@@ -159,8 +158,7 @@ def invoke_on_rank_and_broadcast_result(
     """
     if not isinstance(pg, dist.ProcessGroup):
         raise TypeError(f"pg must be a torch.distributed.ProcessGroup, got {type(pg).__name__}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < pg.size():
-        raise ValueError(f"rank must be an int in [0, {pg.size()}) (the group size), got rank={rank!r}")
+    rank = check_int(rank, "rank", 0, pg.size() - 1, what=f"an int in [0, {pg.size()}) (the group size)")
     if not callable(func):
         raise TypeError(f"func must be callable, got {type(func).__name__}")
     result = [func(*args, **kwargs) if pg.rank() == rank else None]

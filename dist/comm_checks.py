@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tritonrec.kernels.checks import check_tensor
+from tritonrec.kernels.checks import check_int, check_tensor
 
 _CODEC_METHODS = ("encode", "decode", "calc_quantized_size", "create_context", "padded_size")
 
@@ -28,21 +28,21 @@ def resolve_group(group: object, name: str = "group") -> dist.ProcessGroup:
 
 
 def is_size(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    try:
+        check_int(value, "size", 0)
+    except ValueError:  # NotAnIntError is one too
+        return False
+    return True
 
 
 def check_sizes(values: object, name: str, length: int | None = None, what: str = "rank") -> list[int]:
     """A list (or tuple) of non-negative ints, with ``length`` entries if given (one per ``what``)."""
     if isinstance(values, torch.Tensor) or not isinstance(values, Sequence) or isinstance(values, str):
         raise TypeError(f"{name} must be a list of ints, got {type(values).__name__}: {values!r}")
-    for i, value in enumerate(values):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name}[{i}] must be an int, got {type(value).__name__}: {name}[{i}]={value!r}")
-        if value < 0:
-            raise ValueError(f"{name}[{i}] must be non-negative, got {name}[{i}]={value}")
+    sizes = [check_int(value, f"{name}[{i}]", 0, what="an int >= 0") for i, value in enumerate(values)]
     if length is not None and len(values) != length:
         raise ValueError(f"{name} must have one entry per {what} ({length}), got {len(values)}: {name}={list(values)}")
-    return list(values)
+    return sizes
 
 
 def check_size_table(values: object, name: str, rows: int, row_lengths: Sequence[int] | None = None) -> list[list[int]]:

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from tritonrec.dist.comm_timeout import wait_for_work
 from tritonrec.dist.tensor_collectives import all_gather_tensor
+from tritonrec.kernels.checks import check_int
 
 ENV_VAR = "TRITONREC_DIST_CHECKS"
 DEFAULT_CHECKED_CALLS = 8
@@ -152,9 +153,7 @@ class MetadataCheck:
     """
 
     def __init__(self, checked_calls: int = DEFAULT_CHECKED_CALLS) -> None:
-        if isinstance(checked_calls, bool) or not isinstance(checked_calls, int) or checked_calls < 0:
-            raise ValueError(f"checked_calls must be a non-negative int, got checked_calls={checked_calls!r}")
-        self.checked_calls = checked_calls
+        self.checked_calls = check_int(checked_calls, "checked_calls", 0)
         self.calls = 0
         self.checks_run = 0
         self._pending: _PendingCall | None = None

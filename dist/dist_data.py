@@ -34,6 +34,7 @@ from tritonrec.dist.embedding_dist import (
 )
 from tritonrec.dist.kjt_dist import dist_init, dist_labels, dist_splits, dist_tensors, get_recat
 from tritonrec.dist.record import record
+from tritonrec.kernels.checks import check_int
 
 
 class SplitsAllToAllAwaitable(Awaitable[list[list[int]]]):
@@ -173,10 +174,10 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
 
 
 def _check_stagger(stagger: object, world_size: int) -> int:
-    if isinstance(stagger, bool) or not isinstance(stagger, int) or stagger < 1 or world_size % stagger:
-        raise ValueError(
-            f"stagger must be a positive int dividing the world size {world_size}, got stagger={stagger!r}"
-        )
+    what = f"a positive int dividing the world size {world_size}"
+    stagger = check_int(stagger, "stagger", 1, what=what)
+    if world_size % stagger:
+        raise ValueError(f"stagger must be {what}, got stagger={stagger!r}")
     return stagger
 
 
@@ -255,8 +256,7 @@ class KJTOneToAll(nn.Module):
 
     def __init__(self, splits: list[int], world_size: int, device: torch.device | None = None) -> None:
         super().__init__()
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be a positive int, got world_size={world_size!r}")
+        world_size = check_int(world_size, "world_size", 1)
         self._splits = check_sizes(splits, "splits", world_size)
         self._world_size = world_size
         if device is not None and not isinstance(device, torch.device):

@@ -40,7 +40,13 @@ from tritonrec.dist.data_parallel import (
     sharded_parameter_names,
 )
 from tritonrec.dist.model_parallel_args import check_sharders, dense_only_constraints, resolve_env, sharder_for
-from tritonrec.dist.module_tree import apply_outside_sharded, load_into, process_groups_not_copied
+from tritonrec.dist.module_tree import (
+    apply_outside_sharded,
+    load_into,
+    move_outside,
+    process_groups_not_copied,
+    self_copying_modules,
+)
 from tritonrec.dist.sharding_plan import get_default_sharders
 from tritonrec.dist.types import (
     EmbeddingModuleShardingPlan,
@@ -370,21 +376,26 @@ class DistributedModelParallel(nn.Module, FusedOptimizerModule):
     # ------------------------------------------------------------------------------------------------- copies
     def copy(self, device: torch.device) -> DistributedModelParallel:
         """A copy with every tensor on ``device`` (same plan and process group; re-wrapped in data parallelism when
-        this one is, so every rank must call it)."""
+        this one is, so every rank must call it). As torchrec's: a module that defines ``copy(device)`` (its
+        ``CopyMixIn``, as the quantized collections, sharded or not) is replaced by what that returns (themselves:
+        their tables stay on their devices, shared); every other module is deep-copied to ``device``."""
         if isinstance(device, str):
             device = torch.device(device)
         if not isinstance(device, torch.device) or device.type == "meta":
             raise TypeError(f"device must be a real torch.device, got device={device!r}")
         was_wrapped = self._ddp_wrapped
         unwrapped = self.module
+        # deepcopy's memo maps each self-copying module to its own copy, which the deep copy then takes as it is
+        memo: dict[int, Any] = {id(m): m.copy(device) for m in self_copying_modules(unwrapped)}  # type: ignore[operator]
+        kept = {id(m) for m in memo.values()}
         wrapped, self._dmp_wrapped_module = self._dmp_wrapped_module, unwrapped
         try:
             with process_groups_not_copied():
-                twin = copy.deepcopy(self)
+                twin = copy.deepcopy(self, memo)
         finally:
             self._dmp_wrapped_module = wrapped
         twin.device = device
-        twin._dmp_wrapped_module = twin._dmp_wrapped_module.to(device)
+        move_outside(twin._dmp_wrapped_module, device, kept)
         twin._optim = twin._init_optim(twin._dmp_wrapped_module)
         twin._ddp_wrapped = False
         if was_wrapped:

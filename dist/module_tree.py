@@ -8,6 +8,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -45,6 +46,32 @@ def load_into(
         raise RuntimeError("load_state_dict: " + "; ".join(errors))
     for name, child in module.named_children():
         load_into(child, state_dict, f"{prefix}{name}.", strict, missing, unexpected)
+
+
+def copies_itself(module: nn.Module) -> bool:
+    """torchrec's ``CopyMixIn``: the module's class defines ``copy(device)`` (``nn.Module`` has none), which a model
+    copy calls instead of deep-copying the module (the quantized collections, sharded or not, return themselves:
+    their tables stay where they are, as torchrec's ``ModuleNoCopyMixin``)."""
+    return callable(getattr(type(module), "copy", None))
+
+
+def self_copying_modules(module: nn.Module) -> list[nn.Module]:
+    """The modules of ``module``'s tree that :func:`copies_itself` holds for, not descending into them."""
+    if copies_itself(module):
+        return [module]
+    return [found for child in module.children() for found in self_copying_modules(child)]
+
+
+def move_outside(module: nn.Module, device: torch.device, kept: set[int]) -> None:
+    """``module.to(device)``, except for the modules whose ids are in ``kept`` (and their descendants)."""
+    if id(module) in kept:
+        return
+    if not any(id(m) in kept for m in module.modules()):
+        module.to(device)
+        return
+    module._apply(lambda t: t.to(device), recurse=False)
+    for child in module.children():
+        move_outside(child, device, kept)
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ import torch
 
 from tritonrec.dist.qcomm_protocol import MX_GROUP_SIZE_DEFAULT, ROW_DIM_DEFAULT, QuantizationContext, RoundingMode
 from tritonrec.kernels.backend import Backend
-from tritonrec.kernels.checks import check_tensor
+from tritonrec.kernels.checks import check_int, check_tensor
 from tritonrec.kernels.codecs.formats import (
     check_nonfinite_policy,
     check_row_dim,
@@ -233,10 +233,7 @@ class TritonQuantizedCommCodec:
 
     def calc_quantized_size(self, input_len: int, ctx: QuantizationContext | None = None) -> int:
         """Wire length of ``input_len`` values; row-wise formats need whole rows (pad with :meth:`padded_size`)."""
-        if isinstance(input_len, bool) or not isinstance(input_len, int):
-            raise TypeError(f"input_len must be an int, got {type(input_len).__name__}")
-        if input_len < 0:
-            raise ValueError(f"input_len must be non-negative, got input_len={input_len}")
+        input_len = check_int(input_len, "input_len", 0)
         if self._precision not in ROWWISE_COMM_TYPES:
             return input_len
         rows = self.rows_of(ctx)
@@ -255,12 +252,11 @@ class TritonQuantizedCommCodec:
         """``(padded_dim_sum, padding_size)`` for this rank's ``[B, dim_per_rank[my_rank]]`` input; row-wise formats
         round every rank's width up to whole rows and record the widths in ``ctx.padded_dim_sum_per_rank``."""
         check_tensor(input, "input", ndim=(1, 2))
-        if not isinstance(dim_per_rank, (list, tuple)) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dim_per_rank
-        ):
+        if not isinstance(dim_per_rank, (list, tuple)):
             raise ValueError(f"dim_per_rank must be a list of non-negative ints, got dim_per_rank={dim_per_rank!r}")
-        if isinstance(my_rank, bool) or not isinstance(my_rank, int) or not 0 <= my_rank < len(dim_per_rank):
-            raise ValueError(f"my_rank must be an int in [0, {len(dim_per_rank)}), got my_rank={my_rank!r}")
+        dim_per_rank = [check_int(d, f"dim_per_rank[{i}]", 0) for i, d in enumerate(dim_per_rank)]
+        ranks = len(dim_per_rank)
+        my_rank = check_int(my_rank, "my_rank", 0, ranks - 1, what=f"an int in [0, {ranks})")
         if input.dim() == 1:
             return input.shape[0], 0
         if input.shape[1] != dim_per_rank[my_rank]:

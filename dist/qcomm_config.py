@@ -29,6 +29,7 @@ from tritonrec.dist.qcomm_protocol import (
     QuantizedCommCodecs,
     RoundingMode,
 )
+from tritonrec.kernels.checks import check_int
 from tritonrec.kernels.codecs.formats import check_nonfinite_policy, check_row_dim, check_seed, derive_seed
 from tritonrec.kernels.codecs.half import check_loss_scale
 
@@ -150,9 +151,7 @@ def _make_codec(config: QCommsConfig, forward: bool, seed: int) -> QuantizedComm
 
 def _default_rank(rank: int | None) -> int:
     if rank is not None:
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"rank must be a non-negative int or None, got rank={rank!r}")
-        return rank
+        return check_int(rank, "rank", 0, what="a non-negative int or None")
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 

@@ -16,6 +16,8 @@ import datetime
 
 import torch.distributed as dist
 
+from tritonrec.kernels.checks import check_int
+
 _DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch.distributed's default for gloo
 
 
@@ -28,8 +30,7 @@ def init_local_rank(
     backend: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta | None = None
 ) -> None:
     """Join the process group of ``world_size`` local ranks whose store the parent holds at ``port``."""
-    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-        raise ValueError(f"port must be a TCP port in [1, 65535], got port={port!r}")
+    port = check_int(port, "port", 1, 65535, what="a TCP port in [1, 65535]")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got rank={rank}")
     timeout = timeout or _DEFAULT_TIMEOUT

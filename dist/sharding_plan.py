@@ -33,6 +33,7 @@ from tritonrec.dist.types import (
     ShardingType,
     ShardMetadata,
 )
+from tritonrec.kernels.checks import check_int
 
 ParameterShardingGenerator = Callable[[nn.Parameter, int, int, str, ModuleSharder[Any]], ParameterSharding]
 
@@ -117,9 +118,8 @@ def _default_kernel(sharder: ModuleSharder[Any], sharding_type: str, device_type
     return EmbeddingComputeKernel.FUSED.value if EmbeddingComputeKernel.FUSED.value in kernels else kernels[0]
 
 
-def _check_rank(rank: int, world_size: int, what: str) -> None:
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"{what} {rank!r} is out of range for world_size {world_size}")
+def _check_rank(rank: int, world_size: int, what: str) -> int:
+    return check_int(rank, what, 0, world_size - 1, what=f"a rank in [0, world_size={world_size})")
 
 
 def _sharding(
@@ -135,8 +135,7 @@ def _sharding(
 ) -> ParameterSharding:
     if param.dim() != 2:
         raise ValueError(f"only 2-D [rows, dim] tables can be sharded, got shape {tuple(param.shape)}")
-    for rank in ranks:
-        _check_rank(rank, world_size, "rank")
+    ranks = [_check_rank(rank, world_size, "rank") for rank in ranks]
     rows, dim = param.shape
     sizes, offsets = calculate_shard_sizes_and_offsets(rows, dim, world_size, local_size, kind, num_column_shards)
     if len(sizes) != len(ranks):
@@ -211,11 +210,8 @@ def column_wise(ranks: Sequence[int], compute_kernel: str | None = None) -> Para
 
 def _host_ranks(host_index: int, local_size: int, world_size: int) -> list[int]:
     hosts = world_size // local_size
-    if isinstance(host_index, bool) or not isinstance(host_index, int) or not 0 <= host_index < hosts:
-        raise ValueError(
-            f"host_index {host_index!r} is out of range: world_size {world_size} / local_size {local_size} "
-            f"= {hosts} hosts"
-        )
+    what = f"a host index in [0, {hosts}) (world_size {world_size} / local_size {local_size} = {hosts} hosts)"
+    host_index = check_int(host_index, "host_index", 0, hosts - 1, what=what)
     return list(range(host_index * local_size, (host_index + 1) * local_size))
 
 
@@ -238,15 +234,14 @@ def table_column_wise(ranks: Sequence[int], compute_kernel: str | None = None) -
     def generate(param, local_size, world_size, device_type, sharder):  # type: ignore[no-untyped-def]
         if not ranks:
             raise ValueError("table_column_wise needs at least one rank, got ranks=[]")
-        for rank in ranks:
-            _check_rank(rank, world_size, "rank")
-        hosts = {rank // local_size for rank in ranks}
+        checked = [_check_rank(rank, world_size, "rank") for rank in ranks]
+        hosts = {rank // local_size for rank in checked}
         if len(hosts) != 1:
             raise ValueError(f"table_column_wise ranks {ranks} span hosts {sorted(hosts)}; they must share one host")
         return _sharding(
             param,
             ShardingType.TABLE_COLUMN_WISE,
-            ranks,
+            checked,
             local_size,
             world_size,
             device_type,
@@ -343,9 +338,9 @@ def construct_module_sharding_plan(
         world_size = dist.get_world_size()
     if local_size is None:
         local_size = get_local_size(world_size)
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got world_size={world_size!r}")
-    if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1 or world_size % local_size:
+    world_size = check_int(world_size, "world_size", 1)
+    local_size = check_int(local_size, "local_size", 1, what=f"a positive divisor of world_size {world_size}")
+    if world_size % local_size:
         raise ValueError(f"local_size must be a positive divisor of world_size {world_size}, got {local_size!r}")
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"

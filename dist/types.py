@@ -28,6 +28,7 @@ from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, Shard
 
 from tritonrec.dist.awaitable import Awaitable, LazyAwaitable
 from tritonrec.dist.qcomm_protocol import QuantizedCommCodecs
+from tritonrec.kernels.checks import check_int
 
 __all__ = [
     "EmbeddingComputeKernel",
@@ -154,10 +155,8 @@ class ShardingEnv:
     (``None`` for single-host inference, where every "rank" is a device of this process)."""
 
     def __init__(self, world_size: int, rank: int, pg: dist.ProcessGroup | None = None) -> None:
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be a positive int, got world_size={world_size!r}")
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be an int in [0, {world_size}), got rank={rank!r}")
+        world_size = check_int(world_size, "world_size", 1)
+        rank = check_int(rank, "rank", 0, world_size - 1, what=f"an int in [0, {world_size})")
         if pg is not None and not isinstance(pg, dist.ProcessGroup):
             raise TypeError(f"pg must be a torch.distributed.ProcessGroup or None, got {type(pg).__name__}")
         self.world_size = world_size

@@ -26,6 +26,7 @@ import torch
 from tritonrec.kernels._triton import tl, triton
 from tritonrec.kernels.backend import Backend, grid_programs, resolve_backend
 from tritonrec.kernels.checks import (
+    check_int,
     check_lengths_total,
     check_nonnegative,
     check_same_device,
@@ -286,13 +287,13 @@ def _check_bucketize_inputs(
     block_sizes: torch.Tensor,
     num_buckets: int,
     weights: torch.Tensor | None,
-) -> None:
+) -> int:
+    """Raises on a bad argument; returns ``num_buckets`` as a Python int (the op's schema takes no numpy int)."""
     check_tensor(lengths, "lengths", ndim=1, integer=True)
     check_tensor(indices, "indices", ndim=1, integer=True)
     check_tensor(block_sizes, "block_sizes", ndim=1, integer=True)
     check_same_device(lengths=lengths, indices=indices, block_sizes=block_sizes, weights=weights)
-    if not isinstance(num_buckets, int) or isinstance(num_buckets, bool) or num_buckets < 1:
-        raise ValueError(f"num_buckets must be a positive int, got num_buckets={num_buckets!r}")
+    num_buckets = check_int(num_buckets, "num_buckets", 1)
     num_features = block_sizes.numel()
     if (num_features == 0 and lengths.numel()) or (num_features and lengths.numel() % num_features):
         raise ValueError(
@@ -303,6 +304,7 @@ def _check_bucketize_inputs(
         check_tensor(weights, "weights", ndim=1)
         if weights.numel() != indices.numel():
             raise ValueError(f"weights must have one entry per index ({indices.numel()}), got {weights.numel()}")
+    return num_buckets
 
 
 def _check_bucketize_values(lengths: torch.Tensor, indices: torch.Tensor, block_sizes: torch.Tensor) -> None:
@@ -341,7 +343,7 @@ def block_bucketize_sparse_features(
     new_indices [N], new_weights [N] | None, new_pos [N] | None, unbucketize_permute [N] | None)``.
     See the module docstring for the bucket rule and layout. Differentiable in ``weights`` (the other outputs are
     integers)."""
-    _check_bucketize_inputs(lengths, indices, block_sizes, num_buckets, weights)
+    num_buckets = _check_bucketize_inputs(lengths, indices, block_sizes, num_buckets, weights)
     resolved = resolve_backend(backend, lengths, indices)
     outputs = _block_bucketize_op(
         lengths, indices, block_sizes, num_buckets, weights, bucketize_pos, sequence, keep_orig_idx, resolved

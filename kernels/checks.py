@@ -11,13 +11,19 @@ Two kinds of check:
   :mod:`tritonrec.kernels.library`).
 
 Shape and value problems raise ``ValueError``; a wrong dtype or Python type raises ``TypeError``.
+
+Integer arguments (sizes, counts, ranks, capacities) go through :func:`check_int`: a Python int or a numpy integer
+(``operator.index``, as torchrec and NeMo-RL take them), never a bool; a wrong type raises :class:`NotAnIntError`,
+both a ``TypeError`` and a ``ValueError``.
 """
 
 from __future__ import annotations
 
+import operator
 import os
 from itertools import pairwise
 
+import numpy as np
 import torch
 
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -37,6 +43,69 @@ def value_checks_enabled() -> bool:
     if _value_checks_override is not None:
         return _value_checks_override
     return os.environ.get("TRITONREC_VALUE_CHECKS", "1").lower() not in ("0", "false", "off", "no")
+
+
+class NotAnIntError(TypeError, ValueError):
+    """An integer argument of another type (a bool, a float, a string, a tensor). A ``TypeError`` (its type is wrong)
+    and a ``ValueError`` (what the integer arguments' range checks raise), so callers catching either see it."""
+
+
+def _int_kind(minimum: int | None, maximum: int | None) -> str:
+    if maximum is not None:
+        return f"an int in [{minimum}, {maximum}]" if minimum is not None else f"an int <= {maximum}"
+    return {None: "an int", 0: "a non-negative int", 1: "a positive int"}.get(minimum, f"an int >= {minimum}")
+
+
+def check_int(
+    value: object,
+    name: str,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    *,
+    what: str | None = None,
+    context: str = "",
+) -> int:
+    """``value`` as a Python int, within ``[minimum, maximum]`` (either bound optional, both inclusive).
+
+    Takes what ``operator.index`` takes (an int, a numpy integer), except a bool (``True`` is no size) and a tensor
+    (reading one syncs a GPU: pass ``int(t)``). ``what`` replaces the description of the accepted values in the
+    error (default: from the bounds, "a positive int"); ``context`` prefixes it (``"table 't0'"``). Raises
+    :class:`NotAnIntError` for another type, ``ValueError`` for an int out of range; both name the argument and the
+    value.
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = int(value)
+    elif isinstance(value, (bool, np.bool_, torch.Tensor)) or not hasattr(type(value), "__index__"):
+        kind = "a bool" if isinstance(value, (bool, np.bool_)) else f"a {type(value).__name__}"
+        raise NotAnIntError(_int_error(value, name, minimum, maximum, what, context) + f" ({kind})")
+    else:
+        number = operator.index(value)  # type: ignore[arg-type]
+    if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
+        raise ValueError(_int_error(value, name, minimum, maximum, what, context))
+    return number
+
+
+def _int_error(
+    value: object, name: str, minimum: int | None, maximum: int | None, what: str | None, context: str
+) -> str:
+    prefix = f"{context}: " if context else ""
+    return f"{prefix}{name} must be {what or _int_kind(minimum, maximum)}, got {name}={value!r}"
+
+
+def check_optional_int(
+    value: object,
+    name: str,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    *,
+    what: str | None = None,
+    context: str = "",
+) -> int | None:
+    """:func:`check_int`, or None for None (the error says "or None")."""
+    if value is None:
+        return None
+    what = what or f"{_int_kind(minimum, maximum)} or None"
+    return check_int(value, name, minimum, maximum, what=what, context=context)
 
 
 def check_tensor(
@@ -201,10 +270,13 @@ def check_lengths_total(
 
 
 __all__ = [
+    "NotAnIntError",
     "check_index_range",
+    "check_int",
     "check_lengths_total",
     "check_nonnegative",
     "check_offsets",
+    "check_optional_int",
     "check_same_device",
     "check_tensor",
     "merge_spans",

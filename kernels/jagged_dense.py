@@ -16,7 +16,7 @@ import torch
 
 from tritonrec.kernels._triton import tl, triton
 from tritonrec.kernels.backend import Backend, autotune, grid_programs, pow2_bucket, resolve_backend
-from tritonrec.kernels.checks import check_offsets, check_same_device, check_tensor
+from tritonrec.kernels.checks import check_int, check_offsets, check_optional_int, check_same_device, check_tensor
 from tritonrec.kernels.library import custom_op, dynamic_size
 
 
@@ -327,8 +327,7 @@ def jagged_to_padded_dense(
     The gradient has ``values``' full shape: rows past ``offsets[-1]`` (never read) get zeros.
     """
     _check_jagged(values, offsets)
-    if not isinstance(max_len, int) or max_len < 0:
-        raise ValueError(f"max_len must be a non-negative int, got max_len={max_len!r}")
+    max_len = check_int(max_len, "max_len", 0)
     resolved = resolve_backend(backend, values, offsets)
     return _jagged_to_padded_dense_op(values, offsets, max_len, float(padding_value), resolved)
 
@@ -349,6 +348,5 @@ def dense_to_jagged(
             f"offsets must have B + 1 = {dense.shape[0] + 1} entries for dense of shape "
             f"{tuple(dense.shape)}, got {offsets.numel()}"
         )
-    if total_len is not None and (not isinstance(total_len, int) or total_len < 0):
-        raise ValueError(f"total_len must be a non-negative int or None, got total_len={total_len!r}")
+    total_len = check_optional_int(total_len, "total_len", 0)
     return _dense_to_jagged_op(dense, offsets, total_len, resolve_backend(backend, dense, offsets))

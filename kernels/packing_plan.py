@@ -13,8 +13,10 @@ import torch
 
 from tritonrec.kernels.checks import (
     check_index_range,
+    check_int,
     check_nonnegative,
     check_offsets,
+    check_optional_int,
     check_same_device,
     check_tensor,
 )
@@ -159,10 +161,8 @@ def make_packing_plan(
     check_tensor(bin_offsets, "bin_offsets", ndim=1, integer=True)
     if (lengths is None) == (offsets is None):
         raise ValueError("pass exactly one source layout: lengths (padded values) or offsets (jagged values)")
-    if not isinstance(pad_to_multiple, int) or pad_to_multiple < 1:
-        raise ValueError(f"pad_to_multiple must be a positive int, got pad_to_multiple={pad_to_multiple!r}")
-    if capacity is not None and (not isinstance(capacity, int) or capacity < 1):
-        raise ValueError(f"capacity must be None or a positive int, got capacity={capacity!r}")
+    pad_to_multiple = check_int(pad_to_multiple, "pad_to_multiple", 1)
+    capacity = check_optional_int(capacity, "capacity", 1, what="None or a positive int")
     if bin_offsets.numel() == 0:
         raise ValueError("bin_offsets must have num_bins + 1 >= 1 entries, got an empty tensor")
     order = sequence_order.to(torch.int64)
@@ -170,8 +170,7 @@ def make_packing_plan(
     if lengths is not None:
         check_tensor(lengths, "lengths", ndim=1, integer=True)
         check_same_device(sequence_order=sequence_order, bin_offsets=bin_offsets, lengths=lengths)
-        if not isinstance(padded_len, int) or padded_len < 0:
-            raise ValueError(f"padded_len (S of the padded values) must be an int >= 0, got padded_len={padded_len!r}")
+        padded_len = check_int(padded_len, "padded_len", 0, what="an int >= 0 (S of the padded values)")
         if lengths.numel() != count:
             raise ValueError(f"lengths has {lengths.numel()} entries but sequence_order has {count}")
         check_nonnegative(lengths, "lengths")

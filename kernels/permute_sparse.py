@@ -18,6 +18,7 @@ from tritonrec.kernels.backend import Backend, autotune, pow2_bucket, resolve_ba
 from tritonrec.kernels.checks import (
     check_index_range,
     check_nonnegative,
+    check_optional_int,
     check_same_device,
     check_tensor,
     host_ints,
@@ -186,7 +187,9 @@ def _check_permute_inputs(
     values: torch.Tensor,
     weights: torch.Tensor | None,
     permuted_lengths_sum: int | None,
-) -> None:
+) -> int | None:
+    """Raises on a bad argument; returns ``permuted_lengths_sum`` as a Python int (the op's schema takes no numpy
+    int)."""
     check_tensor(permute, "permute", ndim=1, integer=True)
     check_tensor(lengths, "lengths", ndim=2, integer=True)
     check_tensor(values, "values", ndim=(1, 2, 3))
@@ -197,10 +200,7 @@ def _check_permute_inputs(
                 f"weights must have one row per value ({values.shape[0]}), got shape {tuple(weights.shape)}"
             )
     check_same_device(permute=permute, lengths=lengths, values=values, weights=weights)
-    if permuted_lengths_sum is not None and (
-        isinstance(permuted_lengths_sum, bool) or not isinstance(permuted_lengths_sum, int) or permuted_lengths_sum < 0
-    ):
-        raise ValueError(f"permuted_lengths_sum must be a non-negative int or None, got {permuted_lengths_sum!r}")
+    return check_optional_int(permuted_lengths_sum, "permuted_lengths_sum", 0)
 
 
 def _check_permuted_sum(permuted_lengths_sum: int | None, permuted: int) -> None:
@@ -260,7 +260,7 @@ def permute_2d_sparse_data(
     is zero). ``N'`` is ``permuted_lengths_sum`` when given, else read from ``lengths`` (an unbacked size under
     ``torch.compile``).
     """
-    _check_permute_inputs(permute, lengths, values, weights, permuted_lengths_sum)
+    permuted_lengths_sum = _check_permute_inputs(permute, lengths, values, weights, permuted_lengths_sum)
     resolved = resolve_backend(backend, lengths, values)
     out = _permute_2d_op(permute, lengths, values, weights, permuted_lengths_sum, resolved)
     return out[0], out[1], out[2] if weights is not None else None

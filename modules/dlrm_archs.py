@@ -14,22 +14,18 @@ import torch
 from torch import nn
 
 from tritonrec.data import KeyedJaggedTensor, KeyedTensor
+from tritonrec.kernels.checks import check_int
 from tritonrec.modules.embedding_configs import get_embedding_names
 
 
 def _check_layer_sizes(layer_sizes: object, name: str, min_layers: int = 1) -> list[int]:
     if not isinstance(layer_sizes, Sequence) or isinstance(layer_sizes, str) or len(layer_sizes) < min_layers:
         raise ValueError(f"{name} must list at least {min_layers} layer size(s), got {name}={layer_sizes!r}")
-    for size in layer_sizes:
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"{name} must hold positive ints, got {name}={list(layer_sizes)!r}")
-    return list(layer_sizes)
+    return [check_int(size, f"{name}[{i}]", 1) for i, size in enumerate(layer_sizes)]
 
 
 def _check_positive(value: object, name: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
-    return value
+    return check_int(value, name, 1)
 
 
 class Perceptron(nn.Module):
@@ -133,9 +129,7 @@ class InteractionArch(nn.Module):
 
     def __init__(self, num_sparse_features: int, device: torch.device | str | None = None) -> None:
         super().__init__()
-        if not isinstance(num_sparse_features, int) or isinstance(num_sparse_features, bool) or num_sparse_features < 0:
-            raise ValueError(f"num_sparse_features must be a non-negative int, got {num_sparse_features!r}")
-        self.F = num_sparse_features
+        self.F = check_int(num_sparse_features, "num_sparse_features", 0)
         # on the dense layers' device (index_select needs its index where the Gram matrix is), except meta: a module
         # materialised from meta gets zero-filled buffers, so these stay on the CPU until the model is moved
         if device is not None and torch.device(device).type == "meta":

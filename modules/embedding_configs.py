@@ -16,6 +16,7 @@ from functools import partial
 
 import torch
 
+from tritonrec.kernels.checks import check_int
 from tritonrec.kernels.embedding import BoundsCheckMode, PoolingMode
 
 
@@ -86,10 +87,8 @@ class BaseEmbeddingConfig:
 
     def __post_init__(self) -> None:
         label = f"table {self.name!r}" if self.name else "table"
-        if not isinstance(self.num_embeddings, int) or isinstance(self.num_embeddings, bool) or self.num_embeddings < 1:
-            raise ValueError(f"{label}: num_embeddings must be a positive int, got {self.num_embeddings!r}")
-        if not isinstance(self.embedding_dim, int) or isinstance(self.embedding_dim, bool) or self.embedding_dim < 1:
-            raise ValueError(f"{label}: embedding_dim must be a positive int, got {self.embedding_dim!r}")
+        self.num_embeddings = check_int(self.num_embeddings, "num_embeddings", 1, context=label)
+        self.embedding_dim = check_int(self.embedding_dim, "embedding_dim", 1, context=label)
         if not isinstance(self.name, str):
             raise TypeError(f"{label}: name must be a str, got {type(self.name).__name__}")
         if not isinstance(self.data_type, DataType):

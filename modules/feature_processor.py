@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tritonrec.data import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from tritonrec.kernels.checks import check_int
 from tritonrec.modules.embedding_modules import EmbeddingBagCollection
 
 
@@ -41,9 +42,7 @@ class PositionWeightedModule(nn.Module):
 
     def __init__(self, max_feature_length: int, device: torch.device | str | None = None) -> None:
         super().__init__()
-        if not isinstance(max_feature_length, int) or max_feature_length < 1:
-            raise ValueError(f"max_feature_length must be a positive int, got {max_feature_length!r}")
-        self.max_feature_length = max_feature_length
+        self.max_feature_length = max_feature_length = check_int(max_feature_length, "max_feature_length", 1)
         self.position_weight = nn.Parameter(torch.empty(max_feature_length, device=device))
         self.reset_parameters()
 
@@ -75,10 +74,9 @@ class PositionWeightedModuleCollection(nn.Module):
         super().__init__()
         if not isinstance(max_feature_lengths, dict) or not max_feature_lengths:
             raise ValueError(f"max_feature_lengths must be a non-empty dict, got {max_feature_lengths!r}")
-        for key, length in max_feature_lengths.items():
-            if not isinstance(length, int) or length < 1:
-                raise ValueError(f"max_feature_lengths[{key!r}] must be a positive int, got {length!r}")
-        self.max_feature_lengths = dict(max_feature_lengths)
+        self.max_feature_lengths = {
+            key: check_int(length, f"max_feature_lengths[{key!r}]", 1) for key, length in max_feature_lengths.items()
+        }
         self.position_weights = nn.ParameterDict(
             {key: nn.Parameter(torch.ones(length, device=device)) for key, length in max_feature_lengths.items()}
         )

@@ -37,10 +37,11 @@ import numpy as np
 import torch
 
 from tritonrec.data.packing.balance import balanced_bins
-from tritonrec.data.packing.checks import as_sequence_lengths, check_optional_int, check_positive_int
+from tritonrec.data.packing.checks import as_sequence_lengths
 from tritonrec.data.packing.decreasing import best_two_fit, first_fit_decreasing, modified_first_fit_decreasing
 from tritonrec.data.packing.metrics import PackingMetrics
 from tritonrec.data.packing.ordered import concatenative, first_fit
+from tritonrec.kernels.checks import check_int, check_optional_int
 
 SequenceLengths = Sequence[int] | np.ndarray | torch.Tensor
 
@@ -66,9 +67,10 @@ class SequencePacker(ABC):
         min_bin_count: int | None = None,
         bin_count_multiple: int | None = None,
     ) -> None:
-        self.bin_capacity = check_positive_int(bin_capacity, "bin_capacity")
-        self.min_bin_count = check_optional_int(min_bin_count, "min_bin_count", 0)
-        self.bin_count_multiple = check_optional_int(bin_count_multiple, "bin_count_multiple", 1)
+        self.bin_capacity = check_int(bin_capacity, "bin_capacity", 1)
+        self.min_bin_count = check_optional_int(min_bin_count, "min_bin_count", 0, what="None or an int >= 0")
+        self.bin_count_multiple = check_optional_int(bin_count_multiple, "bin_count_multiple", 1,
+                                                     what="None or an int >= 1")  # fmt: skip
         self.collect_metrics = collect_metrics
         self.metrics: PackingMetrics | None = PackingMetrics() if collect_metrics else None
 

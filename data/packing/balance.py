@@ -28,6 +28,7 @@ from itertools import count
 import numpy as np
 
 from tritonrec.data.packing.metrics import bin_loads
+from tritonrec.kernels.checks import check_int
 
 
 class _Partition:
@@ -102,8 +103,7 @@ def karmarkar_karp(weights: Sequence[int] | np.ndarray, num_parts: int, equal_si
     Parts come out by descending sum, members in ascending index order; with fewer items than parts, trailing parts
     are empty. Deterministic: ties are broken by creation order.
     """
-    if isinstance(num_parts, bool) or not isinstance(num_parts, int) or num_parts < 1:
-        raise ValueError(f"num_parts must be a positive int, got num_parts={num_parts!r}")
+    num_parts = check_int(num_parts, "num_parts", 1)
     values = np.asarray(weights, dtype=np.int64).reshape(-1)
     if equal_size and values.size % num_parts:
         raise ValueError(
@@ -166,8 +166,7 @@ def balance_bins_across_ranks(
     rank and a nearly equal share of tokens (KK over bin loads, equal counts). ``len(bins)`` must be a multiple of
     ``num_ranks``. Within a rank, bins keep their original order.
     """
-    if not isinstance(num_ranks, int) or num_ranks < 1:
-        raise ValueError(f"num_ranks must be a positive int, got num_ranks={num_ranks!r}")
+    num_ranks = check_int(num_ranks, "num_ranks", 1)
     if len(bins) % num_ranks:
         raise ValueError(f"len(bins) = {len(bins)} must be a multiple of num_ranks={num_ranks} to deal bins evenly")
     per_rank = karmarkar_karp(bin_loads(np.asarray(sequence_lengths, dtype=np.int64), bins), num_ranks, equal_size=True)

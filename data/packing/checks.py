@@ -9,20 +9,6 @@ import numpy as np
 import torch
 
 
-def check_positive_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
-    return int(value)
-
-
-def check_optional_int(value: object, name: str, minimum: int) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be None or an int >= {minimum}, got {name}={value!r}")
-    return int(value)
-
-
 def integers_as_int64(array: np.ndarray, name: str) -> np.ndarray:
     """An integer array as int64, refusing unsigned values that int64 cannot hold (a cast would wrap them negative)."""
     if array.dtype.kind == "u" and array.dtype.itemsize >= 8 and array.size:

@@ -60,6 +60,7 @@ from tritonrec.dist.planner.calibration import (
 )
 from tritonrec.dist.planner.shard_estimators import INDEX_BYTES
 from tritonrec.dist.rendezvous import hold_local_store, init_local_rank
+from tritonrec.kernels.checks import check_int
 
 # (rows, dims, batches, pooling factors, table counts) of the lookup sweep, per-rank message sizes (bytes) of the
 # collectives, and ids per rank of the input-dist sweep
@@ -225,12 +226,10 @@ def calibrate(
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device_type!r}")
     if device_type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but CUDA is not available")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
-        raise ValueError(f"world_size must be an int >= 2, got {world_size!r}")
+    world_size = check_int(world_size, "world_size", 2)
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world_size)
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads must be a positive int, got {threads!r}")
+    threads = check_int(threads, "threads", 1)
     defaults = DEFAULT_COEFFICIENTS[device_type]
     if skip_comms:
         rows, dims, batches, poolings, tables = QUICK_LOOKUPS if quick else FULL_LOOKUPS

@@ -28,6 +28,7 @@ from tritonrec.dist.planner.types import (
 )
 from tritonrec.dist.sharding_plan import calculate_shard_sizes_and_offsets
 from tritonrec.dist.types import ModuleSharder, ShardingType
+from tritonrec.kernels.checks import check_int
 from tritonrec.modules.fused_embedding_modules import resolve_optimizer_type
 
 __all__ = ["EmbeddingEnumerator", "check_sharders", "shardable_modules"]
@@ -123,8 +124,7 @@ class EmbeddingEnumerator:
     ) -> None:
         if not isinstance(topology, Topology):
             raise TypeError(f"topology must be a Topology, got {type(topology).__name__}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got batch_size={batch_size!r}")
+        batch_size = check_int(batch_size, "batch_size", 1)
         self._topology = topology
         self._batch_size = batch_size
         if constraints is not None and not isinstance(constraints, Mapping):

@@ -47,6 +47,7 @@ from tritonrec.dist.sharding_plan import (
     table_wise,
 )
 from tritonrec.dist.types import ModuleSharder, ShardingPlan, ShardingType
+from tritonrec.kernels.checks import check_int
 
 
 def _nothing_proposed_error(proposers: list[Any]) -> PlannerError:
@@ -161,9 +162,7 @@ class EmbeddingShardingPlanner:
         if not isinstance(topology, Topology):
             raise TypeError(f"topology must be a Topology, got {type(topology).__name__}")
         self._topology = topology
-        self._batch_size = BATCH_SIZE if batch_size is None else batch_size
-        if isinstance(self._batch_size, bool) or not isinstance(self._batch_size, int) or self._batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got batch_size={batch_size!r}")
+        self._batch_size = BATCH_SIZE if batch_size is None else check_int(batch_size, "batch_size", 1)
         self._constraints = constraints
         self._enumerator = enumerator or EmbeddingEnumerator(
             topology,

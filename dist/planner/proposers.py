@@ -17,6 +17,7 @@ import math
 from typing import Any
 
 from tritonrec.dist.planner.types import Perf, ShardingOption, Topology
+from tritonrec.kernels.checks import check_int, check_optional_int
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +43,7 @@ class GreedyProposer:
     """See module docstring. ``threshold``: stop after that many proposals in a row without a better rating."""
 
     def __init__(self, use_depth: bool = True, threshold: int | None = None) -> None:
-        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1):
-            raise ValueError(f"threshold must be a positive int or None, got threshold={threshold!r}")
+        threshold = check_optional_int(threshold, "threshold", 1)
         self._use_depth = use_depth
         self._threshold = threshold
         self._options: dict[str, list[ShardingOption]] = {}
@@ -130,8 +130,7 @@ class GridSearchProposer:
     exceeds ``max_proposals``."""
 
     def __init__(self, max_proposals: int = MAX_PROPOSALS) -> None:
-        if isinstance(max_proposals, bool) or not isinstance(max_proposals, int) or max_proposals < 1:
-            raise ValueError(f"max_proposals must be a positive int, got max_proposals={max_proposals!r}")
+        max_proposals = check_int(max_proposals, "max_proposals", 1)
         self._max_proposals = max_proposals
         self._options: list[list[ShardingOption]] = []
         self._combinations: Any = iter(())

@@ -13,6 +13,7 @@ from torch import nn
 from tritonrec.dist.planner.enumerators import check_sharders, shardable_modules
 from tritonrec.dist.planner.types import ParameterConstraints, PlannerError, PlannerErrorType, Storage, Topology
 from tritonrec.dist.types import ModuleSharder
+from tritonrec.kernels.checks import check_optional_int
 
 __all__ = ["HeuristicalStorageReservation", "Reservation", "dense_bytes"]
 
@@ -58,12 +59,7 @@ class HeuristicalStorageReservation:
         ok = isinstance(parameter_multiplier, (int, float)) and not isinstance(parameter_multiplier, bool)
         if not ok or not math.isfinite(parameter_multiplier) or parameter_multiplier < 0:
             raise ValueError(f"parameter_multiplier must be a non-negative number, got {parameter_multiplier!r}")
-        if dense_tensor_estimate is not None and (
-            isinstance(dense_tensor_estimate, bool)
-            or not isinstance(dense_tensor_estimate, int)
-            or dense_tensor_estimate < 0
-        ):
-            raise ValueError(f"dense_tensor_estimate must be a non-negative int, got {dense_tensor_estimate!r}")
+        dense_tensor_estimate = check_optional_int(dense_tensor_estimate, "dense_tensor_estimate", 0)
         self._percentage = float(percentage)
         self._multiplier = float(parameter_multiplier)
         self._dense_estimate = dense_tensor_estimate

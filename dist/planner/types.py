@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import enum
 import math
+import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from torch import nn
 
 from tritonrec.dist.planner.calibration import PerfCoefficients, load_perf_coefficients
 from tritonrec.dist.types import EmbeddingComputeKernel, ModuleSharder, ShardingType
+from tritonrec.kernels.checks import check_int
 
 GIB = 1024**3
 HBM_CAP = 32 * GIB  # torchrec's defaults: pass the real capacities of your machines
@@ -97,15 +99,11 @@ class DeviceHardware:
 
 
 def _check_positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
-    return value
+    return check_int(value, name, 1)
 
 
 def _check_bytes(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int (bytes), got {name}={value!r}")
-    return value
+    return check_int(value, name, 0, what="a non-negative int (bytes)")
 
 
 def _check_bandwidth(name: str, value: object) -> float:
@@ -191,10 +189,11 @@ def _check_per_feature(name: str, values: list[Any] | None, positive_int: bool =
         return None
     if not isinstance(values, (list, tuple)) or not values:
         raise ValueError(f"{name} must be a non-empty list (one entry per feature), got {name}={values!r}")
+    if positive_int:
+        return [_check_positive_int(f"{name}[{i}]", v) for i, v in enumerate(values)]
     for v in values:
-        if positive_int:
-            _check_positive_int(name, v)
-        elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        # numbers.Real: numpy scalars too (a bool is no number here)
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0:
             raise ValueError(f"{name} must hold finite non-negative numbers, got {name}={values!r}")
     return list(values)
 
@@ -244,7 +243,7 @@ class ParameterConstraints:
             if bad or not self.compute_kernels:
                 raise ValueError(f"compute_kernels must be non-empty values of {sorted(known)}, got {bad or '[]'}")
         if self.min_partition is not None:
-            _check_positive_int("min_partition", self.min_partition)
+            self.min_partition = _check_positive_int("min_partition", self.min_partition)
         self.pooling_factors = _check_per_feature("pooling_factors", self.pooling_factors)  # type: ignore[assignment]
         self.num_poolings = _check_per_feature("num_poolings", self.num_poolings)
         self.batch_sizes = _check_per_feature("batch_sizes", self.batch_sizes, positive_int=True)

@@ -24,6 +24,7 @@ from tritonrec.dist.train.config import (
     SyntheticDataConfig,
 )
 from tritonrec.dist.train.config_checks import ARCHS, DENSE_OPTIMIZERS, MODEL_BACKENDS, sparse_optimizer_kwargs
+from tritonrec.kernels.checks import check_int
 from tritonrec.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection, PoolingType
 from tritonrec.modules.dlrm import DLRM, DLRM_DCN, DLRMTrain
 
@@ -89,8 +90,7 @@ def build_tables(num_embeddings: Mapping[str, int], cfg: DLRMConfig) -> list[Emb
     """One table per sparse feature, named ``t_<feature>`` (torchrec's DLRM example naming)."""
     if cfg.pooling not in ("SUM", "MEAN"):
         raise ValueError(f"model.pooling must be 'SUM' or 'MEAN', got {cfg.pooling!r}")
-    if not isinstance(cfg.embedding_dim, int) or cfg.embedding_dim < 1:
-        raise ValueError(f"model.embedding_dim must be a positive int, got {cfg.embedding_dim!r}")
+    check_int(cfg.embedding_dim, "model.embedding_dim", 1)
     return [
         EmbeddingBagConfig(
             num_embeddings=rows,

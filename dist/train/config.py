@@ -40,6 +40,7 @@ from tritonrec.dist.train.job_config import (
     check_job_configs,
     register_job_configs,
 )
+from tritonrec.kernels.checks import check_int
 
 
 @dataclass
@@ -194,13 +195,9 @@ def as_train_config(cfg: object) -> TrainConfig:
     if not isinstance(cfg.data, tuple(DATA_CONFIGS.values())):
         raise TypeError(f"data must be one of the data configs {sorted(DATA_CONFIGS)}, got {type(cfg.data).__name__}")
     for name in _POSITIVE_FIELDS:
-        value = getattr(cfg, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+        setattr(cfg, name, check_int(getattr(cfg, name), name, 1))
     for name in _NON_NEGATIVE_FIELDS:
-        value = getattr(cfg, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{name} must be a non-negative int, got {name}={value!r}")
+        setattr(cfg, name, check_int(getattr(cfg, name), name, 0))
     check_top_level(cfg)
     check_device(cfg.device)
     check_job_configs(cfg.dist, cfg.sharding, cfg.pipeline, cfg.qcomm, cfg.logger)

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from tritonrec.kernels.checks import check_int, check_optional_int
+
 DENSE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adagrad": torch.optim.Adagrad,
     "adam": torch.optim.Adam,
@@ -25,8 +27,7 @@ MODEL_BACKENDS = ("auto", "triton", "torch")
 
 
 def _positive_int(value: object, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+    check_int(value, name, 1)
 
 
 def _is_number(value: object) -> bool:
@@ -81,12 +82,10 @@ def check_model(model: Any) -> None:
     _positive_int(model.embedding_dim, "model.embedding_dim")
     for name in ("dense_arch_layer_sizes", "over_arch_layer_sizes"):
         sizes = getattr(model, name)
-        if (
-            not isinstance(sizes, (list, tuple))
-            or not sizes
-            or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes)
-        ):
+        if not isinstance(sizes, (list, tuple)) or not sizes:
             raise ValueError(f"model.{name} must list positive layer sizes, got model.{name}={sizes!r}")
+        for i, size in enumerate(sizes):
+            check_int(size, f"model.{name}[{i}]", 1, what="a positive layer size")
     if model.dense_arch_layer_sizes[-1] != model.embedding_dim:
         raise ValueError(
             f"model.dense_arch_layer_sizes must end with model.embedding_dim={model.embedding_dim} (the dense "
@@ -114,15 +113,9 @@ def check_data(data: Any) -> None:
     if hasattr(data, "num_sparse_features"):
         _positive_int(data.num_sparse_features, "data.num_sparse_features")
     if hasattr(data, "num_eval_samples"):
-        value = data.num_eval_samples
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(
-                f"data.num_eval_samples must be a non-negative int (0: no held-out evaluation), got "
-                f"data.num_eval_samples={value!r}"
-            )
-    chunk = getattr(data, "chunk_size", None)
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise ValueError(f"data.chunk_size must be a positive int or None, got data.chunk_size={chunk!r}")
+        what = "a non-negative int (0: no held-out evaluation)"
+        check_int(data.num_eval_samples, "data.num_eval_samples", 0, what=what)
+    check_optional_int(getattr(data, "chunk_size", None), "data.chunk_size", 1)
 
 
 def sparse_optimizer_kwargs(optim: Any) -> dict[str, Any]:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 from hydra.core.config_store import ConfigStore
 
+from tritonrec.kernels.checks import check_int
+
 SHARDING_KINDS = ("auto", "tw", "rw", "cw", "twrw", "dp")
 PIPELINE_KINDS = ("base", "sparse_dist", "staged")
 QCOMM_PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "int8", "mx4")
@@ -71,8 +73,7 @@ def _one_of(value: object, allowed: tuple[str, ...], name: str) -> None:
 
 
 def _int_at_least(value: object, minimum: int, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {name}={value!r}")
+    check_int(value, name, minimum, what=f"an int >= {minimum}")
 
 
 def check_job_configs(dist: DistConfig, sharding: ShardingConfig, pipeline: PipelineConfig, qcomm: QCommConfig,

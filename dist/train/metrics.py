@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from tritonrec.kernels.checks import check_optional_int
+
 
 def _vector(value: object, name: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
@@ -79,9 +81,7 @@ class AUROCMetric:
     """
 
     def __init__(self, window: int | None = None) -> None:
-        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-            raise ValueError(f"window must be a positive int or None, got window={window!r}")
-        self.window = window
+        self.window = check_optional_int(window, "window", 1)
         self._parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._count = 0
 

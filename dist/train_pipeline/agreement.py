@@ -4,7 +4,8 @@ Why: a rank whose data ends one step early, or whose data loader or stage raises
 ranks blocked in the next collective until the process-group timeout (torchrec #2670, #189). Each step every rank
 contributes its status (OK, EXHAUSTED or FAILED) to one tiny all-reduce; then all ranks take the same decision:
 stop together at the first step some rank has no batch for, and raise together when some rank failed (the failing
-rank re-raises its own error, the others a :class:`PipelineStageError` naming it).
+rank re-raises its own error, the others a :class:`PipelineStageError` naming it and carrying its error's type and
+message, which the ranks exchange only then).
 
 The all-reduce runs on a side gloo group over the same ranks (:mod:`tritonrec.dist.side_groups`; a group that does
 not span the world is used itself), so it never interleaves with the model's collectives: a rank that failed before
@@ -27,24 +28,31 @@ import torch.distributed as dist
 
 from tritonrec.dist.comm_timeout import wait_for_work
 from tritonrec.dist.side_groups import INPUT_DIST, renew_side_groups, same_ranks_group
+from tritonrec.kernels.checks import check_int
 
 
 class PipelineStageError(RuntimeError):
-    """Raised on every rank when a pipeline stage failed on another rank (that rank raises its own error)."""
+    """Raised on every rank when a pipeline stage failed on another rank (that rank raises its own error).
 
-    def __init__(self, stage: str, failed_ranks: list[int], rank: int) -> None:
+    ``causes``: ``{rank: "Type: message"}`` of the failing ranks' own errors, which the ranks exchange when they agree
+    on the failure, so this rank's log shows the root cause (a malformed line's file and line, say) and not only
+    that another rank failed."""
+
+    def __init__(self, stage: str, failed_ranks: list[int], rank: int, causes: dict[int, str] | None = None) -> None:
         self.stage = stage
         self.failed_ranks = failed_ranks
         self.rank = rank
+        self.causes = dict(causes or {})
+        raised = "".join(f"; rank {r} raised {cause}" for r, cause in sorted(self.causes.items()))
         super().__init__(
-            f"pipeline stage {stage!r} failed on rank(s) {failed_ranks}; rank {rank} stops with them "
+            f"pipeline stage {stage!r} failed on rank(s) {failed_ranks}{raised}; rank {rank} stops with them "
             f"(the failing rank raised the original error)"
         )
 
-    def __reduce__(self) -> tuple[type, tuple[str, list[int], int]]:
+    def __reduce__(self) -> tuple[type, tuple[str, list[int], int, dict[int, str]]]:
         # pickled with its constructor's arguments (the default pickles only the message), so a spawned rank's
         # error reaches the launching process whole
-        return type(self), (self.stage, self.failed_ranks, self.rank)
+        return type(self), (self.stage, self.failed_ranks, self.rank, self.causes)
 
 
 class Status(enum.IntEnum):
@@ -67,8 +75,7 @@ class StepAgreement:
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, stages: list[str] | None = None, slots: int = 0) -> None:
-        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
-            raise ValueError(f"slots must be a non-negative int, got slots={slots!r}")
+        slots = check_int(slots, "slots", 0)
         self._group: dist.ProcessGroup | None = None
         self.stages = list(stages or ["next_batch"])
         self.slots = slots
@@ -117,6 +124,20 @@ class StepAgreement:
         work = None if self._group is None else dist.all_reduce(flags, group=self._group, async_op=True)
         return PendingAgreement(self, flags, work, error)
 
+    def exchange_errors(self, error: BaseException | None) -> dict[int, str]:
+        """``{rank: "Type: message"}`` of every rank that failed, from each rank's ``error`` (collective: every rank
+        calls it once the ranks agreed that one failed). An exchange that fails itself gives ``{}``: the stage's
+        failure stays the error raised."""
+        if self._group is None:
+            return {}
+        described = None if error is None else f"{type(error).__name__}: {error}"
+        everyone: list[Any] = [None] * self.world_size
+        try:
+            dist.all_gather_object(everyone, described, group=self._group)
+        except Exception:
+            return {}
+        return {rank: cause for rank, cause in enumerate(everyone) if isinstance(cause, str)}
+
 
 class PendingAgreement:
     """An agreement in flight (:meth:`StepAgreement.start`); :meth:`result` waits for it and decides, once."""
@@ -140,7 +161,8 @@ class PendingAgreement:
             failed = [r for r, c in enumerate(codes) if c >= Status.FAILED]
             if failed:
                 stage = self._agreement.stages[codes[failed[0]] - Status.FAILED]
-                error = self._error or PipelineStageError(stage, failed, self._agreement.rank)
+                causes = self._agreement.exchange_errors(self._error)
+                error = self._error or PipelineStageError(stage, failed, self._agreement.rank, causes)
                 for hook in self._agreement.on_failure:
                     try:
                         hook()

@@ -8,14 +8,13 @@ from typing import Any
 
 from tritonrec.dist.train_pipeline.agreement import PendingAgreement, Status, StepAgreement
 from tritonrec.dist.train_pipeline.utils import DataLoadingThread
+from tritonrec.kernels.checks import check_int
 
 NEXT_BATCH = "next_batch"  # the stage name of reading the data iterator, in every pipeline's agreement
 
 
 def check_host_prefetch(host_prefetch: object) -> int:
-    if isinstance(host_prefetch, bool) or not isinstance(host_prefetch, int) or host_prefetch < 0:
-        raise ValueError(f"host_prefetch must be a non-negative int (0: no thread), got {host_prefetch!r}")
-    return host_prefetch
+    return check_int(host_prefetch, "host_prefetch", 0, what="a non-negative int (0: no thread)")
 
 
 class BatchFetcher:

@@ -16,6 +16,7 @@ from tritonrec.dist.record import record
 from tritonrec.dist.train_pipeline.checks import check_unsupported
 from tritonrec.dist.train_pipeline.tracing import PipelinedModules, TrainPipelineContext, rewrite_model
 from tritonrec.dist.train_pipeline.utils import stream_context
+from tritonrec.kernels.checks import check_int
 
 
 @dataclass
@@ -157,8 +158,7 @@ class SparseDataDistUtil:
         in flight. A stage whose runnable wraps :meth:`start_sparse_data_dist` (a lambda) must pass
         ``drop_callback=sdd.drop_callback`` itself."""
         in_flight = len(self._ready) + len(self._waiting)
-        if isinstance(newer, bool) or not isinstance(newer, int) or not 0 <= newer < in_flight:
-            raise ValueError(f"newer must be an int in [0, {in_flight}) (batches in flight), got newer={newer!r}")
+        newer = check_int(newer, "newer", 0, in_flight - 1, what=f"an int in [0, {in_flight}) (batches in flight)")
         position = in_flight - 1 - newer
         queue, index = (
             (self._ready, position) if position < len(self._ready) else (self._waiting, position - len(self._ready))

@@ -18,6 +18,8 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from tritonrec.kernels.checks import check_int
+
 T = TypeVar("T")
 
 
@@ -97,8 +99,7 @@ class DataLoadingThread(Generic[T]):
     """
 
     def __init__(self, iterator: Iterator[T], depth: int = 2, name: str = "tritonrec-batches") -> None:
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"depth must be a positive int, got depth={depth!r}")
+        depth = check_int(depth, "depth", 1)
         self._iterator = iterator
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._stopping = threading.Event()

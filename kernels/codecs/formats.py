@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from tritonrec.kernels.checks import check_tensor
+from tritonrec.kernels.checks import check_int, check_tensor
 from tritonrec.kernels.random_bits import mix32_int, stream_keys  # stream_keys: re-exported, it used to live here
 
 NonFinitePolicy = Literal["propagate", "raise"]
@@ -144,8 +144,7 @@ def check_float32_input(input: torch.Tensor, name: str = "input", ndim: int | tu
 
 
 def check_row_dim(row_dim: object, name: str = "row_dim", *, even: bool = False) -> int:
-    if isinstance(row_dim, bool) or not isinstance(row_dim, int):
-        raise TypeError(f"{name} must be an int, got {type(row_dim).__name__}")
+    row_dim = check_int(row_dim, name)
     if not 1 <= row_dim <= MAX_ROW_DIM or (even and row_dim % 2):
         what = "an even int" if even else "an int"
         raise ValueError(f"{name} must be {what} in [1, {MAX_ROW_DIM}], got {name}={row_dim}")
@@ -153,8 +152,7 @@ def check_row_dim(row_dim: object, name: str = "row_dim", *, even: bool = False)
 
 
 def check_seed(seed: object) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    seed = check_int(seed, "seed")
     if not 0 <= seed < 1 << 64:
         raise ValueError(f"seed must be in [0, 2**64), got seed={seed}")
     return seed

@@ -27,7 +27,7 @@ from itertools import accumulate
 
 import torch
 
-from tritonrec.kernels.checks import merge_spans, spans_out_of_range
+from tritonrec.kernels.checks import check_int, merge_spans, spans_out_of_range
 from tritonrec.kernels.runs import repeat_runs
 
 
@@ -65,10 +65,8 @@ class TableSpec:
 
     def __post_init__(self) -> None:
         label = f"table {self.name!r}" if self.name else "table"
-        if not isinstance(self.num_rows, int) or self.num_rows < 0:
-            raise ValueError(f"{label}: num_rows must be a non-negative int, got num_rows={self.num_rows!r}")
-        if not isinstance(self.dim, int) or self.dim < 1:
-            raise ValueError(f"{label}: dim must be a positive int, got dim={self.dim!r}")
+        object.__setattr__(self, "num_rows", check_int(self.num_rows, "num_rows", 0, context=label))  # frozen
+        object.__setattr__(self, "dim", check_int(self.dim, "dim", 1, context=label))
         if not isinstance(self.pooling, PoolingMode):
             raise TypeError(f"{label}: pooling must be a PoolingMode, got pooling={self.pooling!r}")
 
@@ -138,9 +136,10 @@ class TableBatchedLayout:
         for i, table in enumerate(tables):
             if not isinstance(table, TableSpec):
                 raise TypeError(f"tables[{i}] must be a TableSpec, got {type(table).__name__}")
-        for f, t in enumerate(feature_tables):
-            if not isinstance(t, int) or not 0 <= t < len(tables):
-                raise ValueError(f"feature_tables[{f}] = {t!r} is not a table index in [0, {len(tables)})")
+        what = f"a table index in [0, {len(tables)})"
+        feature_tables = [
+            check_int(t, f"feature_tables[{f}]", 0, len(tables) - 1, what=what) for f, t in enumerate(feature_tables)
+        ]
         if feature_names is not None and len(feature_names) != len(feature_tables):
             raise ValueError(
                 f"feature_names has {len(feature_names)} names for {len(feature_tables)} features (feature_tables)"

@@ -172,7 +172,7 @@ def test_bad_layouts_and_mismatched_caches_are_refused(tmp_path: Path) -> None:
         KJTLayout((), 3)
     with pytest.raises(ValueError, match=r"keys must be distinct non-empty str, got keys=\['a', 'a'\]"):
         KJTLayout(("a", "a"), 3)
-    with pytest.raises(ValueError, match="max_values_per_item must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="max_values_per_item must be a positive int, got max_values_per_item=0"):
         KJTLayout(KEYS, 0)
     with pytest.raises(ValueError, match="dtype must be torch.int64 or torch.int32, got dtype=torch.float32"):
         KJTLayout(KEYS, 3, torch.float32)

@@ -86,7 +86,7 @@ def test_keyed_tensor_bad_input() -> None:
         KeyedTensor(["a", "b"], [2, 2], torch.zeros(3, 5))
     with pytest.raises(ValueError, match="length_per_key must have one entry per key"):
         KeyedTensor(["a", "b"], [5], torch.zeros(3, 5))
-    with pytest.raises(ValueError, match="key_dim=2 is not a dim"):
+    with pytest.raises(ValueError, match=r"key_dim must be a dim of values with shape \(3, 5\), got key_dim=2"):
         KeyedTensor(["a"], [5], torch.zeros(3, 5), key_dim=2)
     kt = KeyedTensor(["a"], [5], torch.zeros(3, 5))
     with pytest.raises(KeyError, match="key 'nope' is not one of"):

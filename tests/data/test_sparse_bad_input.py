@@ -63,13 +63,13 @@ def test_kjt_method_errors() -> None:
     kjt = _kjt()
     with pytest.raises(UnknownKeyError, match=r"key 'c' is not one of this KeyedJaggedTensor's keys \['a', 'b'\]"):
         kjt["c"]
-    with pytest.raises(ValueError, match=r"indices\[1\] = 2 is not a key index in \[0, 2\)"):
+    with pytest.raises(ValueError, match=r"indices\[1\] must be a key index in \[0, 2\), got indices\[1\]=2"):
         kjt.permute([0, 2])
-    with pytest.raises(ValueError, match=r"indices\[0\] = -1 is not a key index"):
+    with pytest.raises(ValueError, match=r"indices\[0\] must be a key index in \[0, 2\), got indices\[0\]=-1"):
         kjt.permute([-1])
     with pytest.raises(ValueError, match=r"segments must sum to the number of keys \(2\), got \[1, 2\]"):
         kjt.split([1, 2])
-    with pytest.raises(ValueError, match="segments must be a list of non-negative ints"):
+    with pytest.raises(ValueError, match=r"segments\[0\] must be a non-negative int, got segments\[0\]=-1"):
         kjt.split([-1, 3])
     with pytest.raises(ValueError, match="has no weights"):
         kjt.weights()

@@ -37,7 +37,7 @@ def _vbe(**overrides: object) -> KeyedJaggedTensor:
     [
         ({"stride_per_key_per_rank": torch.tensor([[4, -1], [2, 1]])}, r"stride_per_key_per_rank\[0\]\[1\]"),
         ({"length_per_key": [2, 6]}, r"length_per_key = \[2, 6\] disagrees with the lengths' per-key totals \[3, 5\]"),
-        ({"length_per_key": [9, -1]}, r"length_per_key\[1\] must be a non-negative int, got -1"),
+        ({"length_per_key": [9, -1]}, r"length_per_key\[1\] must be a non-negative int, got length_per_key\[1\]=-1"),
         ({"offset_per_key": [0, 1, 8]}, r"offset_per_key = \[0, 1, 8\] disagrees with the per-key totals \[3, 5\]"),
         ({"offset_per_key": [0, 3]}, r"offset_per_key must be a list of 3 ints"),
         ({"stride_per_key": [2, 4]}, r"stride_per_key = \[2, 4\] disagrees with the strides: \[3, 3\]"),
@@ -118,9 +118,9 @@ def test_keyed_tensor_metadata_and_regroup_checks() -> None:
         KeyedTensor(["a", "b"], [1, 2], values, offset_per_key=[0, 5, 9])
     with pytest.raises(ValueError, match=r"index_per_key = \{'q': 0\} must map each of the keys"):
         KeyedTensor(["a", "b"], [1, 2], values, index_per_key={"q": 0})
-    with pytest.raises(ValueError, match=r"length_per_key must hold non-negative ints, got \[True, 2\]"):
+    with pytest.raises(ValueError, match=r"length_per_key\[0\] must be a non-negative int, got .*=True \(a bool\)"):
         KeyedTensor(["a", "b"], [True, 2], values)
-    with pytest.raises(ValueError, match="key_dim=1.0 is not a dim"):
+    with pytest.raises(ValueError, match="key_dim must be a dim of values .*got key_dim=1.0"):
         KeyedTensor(["a", "b"], [1, 2], values, key_dim=1.0)  # type: ignore[arg-type]
     zeros, ones = KeyedTensor(["a"], [1], torch.zeros(2, 1)), KeyedTensor(["a"], [2], torch.ones(2, 2))
     with pytest.raises(ValueError, match=r"key 'a' is held by keyed_tensors\[0\] and keyed_tensors\[1\]"):

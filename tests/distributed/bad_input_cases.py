@@ -22,6 +22,7 @@ from tritonrec.dist.dist_data import (
     SequenceEmbeddingsAllToAll,
     VariableBatchPooledEmbeddingsAllToAll,
 )
+from tritonrec.kernels.checks import NotAnIntError
 
 WORLD = 2  # these cases are written for 2 ranks
 
@@ -62,15 +63,15 @@ BAD_CASES: list[BadCase] = [
     BadCase("a2a/world_size_mismatch", lambda: _a2a(_f(6, 1), [2, 2, 2], [1, 1]), ValueError,
             ("batch_size_per_rank must have one entry per rank (2)", "got 3", "[2, 2, 2]")),
     BadCase("a2a/negative_batch", lambda: _a2a(_f(2, 1), [3, -1], [1, 1]), ValueError,
-            ("batch_size_per_rank[1] must be non-negative", "batch_size_per_rank[1]=-1")),
-    BadCase("a2a/float_batch", lambda: _a2a(_f(6, 1), [3.0, 3], [1, 1]), TypeError,
+            ("batch_size_per_rank[1] must be an int >= 0", "batch_size_per_rank[1]=-1")),
+    BadCase("a2a/float_batch", lambda: _a2a(_f(6, 1), [3.0, 3], [1, 1]), NotAnIntError,  # a TypeError
             ("batch_size_per_rank[0] must be an int", "float", "3.0")),
     BadCase("a2a/rows_mismatch", lambda: _a2a(_f(6, 1), [2, 2], [1, 1]), ValueError,
             ("a2a_pooled_embs_tensor has 6 rows", "sum(batch_size_per_rank) = 4", "[2, 2]")),
     BadCase("a2a/cols_mismatch", lambda: _a2a(_f(4, 3), [2, 2], [2, 2]), ValueError,
             ("a2a_pooled_embs_tensor has 3 columns", "dim_sum_per_rank[", "= 2")),
     BadCase("a2a/dims_negative", lambda: _a2a(_f(4, 1), [2, 2], [1, -5]), ValueError,
-            ("dim_sum_per_rank[1] must be non-negative", "dim_sum_per_rank[1]=-5")),
+            ("dim_sum_per_rank[1] must be an int >= 0", "dim_sum_per_rank[1]=-5")),
     BadCase("a2a/group_type", lambda: _a2a(_f(4, 1), [2, 2], [1, 1], group="world"), TypeError,
             ("group must be a torch.distributed.ProcessGroup or None", "str")),
     BadCase("a2a/codecs_type", lambda: _a2a(_f(4, 1), [2, 2], [1, 1], codecs=object()), TypeError,

@@ -190,9 +190,9 @@ def test_ebc_rejects_bad_tables(tables, error, message):
 
 
 def test_configs_validate_fields():
-    with pytest.raises(ValueError, match="table 'a': num_embeddings must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="table 'a': num_embeddings must be a positive int, got num_embeddings=0"):
         EmbeddingBagConfig(num_embeddings=0, embedding_dim=2, name="a")
-    with pytest.raises(ValueError, match="table 'a': embedding_dim must be a positive int, got -2"):
+    with pytest.raises(ValueError, match="table 'a': embedding_dim must be a positive int, got embedding_dim=-2"):
         EmbeddingConfig(num_embeddings=3, embedding_dim=-2, name="a")
     with pytest.raises(ValueError, match="pooling must be PoolingType.SUM or MEAN, got <PoolingType.NONE"):
         EmbeddingBagConfig(num_embeddings=3, embedding_dim=2, name="a", pooling=PoolingType.NONE)

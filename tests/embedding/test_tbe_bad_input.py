@@ -140,7 +140,7 @@ def test_layout_and_table_specs_reject_bad_values():
         TableSpec(4, 3, pooling="sum")
     with pytest.raises(ValueError, match="tables must hold at least one TableSpec, got an empty list"):
         TableBatchedLayout([], [])
-    with pytest.raises(ValueError, match=r"feature_tables\[1\] = 2 is not a table index in \[0, 1\)"):
+    with pytest.raises(ValueError, match=r"feature_tables\[1\] must be a table index in \[0, 1\), got .*=2"):
         TableBatchedLayout([TableSpec(4, 3)], [0, 2])
     with pytest.raises(ValueError, match=r"feature_names has 1 names for 2 features"):
         TableBatchedLayout([TableSpec(4, 3)], [0, 0], ["a"])

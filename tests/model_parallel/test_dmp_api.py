@@ -6,11 +6,18 @@ need no process group."""
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import nn
 
 from tests.model_parallel.api_cases import MEMORY_TABLES
 from tests.model_parallel.dlrm_cases import SHARDED_PATH, build_dlrm
 from tests.model_parallel.spawned import suite_results
+from tritonrec.data import KeyedJaggedTensor
+from tritonrec.dist import ShardingEnv, ShardingPlan, construct_module_sharding_plan, table_wise
 from tritonrec.dist.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
+from tritonrec.dist.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
+from tritonrec.modules import DataType, EmbeddingBagCollection, EmbeddingBagConfig
+from tritonrec.modules.quant_embedding_modules import QuantEmbeddingBagCollection
 
 WORLD = 2
 
@@ -58,6 +65,47 @@ def test_copy_is_independent_and_data_parallel() -> None:
         assert got["original_untouched"] and got["twin_trained"], f"rank {rank}: {got}"
         assert got["twin_is_ddp"] == "DistributedDataParallel"
         assert got["bad_device"].startswith("TypeError: device must be a real torch.device")
+
+
+class _QuantModel(nn.Module):
+    """A sharded INT8 collection, an unsharded one (outside the plan) and a dense layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sharded, self.unsharded = (self._quant_ebc(prefix) for prefix in ("s", "u"))
+        self.dense = nn.Linear(8, 2)
+
+    @staticmethod
+    def _quant_ebc(prefix: str) -> QuantEmbeddingBagCollection:
+        configs = [EmbeddingBagConfig(num_embeddings=6, embedding_dim=4, name=f"{prefix}{t}",
+                                      feature_names=[f"{prefix}f{t}"]) for t in range(2)]  # fmt: skip
+        ebc = EmbeddingBagCollection(configs, backend="torch")
+        return QuantEmbeddingBagCollection.from_float(ebc, DataType.INT8, backend="torch")
+
+    def forward(self, sharded: KeyedJaggedTensor, unsharded: KeyedJaggedTensor) -> torch.Tensor:
+        return self.dense(self.sharded(sharded).values() + self.unsharded(unsharded).values())
+
+
+def test_copy_calls_the_copy_of_modules_that_define_one() -> None:
+    """As torchrec's DMP.copy (``CopyMixIn``): the quantized collections' ``copy(device)`` (themselves: their tables
+    stay on their devices) replaces deep-copying them, the rest is deep-copied (ours deep-copied and moved the
+    sharded collection's shards too)."""
+    torch.manual_seed(0)
+    model, sharder = _QuantModel(), QuantEmbeddingBagCollectionSharder()
+    plan = {"s0": table_wise(rank=0), "s1": table_wise(rank=1)}
+    plan = ShardingPlan({"sharded": construct_module_sharding_plan(model.sharded, plan, sharder, 2, 2, "cpu")})
+    dmp = DistributedModelParallel(model, env=ShardingEnv.from_local(2, 0), device=torch.device("cpu"), plan=plan,
+                                   sharders=[sharder], init_data_parallel=False)  # fmt: skip
+    twin = dmp.copy(torch.device("cpu"))
+    assert twin.module.sharded is dmp.module.sharded and twin.module.unsharded is dmp.module.unsharded
+    assert twin.module.dense is not dmp.module.dense
+    assert twin.module.dense.weight.data_ptr() != dmp.module.dense.weight.data_ptr()
+    kjt = {
+        p: KeyedJaggedTensor([f"{p}f0", f"{p}f1"], torch.tensor([0, 5, 2, 3, 1]), lengths=torch.tensor([2, 1, 0, 2]))
+        for p in "su"
+    }
+    with torch.no_grad():
+        assert torch.equal(twin(kjt["s"], kjt["u"]), dmp(kjt["s"], kjt["u"]))
 
 
 @pytest.mark.dist

@@ -220,7 +220,7 @@ def test_plan_errors() -> None:
         make_packing_plan(order, offsets, lengths=lengths, padded_len=4, capacity=0)
     with pytest.raises(ValueError, match="pass exactly one source layout"):
         make_packing_plan(order, offsets, lengths=lengths, offsets=torch.tensor([0, 2, 5, 6]))
-    with pytest.raises(ValueError, match="padded_len .* must be an int >= 0, got padded_len=None"):
+    with pytest.raises(ValueError, match=r"padded_len must be an int >= 0 .*got padded_len=None \(a NoneType\)"):
         make_packing_plan(order, offsets, lengths=lengths)
     with pytest.raises(ValueError, match="padded_len only applies to padded values"):
         make_packing_plan(order, offsets, offsets=torch.tensor([0, 2, 5, 6]), padded_len=3)

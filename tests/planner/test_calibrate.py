@@ -24,7 +24,7 @@ def test_cli_writes_coefficients_the_planner_reads(tmp_path, capsys) -> None:  #
 def test_calibrate_checks_its_input() -> None:
     with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda', got 'tpu'"):
         calibrate("tpu")
-    with pytest.raises(ValueError, match="world_size must be an int >= 2, got 1"):
+    with pytest.raises(ValueError, match="world_size must be an int >= 2, got world_size=1"):
         calibrate("cpu", world_size=1)
 
 

@@ -1,6 +1,7 @@
 """Rank-side cases of the distributed training job (2 gloo ranks, one spawn for all): a tiny DLRM job under several
 sharding x pipeline x codec combinations, an exact resume at the same world size (through the checkpoint's pipeline
-and through the staged one), SIGTERM on one rank, a diverging run, and a loss that turns NaN on one rank only."""
+and through the staged one), SIGTERM on one rank, a diverging run, a loss that turns NaN on one rank only, and a
+malformed data line on one rank."""
 
 from __future__ import annotations
 
@@ -107,8 +108,30 @@ def run_suite(rank: int, world: int, root: str) -> dict[str, Any]:
     finally:
         undo()
     out["nan_one_rank_steps"] = steps_run[0]
+    out["malformed_on_rank_1"] = _malformed_line_on_rank_1(base)
     out["side_group_timeout_s"] = _side_group_timeout_s(base / "side_timeout")
     return out
+
+
+def write_malformed_day(path: Path) -> None:
+    """A 60-line Criteo day whose line 41 is malformed: in rank 1's half of the file (rank 0 reads lines 1-30)."""
+    good = "\t".join(["1", *["1"] * 13, *["0a"] * 26])
+    lines = [good] * 60
+    lines[40] = "not\ta\tcriteo\tline"
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _malformed_line_on_rank_1(base: Path) -> str | None:
+    """The error each rank raises when rank 1 reads the malformed line of :func:`write_malformed_day`'s file."""
+    from tritonrec.dist.train.config import CriteoTSVDataConfig
+    from tritonrec.dist.train.run import run_rank
+
+    data = CriteoTSVDataConfig(paths=[str(base / "malformed.tsv")], num_embeddings=40)
+    try:
+        run_rank(tiny_config(base / "malformed", steps=4, eval_every=0, checkpoint_every=0, data=data))
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return None
 
 
 def _side_group_timeout_s(output_dir: Path) -> float | None:

@@ -187,12 +187,12 @@ def test_bad_element_names_its_index(bad: object, error: type[Exception], patter
         (
             {"epoch": 0, "position": -1, "batches": 0},
             ValueError,
-            r"state\['position'\] must be a non-negative int, got -1",
+            r"state\['position'\] must be a non-negative int, got .*=-1",
         ),
         (
             {"epoch": 0.5, "position": 0, "batches": 0},
             ValueError,
-            r"state\['epoch'\] must be a non-negative int, got 0.5",
+            r"state\['epoch'\] must be a non-negative int, got .*=0.5 \(a float\)",
         ),
         ([0, 1, 2], TypeError, "state must be a mapping from get_state"),
     ],

@@ -158,7 +158,7 @@ def test_tsv_bad_arguments(tmp_path: Path) -> None:
         CriteoTSVSource(path, HASH, malformed="ignore")
     with pytest.raises(ValueError, match=r"num_embeddings must be one int or 26 ints, got num_embeddings=\[10, 10\]"):
         CriteoTSVSource(path, [10, 10])
-    with pytest.raises(ValueError, match="num_embeddings entries must be positive ints, got num_embeddings=0"):
+    with pytest.raises(ValueError, match="num_embeddings must be a positive int, got num_embeddings=0"):
         CriteoTSVSource(path, 0)
     with pytest.raises(ValueError, match=r"position=3 is past the end of the data \(1 valid rows"):
         list(CriteoTSVSource(path, HASH).iter_from(3))

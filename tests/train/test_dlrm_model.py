@@ -212,7 +212,7 @@ def test_bad_model_arguments() -> None:
         DLRM(_collection((D, D, 2)), 3, [8, D], [5, 1])
     with pytest.raises(ValueError, match=r"over_arch_layer_sizes must list at least 2 layer size\(s\), got .*\[1\]"):
         DLRM(_collection(), 3, [8, D], [1])
-    with pytest.raises(ValueError, match=r"over_arch_layer_sizes must hold positive ints, got .*\[0, 1\]"):
+    with pytest.raises(ValueError, match=r"over_arch_layer_sizes\[0\] must be a positive int, got .*=0"):
         OverArch(4, [0, 1])
     with pytest.raises(ValueError, match="embedding_bag_collection must be an EmbeddingBagCollection"):
         DLRM(torch.nn.Linear(2, 2), 3, [8, D], [5, 1])

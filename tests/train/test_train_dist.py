@@ -37,8 +37,9 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @functools.cache
 def _suite(root: str) -> list[dict[str, Any]]:
-    from tests.train.dist_job_cases import run_suite
+    from tests.train.dist_job_cases import run_suite, write_malformed_day
 
+    write_malformed_day(Path(root) / "malformed.tsv")
     return spawn_ranks(run_suite, 2, root, timeout=420)
 
 
@@ -161,6 +162,18 @@ def test_nan_on_one_rank_stops_every_rank_at_that_step(ranks: list[dict[str, Any
     saved = sorted(p.name for p in (root / "nan_one_rank" / "checkpoints").glob("step_*"))
     assert saved == ["step_00000002"], saved
     assert "NonFiniteLossError: step 3:" in (root / "nan_one_rank" / "train.log").read_text()
+
+
+def test_a_malformed_line_on_one_rank_is_the_cause_in_rank_0s_log(ranks: list[dict[str, Any]], root: Path) -> None:
+    """Rank 1 reads a malformed line: it raises the error naming file and line; rank 0 stops with it, and its
+    train.log (the one the user reads) names that error, not only that rank 1 failed in stage 'next_batch'."""
+    cause = f"MalformedLineError: malformed Criteo line in file {root / 'malformed.tsv'}:41: "
+    errors = [r["malformed_on_rank_1"] for r in ranks]
+    assert (errors[1] or "").startswith(cause), errors[1]
+    assert (errors[0] or "").startswith("PipelineStageError: pipeline stage 'next_batch' failed on rank(s) [1]")
+    assert f"rank 1 raised {cause}" in errors[0], errors[0]
+    stopped = (root / "malformed" / "train.log").read_text().splitlines()[-1]
+    assert "stopped at step" in stopped and f"rank 1 raised {cause}" in stopped, stopped
 
 
 def test_the_jobs_side_group_keeps_the_world_timeout(ranks: list[dict[str, Any]]) -> None:

@@ -65,6 +65,8 @@ def test_a_failure_on_one_rank_raises_on_every_rank(pipeline: str, failing_rank:
         else:
             assert got["type"] == "PipelineStageError", got
             assert f"'{stage}' failed on rank(s) [{failing_rank}]" in got["message"], got["message"]
+            # the failing rank's own error, exchanged at the agreement: this rank's log shows the root cause
+            assert f"rank {failing_rank} raised {error}: " in got["message"], got["message"]
 
 
 def test_an_input_dist_rejected_within_its_checked_calls_raises_on_every_rank_without_a_collective() -> None:
@@ -125,7 +127,8 @@ def test_pipeline_stage_error_survives_pickling() -> None:
 
     from tritonrec.dist.train_pipeline.agreement import PipelineStageError
 
-    error = pickle.loads(pickle.dumps(PipelineStageError("input_dist", [1, 3], 0)))
+    causes = {1: "ValueError: bad row"}
+    error = pickle.loads(pickle.dumps(PipelineStageError("input_dist", [1, 3], 0, causes)))
     assert isinstance(error, PipelineStageError)
-    assert (error.stage, error.failed_ranks, error.rank) == ("input_dist", [1, 3], 0)
-    assert "failed on rank(s) [1, 3]" in str(error)
+    assert (error.stage, error.failed_ranks, error.rank, error.causes) == ("input_dist", [1, 3], 0, causes)
+    assert "failed on rank(s) [1, 3]; rank 1 raised ValueError: bad row; rank 0 stops" in str(error)

@@ -1,5 +1,7 @@
 """Tuned launch configs per device: ``kernels/tuned/<device-name>.json``, written by ``scripts/autotune.py``.
 
+The files live in this package's own folder and ship as its package data.
+
 The file of the current CUDA device (``torch.cuda.get_device_name()``, lower-cased, non-alphanumerics as ``-``) is
 read once, when the first autotuned kernel launches (not at import: asking for the device name initialises CUDA,
 which must not happen in a process that later forks data workers). ``TRITONREC_TUNED=<path>`` reads that file
@@ -35,7 +37,7 @@ from typing import Any
 
 import torch
 
-TUNED_DIR = Path(__file__).parent / "tuned"
+TUNED_DIR = Path(__file__).parent
 FORMAT_VERSION = 1
 
 
