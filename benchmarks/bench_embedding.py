@@ -4,11 +4,14 @@ ours vs the device copy bandwidth as well.
 
     python benchmarks/bench_embedding.py [--cases cpu_sized fbgemm_default] [--threads 1 2] [--rounds 3] [--plot]
     python benchmarks/bench_embedding.py --device cuda --cases gpu_scale    # opt-in: ~50 GB of GPU memory
+    python benchmarks/bench_embedding.py --optimizer EXACT_ADAGRAD          # per-element Adagrad (own CSV)
 
 Every implementation is fed the same stream of ``--batches`` distinct batches (cycled; each call takes the next),
 so no implementation is timed on rows it touched in the previous call. Phases: ``fwd`` (pooled forward) and
-``fwd_bwd_update`` (forward, backward, and the optimizer update: our fused EXACT_ROWWISE_ADAGRAD, FBGEMM's fused
-EXACT_ROWWISE_ADAGRAD, torch's Adagrad after ``nn.EmbeddingBag`` per table with sparse or dense gradients). GB/s
+``fwd_bwd_update`` (forward, backward, and the optimizer update: our fused ``--optimizer`` rule, FBGEMM's fused
+rule of the same name, torch's Adagrad after ``nn.EmbeddingBag`` per table with sparse or dense gradients; with
+EXACT_ADAGRAD torch's Adagrad is the same per-element rule, with the default EXACT_ROWWISE_ADAGRAD it keeps more
+state). GB/s
 uses FBGEMM's benchmark formula: bytes = rows read (``N * D * 4``) + output written (``B * sum(D) * 4``) for the
 forward, twice that for forward + backward (``N`` averaged over the stream).
 
@@ -128,12 +131,12 @@ def make_batches(shape: Shape, count: int, device: str, gen: torch.Generator) ->
     return batches
 
 
-def ours(shape: Shape, batches: list[Batch], device: str) -> dict[str, Callable[[], object]]:
+def ours(shape: Shape, batches: list[Batch], device: str, optimizer: str) -> dict[str, Callable[[], object]]:
     tables = [
         EmbeddingBagConfig(num_embeddings=shape.E, embedding_dim=shape.D, name=f"t{t}", feature_names=[key])
         for t, key in enumerate(shape.keys)
     ]
-    ebc = FusedEmbeddingBagCollection(tables, OptimType.EXACT_ROWWISE_ADAGRAD, {"lr": LR, "eps": EPS}, device=device)
+    ebc = FusedEmbeddingBagCollection(tables, OptimType[optimizer], {"lr": LR, "eps": EPS}, device=device)
     stream = Stream(batches)
 
     def forward() -> object:
@@ -147,11 +150,9 @@ def ours(shape: Shape, batches: list[Batch], device: str) -> dict[str, Callable[
     return {"fwd": forward, "fwd_bwd_update": train_step}
 
 
-def fbgemm(shape: Shape, batches: list[Batch]) -> dict[str, Callable[[], object]]:
+def fbgemm(shape: Shape, batches: list[Batch], optimizer: str) -> dict[str, Callable[[], object]]:
     specs = [(shape.E, shape.D, EmbeddingLocation.HOST, ComputeDevice.CPU)] * shape.T
-    module = SplitTableBatchedEmbeddingBagsCodegen(
-        specs, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=LR, eps=EPS
-    )
+    module = SplitTableBatchedEmbeddingBagsCodegen(specs, optimizer=EmbOptimType[optimizer], learning_rate=LR, eps=EPS)
     stream = Stream(batches)
 
     def forward() -> object:
@@ -193,13 +194,19 @@ def bytes_moved(shape: Shape, lookups: float) -> float:
 
 
 def run_shape(
-    shape: Shape, device: str, rounds: int, repeats: int, thread_counts: list[int], num_batches: int
+    shape: Shape,
+    device: str,
+    rounds: int,
+    repeats: int,
+    thread_counts: list[int],
+    num_batches: int,
+    optimizer: str = "EXACT_ROWWISE_ADAGRAD",
 ) -> dict[int, list[dict]]:
     """Rows per thread count; every (threads, phase, implementation) timed once per round, rounds interleaved."""
     batches = make_batches(shape, num_batches, device, torch.Generator().manual_seed(0))
-    impls: dict[str, dict[str, Callable[[], object]]] = {"ours": ours(shape, batches, device)}
+    impls: dict[str, dict[str, Callable[[], object]]] = {"ours": ours(shape, batches, device, optimizer)}
     if HAS_FBGEMM and device == "cpu":
-        impls["fbgemm_tbe"] = fbgemm(shape, batches)
+        impls["fbgemm_tbe"] = fbgemm(shape, batches, optimizer)
     impls["torch_per_table_sparse"] = torch_per_table(shape, batches, device, sparse=True)
     if shape.dense_anchor:
         impls["torch_per_table_dense"] = torch_per_table(shape, batches, device, sparse=False)
@@ -284,17 +291,23 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=16, help="distinct batches in the stream")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default=None, help="CSV under benchmarks/results/ (default embedding_<device>.csv)")
+    rules = ["EXACT_ROWWISE_ADAGRAD", "EXACT_ADAGRAD"]
+    parser.add_argument("--optimizer", default=rules[0], choices=rules, help="the fused rule (ours and FBGEMM's)")
+    parser.add_argument(
+        "--out", default=None, help="CSV under benchmarks/results/ (default embedding[_exact_adagrad]_<device>.csv)"
+    )
     parser.add_argument("--plot", action="store_true", help="also write a PNG next to the CSV")
     args = parser.parse_args()
     thread_counts = args.threads if args.device == "cpu" else [torch.get_num_threads()]
     by_threads: dict[int, list[dict]] = {threads: [] for threads in thread_counts}
     for name in args.cases:
         for threads, rows in run_shape(
-            SHAPES[name], args.device, args.rounds, args.repeats, thread_counts, args.batches
+            SHAPES[name], args.device, args.rounds, args.repeats, thread_counts, args.batches, args.optimizer
         ).items():
             by_threads[threads] += rows
-    print(f"device: {args.device}; FBGEMM anchor: {'yes' if HAS_FBGEMM else 'not installed'}")
+    anchor = "yes" if HAS_FBGEMM else "not installed"
+    print(f"device: {args.device}; fused rule: {args.optimizer}; FBGEMM anchor: {anchor}")
+    default_csv = "embedding" + ("" if args.optimizer == "EXACT_ROWWISE_ADAGRAD" else "_exact_adagrad")
     path, all_rows = None, []
     for threads, rows in by_threads.items():
         torch.set_num_threads(threads)  # the CSV's threads column is read from torch
@@ -303,7 +316,7 @@ def main() -> None:
             row["pct_of_copy_bw"] = 100 * row["gbps"] / copy_gbps
         print(f"\n{threads} thread(s); same-run copy bandwidth {copy_gbps:.1f} GB/s")
         print_table(rows, ["case", "phase", "impl", "median_ms", "p10_ms", "p90_ms", "gbps", "ours_speedup"])
-        path = append_csv(args.out or f"embedding_{args.device}.csv", rows, device=args.device)
+        path = append_csv(args.out or f"{default_csv}_{args.device}.csv", rows, device=args.device)
         all_rows += [{**row, "threads": threads} for row in rows]
     print(f"\nappended {len(all_rows)} rows to {path}")
     if args.plot and path is not None:
