@@ -56,7 +56,12 @@ def _check_optional_int(value: object, name: str, minimum: int) -> int | None:
 
 
 def get_local_size(world_size: int | None = None) -> int:
-    """Ranks per node: ``LOCAL_WORLD_SIZE`` (or an MPI equivalent), else the whole world (one node)."""
+    """Ranks per node: ``LOCAL_WORLD_SIZE`` (or an MPI equivalent), else the whole world (one node).
+
+    A value of 0 or one that does not divide the world size falls back to the whole world with a warning, as
+    torchrec's ``get_local_size`` does: every caller (node groups, table-row-wise and grid shardings, the planner's
+    topology) reads this function, so all of them see the same single node.
+    """
     world_size = _check_optional_int(world_size, "world_size", 1)
     if world_size is None:
         world_size = dist.get_world_size()
@@ -65,7 +70,14 @@ def get_local_size(world_size: int | None = None) -> int:
         return world_size
     name, local_size = found
     if local_size == 0 or world_size % local_size:
-        raise ValueError(f"{name}={local_size} must be positive and divide the world size {world_size}")
+        logger.warning(
+            "%s=%d does not divide the world size %d; falling back to one node of %d ranks",
+            name,
+            local_size,
+            world_size,
+            world_size,
+        )
+        return world_size
     return local_size
 
 

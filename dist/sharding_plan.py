@@ -5,7 +5,7 @@ Example (2 ranks)::
 
     plan = construct_module_sharding_plan(
         ebc,
-        {"t0": table_wise(rank=1), "t1": row_wise(), "t2": column_wise(ranks=[0, 1])},
+        {"t0": table_wise(rank=1), "t1": row_wise(), "t2": column_wise(size_per_rank=[24, 8])},
         sharder=EmbeddingBagCollectionSharder(),
         world_size=2,
         local_size=2,
@@ -132,24 +132,54 @@ def _sharding(
     sharder: ModuleSharder[Any],
     compute_kernel: str | None,
     num_column_shards: int | None = None,
+    column_widths: Sequence[int] | None = None,
+    devices: Sequence[str] | None = None,
 ) -> ParameterSharding:
+    """``column_widths``: uneven column blocks (column-wise only) instead of ``num_column_shards`` equal ones;
+    ``devices``: per shard, the device type its placement names instead of ``device_type``."""
     if param.dim() != 2:
         raise ValueError(f"only 2-D [rows, dim] tables can be sharded, got shape {tuple(param.shape)}")
     ranks = [_check_rank(rank, world_size, "rank") for rank in ranks]
     rows, dim = param.shape
-    sizes, offsets = calculate_shard_sizes_and_offsets(rows, dim, world_size, local_size, kind, num_column_shards)
+    if column_widths is None:
+        sizes, offsets = calculate_shard_sizes_and_offsets(rows, dim, world_size, local_size, kind, num_column_shards)
+    else:
+        sizes, offsets = _uneven_column_blocks(rows, dim, column_widths)
     if len(sizes) != len(ranks):
         raise ValueError(f"{kind.value} makes {len(sizes)} shards but {len(ranks)} ranks were given: {list(ranks)}")
+    devices = [device_type] * len(ranks) if devices is None else list(devices)
     spec = None
     if kind != ShardingType.DATA_PARALLEL:
         spec = EnumerableShardingSpec(
             [
-                ShardMetadata(shard_offsets=o, shard_sizes=s, placement=placement(device_type, r, local_size))
-                for s, o, r in zip(sizes, offsets, ranks, strict=True)
+                ShardMetadata(shard_offsets=o, shard_sizes=s, placement=placement(d, r, local_size))
+                for s, o, r, d in zip(sizes, offsets, ranks, devices, strict=True)
             ]
         )
     kernel = compute_kernel or _default_kernel(sharder, kind.value, device_type)
     return ParameterSharding(kind.value, kernel, list(ranks), spec)
+
+
+def _uneven_column_blocks(rows: int, dim: int, widths: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
+    if sum(widths) != dim:
+        raise ValueError(
+            f"size_per_rank={list(widths)} sums to {sum(widths)} columns; it must sum to the embedding dim {dim}"
+        )
+    starts = [sum(widths[:c]) for c in range(len(widths))]
+    return [[rows, w] for w in widths], [[0, c] for c in starts]
+
+
+def _check_device_types(device_types: Sequence[str] | None, name: str) -> list[str] | None:
+    """Device type names (``"cpu"``, ``"cuda"``); a compute kernel name there is an argument in the wrong place
+    (torchrec's ``table_wise(rank, device, compute_kernel)`` puts ``device`` second)."""
+    if device_types is None:
+        return None
+    kernels = {k.value for k in EmbeddingComputeKernel}
+    given = device_types[0] if name == "device" else device_types
+    if isinstance(device_types, str) or not all(isinstance(d, str) and d and d not in kernels for d in device_types):
+        hint = " (a compute kernel name: pass compute_kernel=)" if set(map(str, device_types)) & kernels else ""
+        raise ValueError(f"{name} must name device types such as 'cpu' or 'cuda', got {name}={given!r}{hint}")
+    return list(device_types)
 
 
 def data_parallel(compute_kernel: str | None = None) -> ParameterShardingGenerator:
@@ -163,21 +193,54 @@ def data_parallel(compute_kernel: str | None = None) -> ParameterShardingGenerat
     return generate
 
 
-def table_wise(rank: int, compute_kernel: str | None = None) -> ParameterShardingGenerator:
-    """The whole table on ``rank``."""
+def table_wise(rank: int, device: str | None = None, compute_kernel: str | None = None) -> ParameterShardingGenerator:
+    """The whole table on ``rank``; ``device`` (a device type, e.g. ``"cpu"``) names the placement's device instead
+    of the plan's ``device_type`` (torchrec's inference use: a table kept in host memory). Our sharded modules read
+    only the placement's rank: the shard lives on the module's device whatever ``device`` says."""
+    _check_device_types(None if device is None else [device], "device")
 
     def generate(param, local_size, world_size, device_type, sharder):  # type: ignore[no-untyped-def]
+        devices = None if device is None else [device]
         return _sharding(
-            param, ShardingType.TABLE_WISE, [rank], local_size, world_size, device_type, sharder, compute_kernel
+            param,
+            ShardingType.TABLE_WISE,
+            [rank],
+            local_size,
+            world_size,
+            device_type,
+            sharder,
+            compute_kernel,
+            devices=devices,
         )
 
     return generate
 
 
-def row_wise(compute_kernel: str | None = None) -> ParameterShardingGenerator:
-    """Row ranges on every rank (``ceil(rows / world_size)`` rows per block; trailing blocks may be empty)."""
+def row_wise(
+    sizes_placement: tuple[list[int], str | list[str]] | None = None,
+    compute_kernel: str | None = None,
+    num_buckets: int | None = None,
+) -> ParameterShardingGenerator:
+    """Row ranges on every rank (``ceil(rows / world_size)`` rows per block; trailing blocks may be empty).
+
+    torchrec's other two arguments are checked, not ignored: ``sizes_placement`` (uneven row blocks for inference)
+    is refused, because our row-wise input dist sends every rank a ``ceil(rows / world_size)`` block; ``num_buckets``
+    (managed-collision buckets, whole buckets per rank) is accepted where its layout is that same one (``rows``
+    divisible by ``num_buckets``, ``num_buckets`` by ``world_size``) and refused otherwise.
+    """
+    if sizes_placement is not None:
+        hint = " (a compute kernel name? pass compute_kernel=)" if isinstance(sizes_placement, str) else ""
+        raise ValueError(
+            f"row_wise(sizes_placement={sizes_placement!r}) is not supported{hint}: uneven row blocks need a "
+            "per-rank block bucketizer, and our row-wise input dist sends every rank a ceil(rows / world_size) "
+            "block; use row_wise() or column_wise(size_per_rank=...)"
+        )
+    if num_buckets is not None:
+        num_buckets = check_int(num_buckets, "num_buckets", 1)
 
     def generate(param, local_size, world_size, device_type, sharder):  # type: ignore[no-untyped-def]
+        if num_buckets is not None:
+            _check_row_buckets(param.shape[0], world_size, num_buckets)
         ranks = list(range(world_size))
         return _sharding(
             param, ShardingType.ROW_WISE, ranks, local_size, world_size, device_type, sharder, compute_kernel
@@ -186,23 +249,72 @@ def row_wise(compute_kernel: str | None = None) -> ParameterShardingGenerator:
     return generate
 
 
-def column_wise(ranks: Sequence[int], compute_kernel: str | None = None) -> ParameterShardingGenerator:
-    """``len(ranks)`` equal column blocks, block ``i`` on ``ranks[i]`` (a rank may hold several blocks)."""
-    ranks = list(ranks)
+def _check_row_buckets(rows: int, world_size: int, num_buckets: int) -> None:
+    """torchrec's bucketed row layout (``num_buckets // W`` whole buckets per rank, the first ``num_buckets % W``
+    ranks one more) must be the ceil layout the input dist implements."""
+    if num_buckets < world_size:
+        raise ValueError(f"num_buckets={num_buckets} must be >= world_size {world_size}: a bucket cannot be split")
+    if rows % num_buckets:
+        raise ValueError(f"num_buckets={num_buckets} must divide the table's {rows} rows")
+    bucket = rows // num_buckets
+    per_rank, extra = divmod(num_buckets, world_size)
+    bucketed = [bucket * (per_rank + (r < extra)) for r in range(world_size)]
+    ceil_blocks = _row_blocks(rows, world_size)
+    if bucketed != ceil_blocks:
+        raise ValueError(
+            f"num_buckets={num_buckets} places rows {bucketed} on the {world_size} ranks, but our row-wise input dist "
+            f"sends ceil(rows / world_size) blocks {ceil_blocks}; use a num_buckets that world_size divides"
+        )
+
+
+def column_wise(
+    ranks: Sequence[int] | None = None,
+    size_per_rank: Sequence[int] | None = None,
+    compute_kernel: str | None = None,
+    device_types: Sequence[str] | None = None,
+) -> ParameterShardingGenerator:
+    """Column blocks of the table (torchrec's ``column_wise``).
+
+    * ``ranks`` only: ``len(ranks)`` equal blocks, block ``i`` on ``ranks[i]`` (a rank may hold several blocks).
+    * ``size_per_rank``: uneven blocks of these widths (each >= 1, summing to the table's dim), block ``i`` on rank
+      ``i`` as torchrec places them, or on ``ranks[i]`` when ``ranks`` is given too (then of the same length).
+    * ``device_types``: per block, the device type its placement names (default: the plan's ``device_type``; as
+      for :func:`table_wise`'s ``device``, the shard lives on the module's device whatever it says).
+    """
+    ranks = None if ranks is None else list(ranks)
+    if ranks is not None and not ranks:
+        raise ValueError("column_wise needs at least one rank, got ranks=[]")
+    widths = None
+    if size_per_rank is not None:
+        if isinstance(size_per_rank, (str, int)):
+            raise ValueError(f"size_per_rank must be a list of column counts, got size_per_rank={size_per_rank!r}")
+        widths = [check_int(w, "size_per_rank", 1, what="a list of positive column counts") for w in size_per_rank]
+        if not widths:
+            raise ValueError("column_wise needs at least one column block, got size_per_rank=[]")
+        if ranks is not None and len(ranks) != len(widths):
+            raise ValueError(
+                f"ranks={ranks} and size_per_rank={widths} must have the same length (block i goes on ranks[i])"
+            )
+    elif ranks is None:
+        raise ValueError("column_wise needs ranks= or size_per_rank=, got neither")
+    devices = _check_device_types(device_types, "device_types")
 
     def generate(param, local_size, world_size, device_type, sharder):  # type: ignore[no-untyped-def]
-        if not ranks:
-            raise ValueError("column_wise needs at least one rank, got ranks=[]")
+        placed = ranks if ranks is not None else list(range(len(widths or ())))
+        if devices is not None and len(devices) != len(placed):
+            raise ValueError(f"device_types={devices} must name one device type per column block ({len(placed)})")
         return _sharding(
             param,
             ShardingType.COLUMN_WISE,
-            ranks,
+            placed,
             local_size,
             world_size,
             device_type,
             sharder,
             compute_kernel,
-            len(ranks),
+            len(placed),
+            column_widths=widths,
+            devices=devices,
         )
 
     return generate

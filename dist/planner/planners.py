@@ -91,11 +91,11 @@ def _generator(option: ShardingOption, local_size: int) -> ParameterShardingGene
     if kind == ShardingType.DATA_PARALLEL:
         return data_parallel(kernel)
     if kind == ShardingType.TABLE_WISE:
-        return table_wise(ranks[0], kernel)  # type: ignore[arg-type]
+        return table_wise(ranks[0], compute_kernel=kernel)  # type: ignore[arg-type]
     if kind == ShardingType.ROW_WISE:
-        return row_wise(kernel)
+        return row_wise(compute_kernel=kernel)
     if kind == ShardingType.COLUMN_WISE:
-        return column_wise(ranks, kernel)  # type: ignore[arg-type]
+        return column_wise(ranks, compute_kernel=kernel)  # type: ignore[arg-type]
     if kind == ShardingType.TABLE_COLUMN_WISE:
         return table_column_wise(ranks, kernel)  # type: ignore[arg-type]
     if kind == ShardingType.TABLE_ROW_WISE:

@@ -100,7 +100,8 @@ class EmbeddingSharding(nn.Module, abc.ABC):
                 raise ValueError(
                     f"{self.sharding_type} sequence sharding sends one row width: tables "
                     f"{sorted({t.name for t in tables})} give shards of widths {sorted(widths)} (tables of one "
-                    "sharding need equal dims, and column-wise tables equal block widths)"
+                    "sharding need equal dims, and column-wise tables equal block widths: uneven "
+                    "column_wise(size_per_rank=...) blocks suit pooled tables only)"
                 )
             self.row_width = widths.pop() if widths else 0
         if self.sharding_type in COLUMN_SPLIT_TYPES:

@@ -3,11 +3,13 @@ offending value: the process-group-bound entries on 2 gloo ranks (bad_input_case
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from tests.distributed.bad_input_cases import BAD_CASES, WORLD, BadCase
 from tests.distributed.spawned import suite_results
-from tritonrec.dist.comm import get_local_rank, get_local_size, is_leader
+from tritonrec.dist.comm import get_local_rank, get_local_size, get_num_groups, is_leader
 from tritonrec.dist.comm_checks import check_codecs, check_size_table, check_sizes, resolve_group
 from tritonrec.dist.comm_timeout import collective_timeout, get_collective_timeout, set_collective_timeout
 
@@ -50,10 +52,20 @@ def test_bad_input_in_process(call: object, error: type, fragments: tuple[str, .
         assert fragment in str(raised.value), (fragment, str(raised.value))
 
 
-def test_local_size_env_must_divide_world(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
-    with pytest.raises(ValueError, match=r"LOCAL_WORLD_SIZE=3 must be positive and divide the world size 4"):
-        get_local_size(world_size=4)
+def test_local_size_env_that_does_not_divide_the_world_falls_back_to_one_node(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """torchrec's get_local_size: warn and use the whole world (one node)."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    for raw in ("3", "0"):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", raw)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tritonrec.dist.comm"):
+            assert get_local_size(world_size=4) == 4
+        assert f"LOCAL_WORLD_SIZE={raw} does not divide the world size 4; falling back to one node" in caplog.text
+        assert get_local_rank(world_size=4, rank=3) == 3 and get_num_groups(world_size=4) == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert get_local_size(world_size=4) == 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
     with pytest.raises(ValueError, match=r"LOCAL_WORLD_SIZE must be an int, got LOCAL_WORLD_SIZE='two'"):
         get_local_size(world_size=4)

@@ -462,17 +462,25 @@ def test_calibration_times_the_column_wise_types() -> None:
         assert kinds == ["column_wise", "table_column_wise"], f"rank {rank}: timed {kinds}"
 
 
-def test_plans_refuse_a_local_size_that_does_not_divide_the_world() -> None:
-    """Table-row-wise needs whole nodes: 3 ranks cannot be nodes of 2 (torchrec falls back to one node with a
-    warning; a plan made for nodes of 2 would not match the shardings' node groups)."""
+def test_plans_refuse_a_local_size_that_does_not_divide_the_world(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Table-row-wise needs whole nodes: 3 ranks cannot be nodes of 2. An explicit ``local_size=2`` is refused (a plan
+    made for nodes of 2 would not match the shardings' node groups); ``LOCAL_WORLD_SIZE=2`` in the environment falls
+    back to one node of 3 with a warning, as torchrec's ``get_local_size`` does, and the node groups, the sharding
+    and the planner's default topology all read that same fallback (the 3-rank spawn runs one node of 3)."""
     from tritonrec.dist import EmbeddingBagCollectionSharder, construct_module_sharding_plan, table_row_wise
     from tritonrec.dist.planner import Topology
     from tritonrec.modules import EmbeddingBagCollection, EmbeddingBagConfig
 
     config = EmbeddingBagConfig(num_embeddings=10, embedding_dim=4, name="t", feature_names=["f"])
     ebc = EmbeddingBagCollection([config], device="meta")
+    sharder = EmbeddingBagCollectionSharder()
     with pytest.raises(ValueError, match=r"local_size must be a positive divisor of world_size 3, got 2"):
-        sharder = EmbeddingBagCollectionSharder()
         construct_module_sharding_plan(ebc, {"t": table_row_wise(host_index=0)}, sharder, 2, WORLD, "cpu")
     with pytest.raises(ValueError, match=r"local_world_size must divide world_size 3, got local_world_size=2"):
         Topology(WORLD, compute_device="cpu", local_world_size=2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    plan = construct_module_sharding_plan(ebc, {"t": table_row_wise(host_index=0)}, sharder, None, WORLD, "cpu")
+    assert plan["t"].ranks == [0, 1, 2]
+    assert [list(s.shard_sizes) for s in plan["t"].shards] == [[4, 4], [4, 4], [2, 4]]
+    with pytest.raises(ValueError, match=r"host_index must be .*got host_index=1"):
+        construct_module_sharding_plan(ebc, {"t": table_row_wise(host_index=1)}, sharder, None, WORLD, "cpu")

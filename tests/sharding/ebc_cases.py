@@ -252,6 +252,13 @@ def plans_by_type() -> dict[str, dict[str, Callable[[int], Any]]]:
             "t2": lambda w: column_wise(ranks=[w - 1]),
             "t3": lambda w: column_wise(ranks=[0, 1, 0, 1]),
         },
+        # uneven column blocks (size_per_rank): D=8 as 5+3, D=3 as 1+2 placed 1, 0, D=64 as 7+33+24 on 0, 1, 0
+        "column_wise_uneven": {
+            "t0": lambda w: column_wise(size_per_rank=[5, 3]),
+            "t1": lambda w: column_wise(ranks=[1, 0], size_per_rank=[1, 2]),
+            "t2": lambda w: column_wise(size_per_rank=[1]),
+            "t3": lambda w: column_wise(ranks=[0, 1, 0], size_per_rank=[7, 33, 24]),
+        },
         "table_column_wise": {
             "t0": lambda w: table_column_wise(ranks=[0, 1]),
             "t1": lambda w: table_column_wise(ranks=[1]),
@@ -307,8 +314,8 @@ def ebc_cases(types: list[str]) -> list[Case]:
 
 
 TYPES_BY_WORLD = {
-    2: ["table_wise", "row_wise", "data_parallel", "column_wise", "table_column_wise", "table_row_wise",
-        "grid_shard", "mixed"],
+    2: ["table_wise", "row_wise", "data_parallel", "column_wise", "column_wise_uneven", "table_column_wise",
+        "table_row_wise", "grid_shard", "mixed"],
     4: ["table_row_wise", "grid_shard", "row_wise", "column_wise", "mixed"],
 }  # fmt: skip
 

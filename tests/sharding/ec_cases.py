@@ -48,6 +48,12 @@ def plans() -> dict[str, dict[str, Callable[[int], Any]]]:
             "t2": lambda w: column_wise(ranks=[w - 1, 0]),
             "t3": lambda w: column_wise(ranks=[0, 1]),
         },
+        "column_wise_uneven": {  # size_per_rank blocks of the width-8 tables: refused (one row width on the wire)
+            "t0": lambda w: column_wise(size_per_rank=[5, 3]),
+            "t1": lambda w: column_wise(ranks=[1, 0], size_per_rank=[1, 7]),
+            "t2": lambda w: column_wise(ranks=[w - 1], size_per_rank=[8]),
+            "t3": lambda w: column_wise(ranks=[0, 1, 1], size_per_rank=[2, 2, 4]),
+        },
         "table_column_wise": {t: (lambda w: table_column_wise(ranks=[1, 0])) for t in names},
         "mixed": {  # dims 8 / 3 / 1 / 64: one width per sharding
             "t0": lambda w: row_wise(),
@@ -145,6 +151,16 @@ def run_ec_case(case: ECCase, rank: int, world: int) -> dict[str, float]:
     return result
 
 
+def uneven_refusal(world: int) -> str:
+    """Uneven column blocks (``column_wise(size_per_rank=...)``) cannot share the sequence all-to-all's one row
+    width: sharding must refuse them (the same way on every rank, before any batch)."""
+    try:
+        _build(ECCase("column_wise_uneven", EQUAL_DIMS, plans()["column_wise_uneven"]), world)
+    except ValueError as err:
+        return str(err)
+    return "not refused"
+
+
 def codec_case(rank: int, world: int, kind: str) -> dict[str, float]:
     """FP16 on the sequence all-to-all: rows within half an fp16 ulp of the exact ones (rows travel unsummed), and
     the codec really on both wires (outputs and gradients change)."""
@@ -177,6 +193,7 @@ def run_suite(rank: int, world: int) -> dict[str, Any]:
     try:
         out: dict[str, Any] = {case.name: run_ec_case(case, rank, world) for case in ec_cases()}
         out["codecs"] = {kind: codec_case(rank, world, kind) for kind in CODEC_KINDS}
+        out["uneven_refused"] = uneven_refusal(world)
         return out
     finally:
         set_gradient_division(True)

@@ -37,12 +37,12 @@ def _step(module: Any, rank: int, world: int, step: int) -> torch.Tensor:
     return out.detach()
 
 
-def keys_and_load_cases(rank: int, world: int) -> dict[str, Any]:
+def keys_and_load_cases(rank: int, world: int, kind: str = "mixed") -> dict[str, Any]:
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
     from tritonrec.dist.sharded_state import gather_unsharded_state_dict
 
-    reference, sharded = build_pair(Case("mixed", _plans()["mixed"]), rank, world)
+    reference, sharded = build_pair(Case(kind, _plans()[kind]), rank, world)
     state = sharded.state_dict()
     out: dict[str, Any] = {
         "keys": sorted(state) == sorted(reference.state_dict()),
@@ -65,8 +65,8 @@ def keys_and_load_cases(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def dcp_case(rank: int, world: int, optimizer: str) -> dict[str, float]:
-    """Train under the mixed plan, save; load into the other plan; one more identical step on both must agree."""
+def dcp_case(rank: int, world: int, optimizer: str, kind: str = "mixed") -> dict[str, float]:
+    """Train under the ``kind`` plan, save; load into the other plan; one more identical step on both must agree."""
     import torch.distributed.checkpoint as dcp
 
     from tritonrec.dist.sharded_state import (
@@ -75,7 +75,7 @@ def dcp_case(rank: int, world: int, optimizer: str) -> dict[str, float]:
         load_fused_optimizer_state_dict,
     )
 
-    _, first = build_pair(Case("a", _plans()["mixed"], optimizer=optimizer), rank, world)
+    _, first = build_pair(Case("a", _plans()[kind], optimizer=optimizer), rank, world)
     torch.manual_seed(100 + rank)
     _, second = build_pair(Case("b", _other_plan(), optimizer=optimizer), rank, world)
     with torch.no_grad():  # the second module starts elsewhere: the load must overwrite everything
@@ -112,4 +112,7 @@ def run_suite(rank: int, world: int) -> dict[str, Any]:
         "keys_and_load": keys_and_load_cases(rank, world),
         "dcp_adagrad": dcp_case(rank, world, "EXACT_ROWWISE_ADAGRAD"),
         "dcp_adam": dcp_case(rank, world, "ADAM"),
+        # uneven column blocks (size_per_rank) saved, loaded into equal blocks / row-wise / table-wise / grid
+        "keys_and_load_uneven": keys_and_load_cases(rank, world, "column_wise_uneven"),
+        "dcp_uneven_adagrad": dcp_case(rank, world, "EXACT_ROWWISE_ADAGRAD", "column_wise_uneven"),
     }

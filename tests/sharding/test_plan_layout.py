@@ -50,14 +50,14 @@ def _check(plan: dict, rows: int = 7, dim: int = 8) -> None:
 @pytest.mark.parametrize(
     "t1",
     [
-        row_wise("dense"),
-        column_wise([1, 0], "dense"),
-        column_wise([0, 0, 1, 1], "dense"),
+        row_wise(compute_kernel="dense"),
+        column_wise([1, 0], compute_kernel="dense"),
+        column_wise([0, 0, 1, 1], compute_kernel="dense"),
         table_row_wise(0, "dense"),
-        table_column_wise([0, 1], "dense"),
+        table_column_wise([0, 1], compute_kernel="dense"),
         grid_shard([0, 0], "dense"),
         data_parallel(),
-        table_wise(0, "dense"),
+        table_wise(0, compute_kernel="dense"),
     ],
 )
 def test_plans_of_every_type_are_accepted(t1: object) -> None:
@@ -91,18 +91,33 @@ def _add_shard(sharding: object) -> None:
 @pytest.mark.parametrize(
     ("plan", "message"),
     [
-        (_edited(row_wise("dense"), _set(0, "shard_sizes", [3, 8])), "cover 48 of the \\[7, 8\\] table's 56"),
-        (_plan(row_wise("dense"), rows=10), "rows \\[5, 10\\) x columns \\[0, 8\\) on rank 1, outside"),
-        (_plan(row_wise("dense"), rows=4), "cover 32 of the \\[7, 8\\] table's 56"),
-        (_plan(column_wise([0, 1], "dense"), dim=16), "outside the \\[7, 8\\] table"),
-        (_edited(row_wise("dense"), _set(1, "shard_offsets", [3, 0])), "shards overlap"),
-        (_edited(row_wise("dense"), _swap_placements), "row_wise places its row blocks on ranks \\[1, 0\\]"),
-        (_edited(row_wise("dense"), _set(0, "shard_sizes", [2, 8])), "cover 40"),
-        (_edited(column_wise([0, 1], "dense"), _drop_last), "cover 28"),
-        (_edited(table_wise(0, "dense"), _add_shard), "shards overlap"),
-        (_edited(column_wise([0, 1], "dense"), lambda s: setattr(s, "sharding_type", "table_wise")), "one shard"),
-        (_edited(row_wise("dense"), lambda s: setattr(s, "sharding_type", "column_wise")), "hold every row"),
-        (_edited(column_wise([0, 1], "dense"), lambda s: setattr(s, "sharding_type", "row_wise")), "every column"),
+        (
+            _edited(row_wise(compute_kernel="dense"), _set(0, "shard_sizes", [3, 8])),
+            "cover 48 of the \\[7, 8\\] table's 56",
+        ),
+        (_plan(row_wise(compute_kernel="dense"), rows=10), "rows \\[5, 10\\) x columns \\[0, 8\\) on rank 1, outside"),
+        (_plan(row_wise(compute_kernel="dense"), rows=4), "cover 32 of the \\[7, 8\\] table's 56"),
+        (_plan(column_wise([0, 1], compute_kernel="dense"), dim=16), "outside the \\[7, 8\\] table"),
+        (_edited(row_wise(compute_kernel="dense"), _set(1, "shard_offsets", [3, 0])), "shards overlap"),
+        (
+            _edited(row_wise(compute_kernel="dense"), _swap_placements),
+            "row_wise places its row blocks on ranks \\[1, 0\\]",
+        ),
+        (_edited(row_wise(compute_kernel="dense"), _set(0, "shard_sizes", [2, 8])), "cover 40"),
+        (_edited(column_wise([0, 1], compute_kernel="dense"), _drop_last), "cover 28"),
+        (_edited(table_wise(0, compute_kernel="dense"), _add_shard), "shards overlap"),
+        (
+            _edited(column_wise([0, 1], compute_kernel="dense"), lambda s: setattr(s, "sharding_type", "table_wise")),
+            "one shard",
+        ),
+        (
+            _edited(row_wise(compute_kernel="dense"), lambda s: setattr(s, "sharding_type", "column_wise")),
+            "hold every row",
+        ),
+        (
+            _edited(column_wise([0, 1], compute_kernel="dense"), lambda s: setattr(s, "sharding_type", "row_wise")),
+            "every column",
+        ),
     ],
 )
 def test_plan_that_does_not_lay_out_the_table_names_it(plan: dict, message: str) -> None:
@@ -112,7 +127,7 @@ def test_plan_that_does_not_lay_out_the_table_names_it(plan: dict, message: str)
 
 def test_row_blocks_must_be_the_input_dists_blocks() -> None:
     # rows [0, 3) and [3, 7) tile the table, but the input dist sends ids by blocks of ceil(7 / 2) = 4 rows
-    plan = _edited(row_wise("dense"), _set(0, "shard_sizes", [3, 8]))
+    plan = _edited(row_wise(compute_kernel="dense"), _set(0, "shard_sizes", [3, 8]))
     plan["t1"].sharding_spec.shards[1].shard_offsets = [3, 0]
     plan["t1"].sharding_spec.shards[1].shard_sizes = [4, 8]
     with pytest.raises(ValueError, match="table 't1': row_wise shard 0 holds rows \\[0, 3\\) but the input dist"):

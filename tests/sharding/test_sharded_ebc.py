@@ -15,7 +15,7 @@ from tests.sharding.spawned import suite_results
 pytestmark = pytest.mark.dist
 
 # the lookup sums each bag in the same order as the unsharded module only when bags stay whole on one rank
-EXACT_FORWARD = ("table_wise", "column_wise", "table_column_wise", "data_parallel")
+EXACT_FORWARD = ("table_wise", "column_wise", "column_wise_uneven", "table_column_wise", "data_parallel")
 CASES = [(case.name, world) for world, types in TYPES_BY_WORLD.items() for case in ebc_cases(types)]
 
 

@@ -29,3 +29,10 @@ def test_sequence_codec_stays_within_fp16_bound(kind: str) -> None:
         got = results["codecs"][kind]
         assert got["changed"], f"rank {rank}: the fp16 codec changed nothing: it is not on both wires"
         assert got["forward"] <= 1.0, f"rank {rank}: rows are off by {got['forward']:.2f}x half an fp16 ulp"
+
+
+def test_uneven_column_blocks_are_refused_by_sequence_sharding() -> None:
+    for rank, results in enumerate(suite_results("ec", 2)):
+        got = results["uneven_refused"]
+        assert "column_wise sequence sharding sends one row width" in got, f"rank {rank}: {got}"
+        assert "widths [1, 2, 3, 4, 5, 7, 8]" in got and "size_per_rank" in got, f"rank {rank}: {got}"

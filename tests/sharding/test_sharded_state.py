@@ -2,7 +2,8 @@
 data-parallel tables as plain tensors), loads an unsharded module's full state dict (each rank keeps its slice), is
 gathered back to the unsharded state dict on one rank, and torch.distributed.checkpoint saves a trained module (weights
 and fused rowwise Adagrad / Adam state) under one plan and loads it into a module under another plan, after which one
-more identical step keeps both equal. Rank-side code: state_cases.py."""
+more identical step keeps both equal; the same from uneven column blocks (``column_wise(size_per_rank=...)``).
+Rank-side code: state_cases.py."""
 
 from __future__ import annotations
 
@@ -13,19 +14,22 @@ from tests.sharding.spawned import suite_results
 pytestmark = pytest.mark.dist
 
 
-def test_state_dict_keys_load_unsharded_and_gather() -> None:
+@pytest.mark.parametrize("plan", ["mixed", "uneven"])
+def test_state_dict_keys_load_unsharded_and_gather(plan: str) -> None:
     for rank, results in enumerate(suite_results("state", 2)):
-        got = results["keys_and_load"]
+        got = results["keys_and_load" if plan == "mixed" else "keys_and_load_uneven"]
         assert got["keys"], f"rank {rank}: state-dict keys differ from the unsharded module's"
-        assert got["types"]["embedding_bags.t2.weight"] == "Tensor"  # data parallel: the replica
-        assert {got["types"][f"embedding_bags.{t}.weight"] for t in ("t0", "t1", "t3")} == {"ShardedTensor"}
+        sharded = ("t0", "t1", "t3") if plan == "mixed" else ("t0", "t1", "t2", "t3")
+        if plan == "mixed":
+            assert got["types"]["embedding_bags.t2.weight"] == "Tensor"  # data parallel: the replica
+        assert {got["types"][f"embedding_bags.{t}.weight"] for t in sharded} == {"ShardedTensor"}
         assert got["load_result"] == [[], []], f"rank {rank}: {got['load_result']}"
         assert got["sharded_tensor_local"]
         if rank == 0:
             assert got["gathered_keys"] and got["gathered"] == 0.0, got
 
 
-@pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
+@pytest.mark.parametrize("optimizer", ["adagrad", "adam", "uneven_adagrad"])
 def test_checkpoint_reshards_weights_and_optimizer_state(optimizer: str) -> None:
     for rank, results in enumerate(suite_results("state", 2)):
         got = results[f"dcp_{optimizer}"]

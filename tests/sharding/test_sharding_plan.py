@@ -150,3 +150,74 @@ def test_types_validate_their_fields() -> None:
     env = ShardingEnv.from_local(4, 1)
     assert (env.world_size, env.rank, env.process_group) == (4, 1, None)
     assert isinstance(EmbeddingModuleShardingPlan(), dict)
+
+
+def _cpu_plan(generators: dict, rows: int = 10, dim: int = 4, world_size: int = 4) -> EmbeddingModuleShardingPlan:
+    return construct_module_sharding_plan(
+        _ebc(rows, dim), generators, _PlanOnlySharder(), local_size=2, world_size=world_size, device_type="cpu"
+    )
+
+
+def test_column_wise_uneven_blocks_follow_size_per_rank() -> None:
+    plan = _cpu_plan(
+        {"t0": column_wise(size_per_rank=[1, 5, 2]), "t1": column_wise(ranks=[3, 1], size_per_rank=[6, 2])}, dim=8
+    )
+    # torchrec: block i on rank i; with ranks= too, block i on ranks[i]
+    assert plan["t0"].ranks == [0, 1, 2]
+    assert [list(s.shard_sizes) for s in plan["t0"].shards] == [[10, 1], [10, 5], [10, 2]]
+    assert [list(s.shard_offsets) for s in plan["t0"].shards] == [[0, 0], [0, 1], [0, 6]]
+    assert plan["t1"].ranks == [3, 1]
+    assert [list(s.shard_offsets) for s in plan["t1"].shards] == [[0, 0], [0, 6]]
+    assert [str(s.placement) for s in plan["t1"].shards] == ["rank:3/cpu", "rank:1/cpu"]
+
+
+def test_device_arguments_name_the_placement_device() -> None:
+    plan = _cpu_plan(
+        {"t0": table_wise(2, "cuda", compute_kernel="dense"), "t1": column_wise([0, 1], device_types=["cpu", "cuda"])}
+    )
+    assert [str(s.placement) for s in plan["t0"].shards] == ["rank:2/cuda:0"]
+    assert plan["t0"].compute_kernel == "dense"
+    assert [str(s.placement) for s in plan["t1"].shards] == ["rank:0/cpu", "rank:1/cuda:1"]
+
+
+def test_row_wise_num_buckets_accepted_where_it_keeps_the_ceil_layout() -> None:
+    plan = _cpu_plan({"t0": row_wise(num_buckets=8), "t1": row_wise(num_buckets=4)}, rows=16)
+    assert [s.shard_sizes[0] for s in plan["t0"].shards] == [4, 4, 4, 4]
+    assert plan["t0"] == plan["t1"] == _cpu_plan({"t0": row_wise(), "t1": row_wise()}, rows=16)["t0"]
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: column_wise(), r"column_wise needs ranks= or size_per_rank="),
+        (lambda: column_wise(size_per_rank=[]), r"size_per_rank=\[\]"),
+        (lambda: column_wise(size_per_rank=[4, 0]), r"size_per_rank must be .*got size_per_rank=0"),
+        (lambda: column_wise(size_per_rank="dense"), r"size_per_rank must be a list .*got size_per_rank='dense'"),
+        (lambda: column_wise([0, 1], [2, 1, 1]), r"ranks=\[0, 1\] and size_per_rank=\[2, 1, 1\] must have the same"),
+        (lambda: column_wise([0], device_types="cpu"), r"device_types must name device types .*'cpu'"),
+        (lambda: table_wise(0, "fused"), r"device must name device types .*device='fused' .*pass compute_kernel="),
+        (lambda: row_wise(([5, 5], "cpu")), r"row_wise\(sizes_placement=\(\[5, 5\], 'cpu'\)\) is not supported"),
+        (lambda: row_wise("dense"), r"sizes_placement='dense'\) is not supported \(a compute kernel name\? pass"),
+        (lambda: row_wise(num_buckets=0), r"num_buckets must be .*got num_buckets=0"),
+    ],
+)
+def test_generator_arguments_are_checked_when_made(make, message: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+@pytest.mark.parametrize(
+    ("generators", "message"),
+    [
+        ({"t0": column_wise(size_per_rank=[1, 2]), "t1": row_wise()}, r"t0.*size_per_rank=\[1, 2\] sums to 3 .*dim 4"),
+        ({"t0": column_wise(size_per_rank=[2, 3]), "t1": row_wise()}, r"t0.*sums to 5"),
+        ({"t0": column_wise(ranks=[0, 4], size_per_rank=[1, 3]), "t1": row_wise()}, r"got rank=4"),
+        ({"t0": column_wise([0, 1], device_types=["cpu"]), "t1": row_wise()}, r"device_types=\['cpu'\] must name one"),
+        ({"t0": row_wise(num_buckets=2), "t1": row_wise()}, r"t0.*num_buckets=2 must be >= world_size 4"),
+        ({"t0": row_wise(num_buckets=4), "t1": row_wise()}, r"t0.*num_buckets=4 must divide the table's 10 rows"),
+        ({"t0": row_wise(num_buckets=5), "t1": row_wise()}, r"t0.*num_buckets=5 places rows \[4, 2, 2, 2\]"),
+    ],
+)
+def test_impossible_uneven_plans_name_table_and_argument(generators: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _cpu_plan(generators, rows=10, dim=4)
