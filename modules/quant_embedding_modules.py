@@ -96,8 +96,13 @@ class _QuantGroup:
         if "weight_qscale" in self.buffer_names:
             scale = torch.cat([m.weight_qscale.reshape(-1) for m in self.modules])
             bias = torch.cat([m.weight_qbias.reshape(-1) for m in self.modules])
+        # .float() / .double() cast the fp16 scale / bias buffers too (torchrec's keep working): fp16 holds them exactly
         self.tables = QuantizedTables(
-            self.tables.layout, self.tables.bits, codes, scale.to(codes.device), bias.to(codes.device)
+            self.tables.layout,
+            self.tables.bits,
+            codes,
+            scale.to(codes.device, torch.float16),
+            bias.to(codes.device, torch.float16),
         )
         self.bind()
 

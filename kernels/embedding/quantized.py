@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from tritonrec.kernels.backend import Backend, resolve_backend
-from tritonrec.kernels.checks import check_same_device, check_tensor
+from tritonrec.kernels.checks import check_same_device, check_tensor, value_checks_enabled
 from tritonrec.kernels.embedding import op_checks
 from tritonrec.kernels.embedding.layout import (
     BoundsCheckMode,
@@ -64,10 +64,16 @@ def float_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return codes.view(dtype)
 
 
-def quantize_rowwise(table: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_rowwise(
+    table: torch.Tensor, bits: int, *, name: str = "table"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``[rows, D]`` float -> (codes ``[rows, row_bytes]`` uint8, scale ``[rows]`` fp16, bias ``[rows]`` fp16);
-    FP16 / FP32 (``bits`` 16, 32): the rows' float bytes and empty scale / bias."""
-    check_tensor(table, "table", ndim=2, dtypes=(torch.float32, torch.float16, torch.bfloat16))
+    FP16 / FP32 (``bits`` 16, 32): the rows' float bytes and empty scale / bias (NaN / inf kept, as torch's cast).
+
+    Row-wise (INT) quantization refuses (value check, ``ValueError`` naming ``name`` and the row) a row holding NaN /
+    inf or whose minimum or range / levels overflows fp16: its scale / bias cannot represent it, and FBGEMM's codes
+    for such a row are garbage (a NaN ignored by its min / max, an inf turning the whole row into NaN)."""
+    check_tensor(table, name, ndim=2, dtypes=(torch.float32, torch.float16, torch.bfloat16))
     _check_bits(bits)
     rows, dim = table.shape
     empty = torch.zeros(0, dtype=torch.float16, device=table.device)
@@ -80,6 +86,8 @@ def quantize_rowwise(table: torch.Tensor, bits: int) -> tuple[torch.Tensor, torc
         return torch.zeros(0, row_bytes(dim, bits), dtype=torch.uint8, device=table.device), empty, empty.clone()
     bias = x.amin(dim=1).half()
     scale = ((x.amax(dim=1) - bias.float()) / levels).half()
+    if value_checks_enabled():
+        _check_representable(x, scale, bias, name)
     unusable = (scale == 0) | ~torch.isfinite(scale) | ~torch.isfinite(1.0 / scale.float())
     scale = torch.where(unusable, torch.ones_like(scale), scale)
     inverse_scale = 1.0 / scale.float()  # FBGEMM multiplies by the fp32 reciprocal: same codes on ties
@@ -92,6 +100,19 @@ def quantize_rowwise(table: torch.Tensor, bits: int) -> tuple[torch.Tensor, torc
             packed |= codes[:, k::per_byte] << (k * bits)
         codes = packed
     return codes.contiguous(), scale, bias
+
+
+def _check_representable(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, name: str) -> None:
+    """Every row of ``x`` finite, with a finite fp16 scale and bias (one host read on the happy path)."""
+    bad = ~torch.isfinite(x).all(dim=1) | ~torch.isfinite(scale) | ~torch.isfinite(bias)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0].item())
+        values = x[row]
+        what = "holds NaN or inf" if not bool(torch.isfinite(values).all()) else "overflows fp16's scale / bias"
+        raise ValueError(
+            f"{name}: row {row} {what} (min {values.amin().item()}, max {values.amax().item()}): row-wise quantization "
+            "needs finite rows whose minimum and range / levels fit fp16"
+        )
 
 
 def dequantize_rowwise(
@@ -146,7 +167,10 @@ class QuantizedTables:
     @staticmethod
     def from_float(layout: TableBatchedLayout, tables: list[torch.Tensor], bits: int) -> QuantizedTables:
         """Quantize ``tables[t]`` (``[rows_t, dim_t]``) and pack them in layout order."""
-        parts = [quantize_rowwise(t, bits) for t in tables]
+        parts = [
+            quantize_rowwise(t, bits, name=f"table {spec.name!r}" if spec.name else f"tables[{i}]")
+            for i, (t, spec) in enumerate(zip(tables, layout.tables, strict=True))
+        ]
         return QuantizedTables(
             layout,
             bits,

@@ -170,3 +170,28 @@ def test_input_errors():
     quant = QuantEmbeddingBagCollection.from_float(_ebc("torch", weighted=True))
     with pytest.raises(ValueError, match="is_weighted=True but features has no weights"):
         quant(_kjt())
+
+
+@pytest.mark.parametrize("cast", ["float", "double", "half"])
+def test_float_casts_keep_the_module_working(cast: str) -> None:
+    # model.float() / .double() cast the fp16 scale / bias buffers; torchrec's quant EBC keeps working (it raised)
+    quant = QuantEmbeddingBagCollection.from_float(_ebc("torch"), {"t0": DataType.INT4, "t1": DataType.FP16})
+    kjt = _kjt()
+    before = quant(kjt).values()
+    getattr(quant, cast)()
+    assert torch.equal(quant(kjt).values(), before)
+    assert quant.state_dict()["embedding_bags.t0.weight_qscale"].dtype == torch.float16
+
+
+@pytest.mark.parametrize("data_type", [DataType.INT8, DataType.INT4, DataType.INT2])
+@pytest.mark.parametrize(("value", "what"), [(float("nan"), "NaN or inf"), (float("inf"), "NaN or inf"), (1e5, "fp16")])
+def test_from_float_refuses_rows_quantization_cannot_hold(data_type: DataType, value: float, what: str) -> None:
+    # FBGEMM's codes for such a row are garbage (NaN ignored, inf -> a NaN row); ours were too (inf -> finite values)
+    ebc = _ebc("torch")
+    with torch.no_grad():
+        ebc.embedding_bags["t1"].weight[2, 1] = value
+        ebc.embedding_bags["t1"].weight[2, 0] = -value if value == 1e5 else 0.0
+    with pytest.raises(ValueError, match=f"table 't1': row 2 .*{what}"):
+        QuantEmbeddingBagCollection.from_float(ebc, data_type)
+    for float_type in (DataType.FP16, DataType.FP32):  # cast as torch does, NaN / inf kept (torchrec's result)
+        QuantEmbeddingBagCollection.from_float(ebc, float_type)
