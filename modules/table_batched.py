@@ -249,7 +249,7 @@ class TableBatchedCollection(nn.Module):
             value_offsets = features.offset_per_key() if need_value_offsets else None
             return GroupInputs(features.values(), features.offsets(), weights, features.lengths(), value_offsets)
         index = features.index_per_key()
-        missing = [n for n in names if n not in index]
+        missing = [n for n in dict.fromkeys(names) if n not in index]  # a shared feature: named once
         if missing:
             raise ValueError(f"features is missing keys {missing} (it has {features.keys()})")
         order = [index[n] for n in names]

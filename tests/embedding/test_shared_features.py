@@ -87,6 +87,17 @@ def test_embedding_names_by_table_follow_torchrec():
     assert EmbeddingCollection(tables, backend="torch").embedding_names_by_table() == [["f@t1", "g"], ["f@t2"], ["h"]]
 
 
+@pytest.mark.parametrize("collection", [EmbeddingBagCollection, EmbeddingCollection])
+def test_a_missing_shared_feature_is_named_once(collection):
+    config = EmbeddingBagConfig if collection is EmbeddingBagCollection else EmbeddingConfig
+    tables = [config(num_embeddings=5, embedding_dim=2, name=t, feature_names=fs)
+              for t, fs in (("t0", ["f0", "f1"]), ("t1", ["f1"]))]  # fmt: skip
+    module = collection(tables, backend="torch")  # one group reads f1 twice
+    kjt = KeyedJaggedTensor(keys=["f0"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match=r"features is missing keys \['f1'\] \(it has \['f0'\]\)"):
+        module(kjt)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("weighted", [False, True])
 def test_ebc_pools_a_shared_feature_with_every_table(backend, weighted, tolerance):
