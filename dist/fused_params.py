@@ -16,6 +16,7 @@ from typing import Any
 
 from tritonrec.dist.embedding_lookup import FusedConfig
 from tritonrec.kernels.embedding import BoundsCheckMode, TableBatchedLayout, TableSpec, create_fused_optimizer_state
+from tritonrec.kernels.embedding.optim_state import hyperparameter_names
 from tritonrec.modules.embedding_configs import DataType
 from tritonrec.modules.fused_embedding_modules import resolve_optimizer_type
 
@@ -57,7 +58,9 @@ def parse_fused_params(fused_params: dict[str, Any] | None, module: object = Non
     if module_optimizer is not None and "optimizer" not in params:
         state = module._fused_states[0]  # type: ignore[attr-defined]
         optim, stochastic = state.optim, state.stochastic_rounding
-        kwargs = {k: v for k, v in module_optimizer.param_groups[0].items() if k != "params"}
+        # the rule's own keys only: an LR scheduler adds ``initial_lr`` to the live group
+        names = hyperparameter_names(optim)
+        kwargs = {k: v for k, v in module_optimizer.param_groups[0].items() if k in names}
     if "optimizer" in params:
         optim = resolve_optimizer_type(params["optimizer"])
     for key, name in _HYPERPARAMS.items():

@@ -219,3 +219,8 @@ def begin_step(state: FusedOptimizerState) -> StepScalars:
 def optim_code(optim: OptimType) -> int:
     """The kernels' integer code for a rule (0 SGD, 1 rowwise Adagrad, 2 Adam, 3 per-element Adagrad)."""
     return _OPTIM_CODE[optim]
+
+
+def hyperparameter_names(optim: OptimType) -> frozenset[str]:
+    """The hyperparameters ``optim`` takes (a live param group may hold others: an LR scheduler's ``initial_lr``)."""
+    return frozenset(_DEFAULTS[optim])

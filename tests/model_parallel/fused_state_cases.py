@@ -136,7 +136,8 @@ def dcp_round_trip(rank: int, world: int, root: str, optim: str, saved: str, loa
 
 def direct_loads(rank: int, world: int) -> dict[str, Any]:
     """``load_state_dict`` without DCP: another DMP of the same plan's state dict, an unsharded model's (full
-    tensors: each rank keeps its slice), its own earlier ``state_dict()`` (a copy: restores), and bad ones (clear
+    tensors: each rank keeps its slice) and the way back (a column-wise state gathered into an unsharded model, then
+    into row-wise shards), its own earlier ``state_dict()`` (a copy: restores), and bad ones (clear
     errors, nothing written; another plan's state: every rank raises, none waits for another)."""
     first = wrap(_build("ADAM", 3, 0.1), "cw", world)
     _train(first, rank, world, range(2))
@@ -158,6 +159,26 @@ def direct_loads(rank: int, world: int) -> dict[str, Any]:
     }
     out["from_unsharded"] = _same(expected, unsharded_fused_state(table_wise))
     out["from_unsharded_lr"] = table_wise.fused_optimizer.param_groups[0]["lr"]
+    # and back: per-element Adagrad's column-wise state, gathered, into an unsharded model, then into row-wise shards
+    column_blocks = wrap(_build("EXACT_ADAGRAD", 3, 0.1), "cw", world)
+    _train(column_blocks, rank, world, range(2))
+    gathered = unsharded_fused_state(column_blocks)
+    plain = _build("EXACT_ADAGRAD", 7, 0.1).get_submodule(SHARDED_PATH)
+    full_state = {
+        f"embedding_bags.{table}.weight": {k: torch.tensor(v[0]) if k == "step" else v for k, v in entry.items()}
+        for table, entry in gathered.items()
+    }
+    plain.fused_optimizer.load_state_dict(
+        {"state": full_state, "param_groups": plain.fused_optimizer.state_dict()["param_groups"]}
+    )
+    plain_state = {name.split(".")[-2]: {k: [int(v)] if k == "step" else v for k, v in entry.items()}
+                   for name, entry in plain.fused_optimizer.state_dict()["state"].items()}  # fmt: skip
+    out["to_unsharded"] = _same(gathered, plain_state)
+    row_wise_adagrad = wrap(_build("EXACT_ADAGRAD", 13, 0.1), "rw", world)
+    row_wise_adagrad.fused_optimizer.load_state_dict(
+        CombinedOptimizer([(SHARDED_PATH, plain.fused_optimizer)]).state_dict()
+    )
+    out["back_to_sharded"] = _same(gathered, unsharded_fused_state(row_wise_adagrad))
     module = second.module.get_submodule(SHARDED_PATH)
     snapshot, before = module.fused_optimizer.state_dict(), unsharded_fused_state(second)  # copies, not views
     _train(second, rank, world, range(2, 3))

@@ -31,6 +31,7 @@ def test_load_state_dict_takes_the_same_plan_and_an_unsharded_state_and_refuses_
         assert got["same_plan"] == [], f"rank {rank}: {got['same_plan']}"
         assert got["from_unsharded"] == [], f"rank {rank}: {got['from_unsharded']}"
         assert got["from_unsharded_lr"] == 0.1
+        assert got["to_unsharded"] == [] and got["back_to_sharded"] == [], f"rank {rank}: {got}"
         assert got["snapshot_moved"] and got["snapshot_restored"] == [], f"rank {rank}: state_dict() is not a copy"
         assert got["bad_shape"] == "state embedding_bags.t0.weight.momentum1 has shape (3, 8), expected (40, 8)"
         assert got["bad_wrote"] == [], f"rank {rank}: a refused load wrote {got['bad_wrote']}"

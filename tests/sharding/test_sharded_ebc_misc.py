@@ -60,3 +60,20 @@ def test_fused_params_reach_the_lookups() -> None:
         assert got["fp16_forward"] <= 2e-3, f"rank {rank}: fp16 shards' forward differs by {got['fp16_forward']}"
         assert got["module_optimizer"] == ["ShardedEmbeddingFusedOptimizer", 0.003, [0.8, 0.9]], got["module_optimizer"]
         assert got["module_state_keys"] == ["momentum1", "momentum2", "step"], got["module_state_keys"]
+
+
+def test_a_fused_modules_scheduler_keys_do_not_reach_its_lookups() -> None:
+    """An LR scheduler adds ``initial_lr`` to the fused optimizer's live group (and to its saved state dicts): the
+    sharded lookups take the rule's hyperparameters from it and leave the scheduler's keys (in-process, no ranks)."""
+    import torch
+
+    from tritonrec.dist.fused_params import parse_fused_params
+    from tritonrec.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection
+
+    tables = [EmbeddingBagConfig(num_embeddings=4, embedding_dim=3, name="t0", feature_names=["f0"])]
+    module = FusedEmbeddingBagCollection(tables, torch.optim.Adagrad, {"lr": 0.2, "eps": 1e-3}, backend="torch")
+    scheduler = torch.optim.lr_scheduler.StepLR(module.fused_optimizer, step_size=1, gamma=0.5)
+    scheduler.step()
+    assert module.fused_optimizer.param_groups[0]["initial_lr"] == 0.2
+    options = parse_fused_params(None, module)
+    assert options.fused.hyperparams == {"lr": 0.1, "eps": 1e-3, "weight_decay": 0.0}
