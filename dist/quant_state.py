@@ -28,7 +28,8 @@ from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from tritonrec.dist.sharding.common import ShardedTable, ShardSpec
 from tritonrec.dist.types import ShardingType
 from tritonrec.kernels.embedding import QuantizedTables
-from tritonrec.modules.quant_state import BUFFER_NAMES, buffer_names, code_row_bytes, normalize_table_state
+from tritonrec.kernels.embedding.quantized import row_bytes
+from tritonrec.modules.quant_state import BUFFER_NAMES, buffer_names, normalize_table_state
 
 
 @dataclass
@@ -85,7 +86,7 @@ def table_state(table: ShardedTable, views: list[QuantShardView], bits: int) -> 
             out[name] = views[0].tensor(name)
         else:
             out[name] = _sharded(
-                views, name, [rows, code_row_bytes(table.config.embedding_dim, bits) if name == "weight" else 1]
+                views, name, [rows, row_bytes(table.config.embedding_dim, bits) if name == "weight" else 1]
             )
     return out
 

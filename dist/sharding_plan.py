@@ -18,6 +18,7 @@ placement raises ``ValueError`` and :func:`construct_module_sharding_plan` prefi
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -165,7 +166,7 @@ def _uneven_column_blocks(rows: int, dim: int, widths: Sequence[int]) -> tuple[l
         raise ValueError(
             f"size_per_rank={list(widths)} sums to {sum(widths)} columns; it must sum to the embedding dim {dim}"
         )
-    starts = [sum(widths[:c]) for c in range(len(widths))]
+    starts = itertools.accumulate(widths[:-1], initial=0)
     return [[rows, w] for w in widths], [[0, c] for c in starts]
 
 

@@ -25,8 +25,6 @@ from tritonrec.kernels.backend import Backend
 from tritonrec.kernels.embedding import (
     BoundsCheckMode,
     QuantizedTables,
-    TableBatchedLayout,
-    TableSpec,
     quantize_rowwise,
     quantized_pooled_lookup,
 )
@@ -35,12 +33,15 @@ from tritonrec.modules.embedding_configs import (
     DataType,
     EmbeddingBagConfig,
     get_embedding_names,
-    get_embedding_names_by_table,
-    pooling_type_to_pooling_mode,
 )
 from tritonrec.modules.embedding_modules import EmbeddingBagCollection
 from tritonrec.modules.quant_state import buffer_names, normalize_table_state
-from tritonrec.modules.table_batched import TableBatchedCollection, pooled_column_order, validate_tables
+from tritonrec.modules.table_batched import (
+    TableBatchedCollection,
+    group_layout,
+    pooled_column_order,
+    validate_tables,
+)
 
 _OUTPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # torch.ao qconfig weight dtypes (torchrec's from_float reads module.qconfig) -> our data types
@@ -201,18 +202,12 @@ class QuantEmbeddingBagCollection(TableBatchedCollection):
 
     def _build(self, device: torch.device | str | None, float_weights: list[torch.Tensor] | None) -> list[_QuantGroup]:
         by_bits: dict[int, list[int]] = {}
-        embedding_names = get_embedding_names_by_table(self._embedding_bag_configs)
         for i, config in enumerate(self._embedding_bag_configs):
             by_bits.setdefault(QUANT_BITS[config.data_type], []).append(i)
         groups = []
         for bits, positions in by_bits.items():
             configs = [self._embedding_bag_configs[i] for i in positions]
-            specs = [
-                TableSpec(c.num_embeddings, c.embedding_dim, pooling_type_to_pooling_mode(c.pooling), c.name)
-                for c in configs
-            ]
-            feature_tables = [local for local, c in enumerate(configs) for _ in c.feature_names]
-            layout = TableBatchedLayout(specs, feature_tables, [n for i in positions for n in embedding_names[i]])
+            layout, sources = group_layout(self._embedding_bag_configs, positions, pooled=True)
             floats = []
             for i, config in zip(positions, configs, strict=True):
                 if float_weights is not None:
@@ -226,7 +221,6 @@ class QuantEmbeddingBagCollection(TableBatchedCollection):
             for config in configs:
                 self.embedding_bags[config.name] = nn.Module()
                 modules.append(self.embedding_bags[config.name])
-            sources = tuple(f for c in configs for f in c.feature_names)
             group = _QuantGroup(QuantizedTables.from_float(layout, floats, bits), modules, sources)
             group.bind()
             groups.append(group)

@@ -25,15 +25,10 @@ from typing import Any
 
 import torch
 
-from tritonrec.kernels.embedding.quantized import has_scale_bias
+from tritonrec.kernels.embedding.quantized import has_scale_bias, row_bytes
 
 SCALE_BIAS_BYTES = 4  # FBGEMM's TBE row header: fp16 scale, then fp16 bias
 BUFFER_NAMES = ("weight", "weight_qscale", "weight_qbias")
-
-
-def code_row_bytes(dim: int, bits: int) -> int:
-    """Bytes of codes per row: ``ceil(dim * bits / 8)``."""
-    return (dim * bits + 7) // 8
 
 
 def buffer_names(bits: int) -> tuple[str, ...]:
@@ -69,7 +64,7 @@ def split_fused_rows(fused: torch.Tensor, width: int) -> tuple[torch.Tensor, tor
 def normalize_table_state(state_dict: MutableMapping[str, Any], prefix: str, rows: int, dim: int, bits: int) -> None:
     """Rewrite one table's entries (``prefix + "weight"``, ...) present in ``state_dict`` into our format, in place;
     ``ValueError`` naming the key for a wrong dtype or shape. Keys not present are left to ``load_state_dict``."""
-    width = code_row_bytes(dim, bits)
+    width = row_bytes(dim, bits)
     w_key, s_key, b_key = (prefix + name for name in BUFFER_NAMES)
     header = SCALE_BIAS_BYTES if has_scale_bias(bits) else 0
     if w_key in state_dict:
@@ -99,7 +94,6 @@ __all__ = [
     "BUFFER_NAMES",
     "SCALE_BIAS_BYTES",
     "buffer_names",
-    "code_row_bytes",
     "normalize_table_state",
     "split_fused_rows",
 ]

@@ -92,6 +92,24 @@ def validate_tables(tables: object, config_type: type, module_name: str) -> list
     return list(tables)
 
 
+def group_layout(
+    tables: Sequence[BaseEmbeddingConfig], positions: Sequence[int], pooled: bool
+) -> tuple[TableBatchedLayout, tuple[str, ...]]:
+    """The layout of the tables at ``positions`` (one table batch) and the KJT key each of its slots reads. Slots are
+    labelled by embedding name (``feature@table`` for a feature several of ``tables`` read, so labels stay unique)
+    while the source features repeat a shared feature once per table reading it."""
+    embedding_names = get_embedding_names_by_table(tables)
+    specs, feature_tables, slot_names, source_features = [], [], [], []
+    for local, pos in enumerate(positions):
+        config = tables[pos]
+        pooling = pooling_type_to_pooling_mode(config.pooling) if pooled else PoolingMode.NONE
+        specs.append(TableSpec(config.num_embeddings, config.embedding_dim, pooling, config.name))
+        feature_tables += [local] * len(config.feature_names)
+        slot_names += embedding_names[pos]
+        source_features += config.feature_names
+    return TableBatchedLayout(specs, feature_tables, slot_names), tuple(source_features)
+
+
 def build_groups(
     tables: Sequence[BaseEmbeddingConfig],
     device: torch.device | str | None,
@@ -104,18 +122,9 @@ def build_groups(
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, config in enumerate(tables):
         by_dtype.setdefault(data_type_to_dtype(config.data_type), []).append(i)
-    embedding_names = get_embedding_names_by_table(tables)
     groups, modules = [], {}
     for dtype, positions in by_dtype.items():
-        specs, feature_tables, slot_names, source_features = [], [], [], []
-        for local, pos in enumerate(positions):
-            config = tables[pos]
-            pooling = pooling_type_to_pooling_mode(config.pooling) if pooled else PoolingMode.NONE
-            specs.append(TableSpec(config.num_embeddings, config.embedding_dim, pooling, config.name))
-            feature_tables += [local] * len(config.feature_names)
-            slot_names += embedding_names[pos]
-            source_features += config.feature_names
-        layout = TableBatchedLayout(specs, feature_tables, slot_names)
+        layout, source_features = group_layout(tables, positions, pooled)
         flat = empty_table_storage(layout.num_weights, dtype, device)
         for local, pos in enumerate(positions):
             view = layout.table_view(flat, local)
@@ -126,7 +135,7 @@ def build_groups(
                         view.copy_(initialised)
             modules[pos] = make_table_module(tables[pos], view)
         group_modules = [modules[pos] for pos in positions]
-        groups.append(TableGroup(positions, layout, flat, group_modules, tuple(source_features)))
+        groups.append(TableGroup(positions, layout, flat, group_modules, source_features))
     for pos in range(len(tables)):  # registered in table order, so state-dict keys follow the configs
         container[tables[pos].name] = modules[pos]
     return groups

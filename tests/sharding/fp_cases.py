@@ -41,24 +41,31 @@ def _position_grads(module: Any) -> dict[str, torch.Tensor]:
     return {n: p.grad for n, p in module.named_parameters() if "position" in n and p.grad is not None}
 
 
-def fp_case(rank: int, world: int, collection: bool, pooling: str) -> dict[str, float]:
+def shard_fp_dense(reference: Any, generators: dict[str, Any], world: int) -> Any:
+    """A copy of the FP-EBC ``reference`` sharded over the world by ``generators`` (dense kernel, torch lookups)."""
     import torch.distributed as dist
 
-    from tritonrec.dist import ShardingEnv, construct_module_sharding_plan
+    from tritonrec.dist import (
+        FeatureProcessedEmbeddingBagCollectionSharder,
+        ShardingEnv,
+        construct_module_sharding_plan,
+    )
 
-    reference = _modules(collection, pooling)
     source = copy.deepcopy(reference)
-    generators = {t: gen(world) for t, gen in _plans()["mixed"].items()}
     plan = construct_module_sharding_plan(source, generators, None, world, world, "cpu")
     for sharding in plan.values():
         sharding.compute_kernel = "dense"
-    from tritonrec.dist import FeatureProcessedEmbeddingBagCollectionSharder
-
     sharded = FeatureProcessedEmbeddingBagCollectionSharder().shard(
         source, plan, ShardingEnv.from_process_group(dist.group.WORLD), torch.device("cpu")
     )
     for sharding in sharded._embedding_bag_collection.shardings:
         sharding.lookup.backend = "torch"
+    return sharded
+
+
+def fp_case(rank: int, world: int, collection: bool, pooling: str) -> dict[str, float]:
+    reference = _modules(collection, pooling)
+    sharded = shard_fp_dense(reference, {t: gen(world) for t, gen in _plans()["mixed"].items()}, world)
     batch = BATCH_PER_RANK[world]
     total, lo = sum(batch), sum(batch[:rank])
     lengths, values, _ = global_batch(0, total, False)

@@ -202,13 +202,7 @@ def ec_case(kind: str, optimizer: str | None, dedup: bool, rank: int, world: int
 # ------------------------------------------------------------------------------------------------------ FP-EBC
 def fp_case(rank: int, world: int) -> dict[str, Any]:
     """Position weights keyed by feature (torchrec): f1's weights feed three tables, f3's two, on a mixed plan."""
-    import torch.distributed as dist
-
-    from tritonrec.dist import (
-        FeatureProcessedEmbeddingBagCollectionSharder,
-        ShardingEnv,
-        construct_module_sharding_plan,
-    )
+    from tests.sharding.fp_cases import shard_fp_dense
     from tritonrec.modules import (
         EmbeddingBagCollection,
         FeatureProcessedEmbeddingBagCollection,
@@ -222,16 +216,7 @@ def fp_case(rank: int, world: int) -> dict[str, Any]:
         for w in processors.position_weights.values():
             w.copy_(torch.rand(w.shape) + 0.5)
     reference = FeatureProcessedEmbeddingBagCollection(ebc, processors)
-    source = copy.deepcopy(reference)
-    generators = {t: g(world) for t, g in shared_plans()["mixed"].items()}
-    plan = construct_module_sharding_plan(source, generators, None, world, world, "cpu")
-    for sharding in plan.values():
-        sharding.compute_kernel = "dense"
-    sharded = FeatureProcessedEmbeddingBagCollectionSharder().shard(
-        source, plan, ShardingEnv.from_process_group(dist.group.WORLD), torch.device("cpu")
-    )
-    for sharding in sharded._embedding_bag_collection.shardings:
-        sharding.lookup.backend = "torch"
+    sharded = shard_fp_dense(reference, {t: g(world) for t, g in shared_plans()["mixed"].items()}, world)
     batch = BATCH_PER_RANK[world]
     total, lo = sum(batch), sum(batch[:rank])
     features = features_of(SHARED_TABLES)
