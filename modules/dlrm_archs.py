@@ -16,6 +16,13 @@ from torch import nn
 from tritonrec.data import KeyedJaggedTensor, KeyedTensor
 from tritonrec.kernels.checks import check_int
 from tritonrec.modules.embedding_configs import get_embedding_names
+from tritonrec.modules.embedding_modules import EmbeddingBagCollection
+from tritonrec.modules.feature_processor import FeatureProcessedEmbeddingBagCollection
+from tritonrec.modules.quant_embedding_modules import QuantEmbeddingBagCollection
+
+# Collections whose output KeyedTensor lists the embedding names in config order (what SparseArch reads), so a
+# graph traced through SparseArch takes their values as they are.
+_KEYED_IN_CONFIG_ORDER = (EmbeddingBagCollection, FeatureProcessedEmbeddingBagCollection, QuantEmbeddingBagCollection)
 
 
 def _check_layer_sizes(layer_sizes: object, name: str, min_layers: int = 1) -> list[int]:
@@ -80,7 +87,11 @@ class SparseArch(nn.Module):
     def to_tensor(self, pooled: KeyedTensor) -> torch.Tensor:
         """The collection's output (a KeyedTensor, or a sharded collection's lazy awaitable of one, waited here) ->
         ``[B, F, D]``."""
-        if pooled.keys() == self._sparse_feature_names:  # the collection's output order: no regrouping copy needed
+        if isinstance(pooled, torch.fx.Proxy):  # plain fx tracing: the keys are not known until the graph runs
+            keys_in_order = isinstance(self.embedding_bag_collection, _KEYED_IN_CONFIG_ORDER)
+        else:
+            keys_in_order = pooled.keys() == self._sparse_feature_names
+        if keys_in_order:  # the collection's output order: no regrouping copy needed
             values = pooled.values()
         else:
             by_name = pooled.to_dict()
@@ -123,6 +134,15 @@ class _PairwiseDots(torch.autograd.Function):
         return torch.bmm(sym.view(batch, n, n), vectors), None
 
 
+def pairwise_dots(vectors: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    """``vectors [B, N, D]``, ``pairs [P]`` -> ``[B, P]`` through :class:`_PairwiseDots` (its one-bmm backward).
+    A leaf to ``torch.fx``, so a traced model keeps that backward instead of autograd's through the inlined ops."""
+    return _PairwiseDots.apply(vectors, pairs)
+
+
+torch.fx.wrap("pairwise_dots")
+
+
 class InteractionArch(nn.Module):
     """Dot-product interaction: ``[B, D]`` dense and ``[B, F, D]`` sparse -> ``[B, D + F + F choose 2]``: the
     dense vector followed by the pairwise dot products of all ``F + 1`` vectors (upper triangle, no diagonal)."""
@@ -144,7 +164,7 @@ class InteractionArch(nn.Module):
         if self.F <= 0:
             return dense_features
         combined = torch.cat((dense_features.unsqueeze(1), sparse_features), dim=1)  # [B, F + 1, D]
-        return torch.cat((dense_features, _PairwiseDots.apply(combined, self._pair_positions)), dim=1)
+        return torch.cat((dense_features, pairwise_dots(combined, self._pair_positions)), dim=1)
 
 
 class LowRankCrossNet(nn.Module):

@@ -35,6 +35,7 @@ from tritonrec.modules.embedding_configs import (
     get_embedding_names,
     get_embedding_names_by_table,
 )
+from tritonrec.modules.fx_leaf import fx_leaf_call
 from tritonrec.modules.table_batched import (
     TableBatchedCollection,
     TableGroup,
@@ -113,6 +114,8 @@ class EmbeddingBagCollection(TableBatchedCollection):
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """``features`` (KJT over at least this module's feature names) -> ``KeyedTensor`` ``[B, sum(D)]`` keyed by
         the embedding names."""
+        if (leaf := fx_leaf_call(self, features)) is not None:
+            return leaf  # type: ignore[return-value]
         self._ensure_packed()
         outputs = [self._lookup(features, i, group) for i, group in enumerate(self._groups)]
         values = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
@@ -181,6 +184,8 @@ class EmbeddingCollection(TableBatchedCollection):
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         """``features`` -> ``{embedding name: JaggedTensor(values [N_f, D_f], lengths of its feature)}`` in table
         order."""
+        if (leaf := fx_leaf_call(self, features)) is not None:
+            return leaf  # type: ignore[return-value]
         self._ensure_packed()
         result: dict[str, JaggedTensor] = {}
         for i, group in enumerate(self._groups):

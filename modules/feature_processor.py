@@ -19,6 +19,7 @@ from torch import nn
 from tritonrec.data import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from tritonrec.kernels.checks import check_int
 from tritonrec.modules.embedding_modules import EmbeddingBagCollection
+from tritonrec.modules.fx_leaf import fx_leaf_call
 
 
 def _positions_in_bags(offsets: torch.Tensor, num_values: int) -> torch.Tensor:
@@ -157,6 +158,8 @@ class FeatureProcessedEmbeddingBagCollection(nn.Module):
         """``features`` (KJT over at least the EBC's feature names) -> the EBC's ``KeyedTensor`` of the processed
         features. A missing feature, or a bag longer than its processor's ``max_feature_length``, is a
         ``ValueError`` naming the feature."""
+        if (leaf := fx_leaf_call(self, features)) is not None:
+            return leaf  # type: ignore[return-value]
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
         if isinstance(self._feature_processors, nn.ModuleDict):

@@ -35,6 +35,7 @@ from tritonrec.modules.embedding_configs import (
     get_embedding_names,
 )
 from tritonrec.modules.embedding_modules import EmbeddingBagCollection
+from tritonrec.modules.fx_leaf import fx_leaf_call
 from tritonrec.modules.quant_state import buffer_names, normalize_table_state
 from tritonrec.modules.table_batched import (
     TableBatchedCollection,
@@ -270,6 +271,8 @@ class QuantEmbeddingBagCollection(TableBatchedCollection):
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """``features`` -> ``KeyedTensor`` ``[B, sum(D)]`` of :meth:`output_dtype`, as the float collection."""
+        if (leaf := fx_leaf_call(self, features)) is not None:
+            return leaf  # type: ignore[return-value]
         self._ensure_packed()
         outputs = []
         for group in self._quant_groups:
