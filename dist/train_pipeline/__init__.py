@@ -3,6 +3,7 @@ staged and eval pipelines that overlap the device copy and the sparse input dist
 forward/backward of the current one, and stop or fail together on every rank."""
 
 from tritonrec.dist.train_pipeline.agreement import PipelineStageError, StepAgreement
+from tritonrec.dist.train_pipeline.gradient_accumulation import GradientAccumulationConfig, GradientAccumulationWrapper
 from tritonrec.dist.train_pipeline.pipelines import (
     EvalPipelineSparseDist,
     TrainPipeline,
@@ -16,6 +17,8 @@ from tritonrec.dist.train_pipeline.utils import DataLoadingThread
 __all__ = [
     "DataLoadingThread",
     "EvalPipelineSparseDist",
+    "GradientAccumulationConfig",
+    "GradientAccumulationWrapper",
     "PipelineStage",
     "PipelineStageError",
     "SparseDataDistUtil",

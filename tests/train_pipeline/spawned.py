@@ -16,7 +16,7 @@ WORLD = 2
 def _run_suites(rank: int, world: int) -> dict[str, Any]:
     import torch
 
-    from tests.train_pipeline import collection_cases, pipeline_cases, pipeline_error_cases
+    from tests.train_pipeline import accumulation_cases, collection_cases, pipeline_cases, pipeline_error_cases
 
     torch.set_num_threads(1)
     # the error cases run last: a rank that failed may leave a collective unmatched on the main group
@@ -24,6 +24,7 @@ def _run_suites(rank: int, world: int) -> dict[str, Any]:
         "exact": (pipeline_cases.exact_cases, (WORLD,)),
         "end": (pipeline_cases.end_cases, (WORLD,)),
         "collections": (collection_cases.collection_cases, (WORLD,)),
+        "accumulation": (accumulation_cases.accumulation_cases, (WORLD,)),
         "errors": (pipeline_error_cases.error_cases, (WORLD,)),
     }
     return run_suites(suites, rank, world)
