@@ -30,7 +30,7 @@ from tritonrec.dist.sharding.common import (
     select_features,
     sharded_tables,
 )
-from tritonrec.dist.sharding.rw import bucketize
+from tritonrec.dist.sharding.rw import bucketize, row_boundaries
 from tritonrec.dist.types import (
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
@@ -139,6 +139,8 @@ class _QuantSharding:
             first = self.shards_per_device[0]
             self.send = self.features[0]
             self.block_sizes = [max(x.rows for x in s.table.shards) for s in first for _ in s.features]
+            bounds = row_boundaries(first, world_size)  # uneven row blocks (sizes_placement): bucketize by these
+            self.boundaries = None if bounds is None else torch.tensor(bounds, dtype=torch.int64, device=device)
             self.is_mean = [s.table.is_mean for s in first for _ in s.features]
             self.dims = [s.spec.cols for s in first for _ in s.features]
             self.splitter = KJTOneToAll([len(self.send)] * world_size, world_size, device)
@@ -160,7 +162,7 @@ class _QuantSharding:
         selected = select_features(features, self.send, self._cache)
         if not self.row_wise:
             return self.splitter(selected), None
-        bucketized, _ = bucketize(selected, self.block_sizes, self.world_size, False, self.backend)
+        bucketized, _ = bucketize(selected, self.block_sizes, self.world_size, False, self.backend, self.boundaries)
         return self.splitter(bucketized), selected.lengths()
 
     def lookup(self, r: int, features: KeyedJaggedTensor) -> torch.Tensor:

@@ -18,13 +18,29 @@ placement raises ``ValueError`` and :func:`construct_module_sharding_plan` prefi
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from tritonrec.dist.sharding_plan_checks import (
+    check_column_widths,
+    check_device_types,
+    check_one_host_ranks,
+    check_plan_tables,
+    check_rank,
+    check_row_buckets,
+    check_row_wise_args,
+    check_sharder,
+    check_supported,
+    check_world_sizes,
+    column_blocks,
+    host_ranks,
+    row_blocks,
+    uneven_column_blocks,
+    uneven_row_blocks,
+)
 from tritonrec.dist.types import (
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
@@ -34,7 +50,6 @@ from tritonrec.dist.types import (
     ShardingType,
     ShardMetadata,
 )
-from tritonrec.kernels.checks import check_int
 
 ParameterShardingGenerator = Callable[[nn.Parameter, int, int, str, ModuleSharder[Any]], ParameterSharding]
 
@@ -53,19 +68,6 @@ __all__ = [
     "table_row_wise",
     "table_wise",
 ]
-
-
-def _row_blocks(rows: int, parts: int) -> list[int]:
-    """Rows per part with ``ceil(rows / parts)`` per block (the block size ``block_bucketize`` divides by), so the
-    trailing parts may be short or empty: 10 rows in 4 -> [3, 3, 3, 1]; 5 in 4 -> [2, 2, 1, 0]; 1 in 2 -> [1, 0]."""
-    block = -(-rows // parts) if rows else 0
-    return [max(0, min(block, rows - block * p)) for p in range(parts)]
-
-
-def _column_blocks(dim: int, parts: int) -> list[int]:
-    if dim % parts:
-        raise ValueError(f"{parts} column shards do not divide the embedding dim {dim} (dim % shards must be 0)")
-    return [dim // parts] * parts
 
 
 def calculate_shard_sizes_and_offsets(
@@ -88,16 +90,16 @@ def calculate_shard_sizes_and_offsets(
         return [[rows, dim]], [[0, 0]]
     if kind in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
         parts = world_size if kind == ShardingType.ROW_WISE else local_world_size
-        sizes = _row_blocks(rows, parts)
+        sizes = row_blocks(rows, parts)
         starts = [sum(sizes[:p]) for p in range(parts)]
         return [[n, dim] for n in sizes], [[s, 0] for s in starts]
     if num_column_shards is None or num_column_shards < 1:
         raise ValueError(f"{kind.value} needs num_column_shards >= 1, got {num_column_shards!r}")
-    widths = _column_blocks(dim, num_column_shards)
+    widths = column_blocks(dim, num_column_shards)
     if kind in (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE):
         return [[rows, w] for w in widths], [[0, c * widths[0]] for c in range(num_column_shards)]
     sizes, offsets = [], []  # GRID: column block c is row-wise over one node's local ranks
-    row_sizes = _row_blocks(rows, local_world_size)
+    row_sizes = row_blocks(rows, local_world_size)
     for c, width in enumerate(widths):
         for p, n in enumerate(row_sizes):
             sizes.append([n, width])
@@ -119,10 +121,6 @@ def _default_kernel(sharder: ModuleSharder[Any], sharding_type: str, device_type
     return EmbeddingComputeKernel.FUSED.value if EmbeddingComputeKernel.FUSED.value in kernels else kernels[0]
 
 
-def _check_rank(rank: int, world_size: int, what: str) -> int:
-    return check_int(rank, what, 0, world_size - 1, what=f"a rank in [0, world_size={world_size})")
-
-
 def _sharding(
     param: nn.Parameter,
     kind: ShardingType,
@@ -135,17 +133,21 @@ def _sharding(
     num_column_shards: int | None = None,
     column_widths: Sequence[int] | None = None,
     devices: Sequence[str] | None = None,
+    row_sizes: Sequence[int] | None = None,
 ) -> ParameterSharding:
     """``column_widths``: uneven column blocks (column-wise only) instead of ``num_column_shards`` equal ones;
-    ``devices``: per shard, the device type its placement names instead of ``device_type``."""
+    ``row_sizes``: uneven row blocks (row-wise only), block ``p`` on rank ``p``; ``devices``: per shard, the device
+    type its placement names instead of ``device_type``."""
     if param.dim() != 2:
         raise ValueError(f"only 2-D [rows, dim] tables can be sharded, got shape {tuple(param.shape)}")
-    ranks = [_check_rank(rank, world_size, "rank") for rank in ranks]
+    ranks = [check_rank(rank, world_size, "rank") for rank in ranks]
     rows, dim = param.shape
-    if column_widths is None:
-        sizes, offsets = calculate_shard_sizes_and_offsets(rows, dim, world_size, local_size, kind, num_column_shards)
+    if column_widths is not None:
+        sizes, offsets = uneven_column_blocks(rows, dim, column_widths)
+    elif row_sizes is not None:
+        sizes, offsets = uneven_row_blocks(rows, dim, row_sizes, world_size)
     else:
-        sizes, offsets = _uneven_column_blocks(rows, dim, column_widths)
+        sizes, offsets = calculate_shard_sizes_and_offsets(rows, dim, world_size, local_size, kind, num_column_shards)
     if len(sizes) != len(ranks):
         raise ValueError(f"{kind.value} makes {len(sizes)} shards but {len(ranks)} ranks were given: {list(ranks)}")
     devices = [device_type] * len(ranks) if devices is None else list(devices)
@@ -159,28 +161,6 @@ def _sharding(
         )
     kernel = compute_kernel or _default_kernel(sharder, kind.value, device_type)
     return ParameterSharding(kind.value, kernel, list(ranks), spec)
-
-
-def _uneven_column_blocks(rows: int, dim: int, widths: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
-    if sum(widths) != dim:
-        raise ValueError(
-            f"size_per_rank={list(widths)} sums to {sum(widths)} columns; it must sum to the embedding dim {dim}"
-        )
-    starts = itertools.accumulate(widths[:-1], initial=0)
-    return [[rows, w] for w in widths], [[0, c] for c in starts]
-
-
-def _check_device_types(device_types: Sequence[str] | None, name: str) -> list[str] | None:
-    """Device type names (``"cpu"``, ``"cuda"``); a compute kernel name there is an argument in the wrong place
-    (torchrec's ``table_wise(rank, device, compute_kernel)`` puts ``device`` second)."""
-    if device_types is None:
-        return None
-    kernels = {k.value for k in EmbeddingComputeKernel}
-    given = device_types[0] if name == "device" else device_types
-    if isinstance(device_types, str) or not all(isinstance(d, str) and d and d not in kernels for d in device_types):
-        hint = " (a compute kernel name: pass compute_kernel=)" if set(map(str, device_types)) & kernels else ""
-        raise ValueError(f"{name} must name device types such as 'cpu' or 'cuda', got {name}={given!r}{hint}")
-    return list(device_types)
 
 
 def data_parallel(compute_kernel: str | None = None) -> ParameterShardingGenerator:
@@ -198,20 +178,12 @@ def table_wise(rank: int, device: str | None = None, compute_kernel: str | None 
     """The whole table on ``rank``; ``device`` (a device type, e.g. ``"cpu"``) names the placement's device instead
     of the plan's ``device_type`` (torchrec's inference use: a table kept in host memory). Our sharded modules read
     only the placement's rank: the shard lives on the module's device whatever ``device`` says."""
-    _check_device_types(None if device is None else [device], "device")
+    check_device_types(None if device is None else [device], "device", single=True)
 
     def generate(param, local_size, world_size, device_type, sharder):  # type: ignore[no-untyped-def]
-        devices = None if device is None else [device]
+        kind, devices = ShardingType.TABLE_WISE, None if device is None else [device]
         return _sharding(
-            param,
-            ShardingType.TABLE_WISE,
-            [rank],
-            local_size,
-            world_size,
-            device_type,
-            sharder,
-            compute_kernel,
-            devices=devices,
+            param, kind, [rank], local_size, world_size, device_type, sharder, compute_kernel, devices=devices
         )
 
     return generate
@@ -222,50 +194,27 @@ def row_wise(
     compute_kernel: str | None = None,
     num_buckets: int | None = None,
 ) -> ParameterShardingGenerator:
-    """Row ranges on every rank (``ceil(rows / world_size)`` rows per block; trailing blocks may be empty).
+    """Row ranges on every rank: ``ceil(rows / world_size)`` rows per block (trailing blocks may be empty), or
+    ``sizes_placement=(rows per rank, device type)``: uneven blocks, ``sizes[p]`` rows on rank ``p`` (one count per
+    rank, non-negative, summing to the table's rows; a rank may hold none), the placement naming the device type
+    (one string, or one per rank; as for :func:`table_wise`'s ``device``, the shard lives on the module's device).
+    The row-wise input dist then bucketizes ids by the blocks' row boundaries.
 
-    torchrec's other two arguments are checked, not ignored: ``sizes_placement`` (uneven row blocks for inference)
-    is refused, because our row-wise input dist sends every rank a ``ceil(rows / world_size)`` block; ``num_buckets``
-    (managed-collision buckets, whole buckets per rank) is accepted where its layout is that same one (``rows``
-    divisible by ``num_buckets``, ``num_buckets`` by ``world_size``) and refused otherwise.
+    ``num_buckets`` (torchrec's managed-collision buckets, whole buckets per rank) is accepted where its layout is the
+    ceil one (``rows`` divisible by ``num_buckets``, ``num_buckets`` by ``world_size``) and refused otherwise.
     """
-    if sizes_placement is not None:
-        hint = " (a compute kernel name? pass compute_kernel=)" if isinstance(sizes_placement, str) else ""
-        raise ValueError(
-            f"row_wise(sizes_placement={sizes_placement!r}) is not supported{hint}: uneven row blocks need a "
-            "per-rank block bucketizer, and our row-wise input dist sends every rank a ceil(rows / world_size) "
-            "block; use row_wise() or column_wise(size_per_rank=...)"
-        )
-    if num_buckets is not None:
-        num_buckets = check_int(num_buckets, "num_buckets", 1)
+    rows, devices, num_buckets = check_row_wise_args(sizes_placement, num_buckets)
+    uneven_rows = {"devices": devices, "row_sizes": rows}
 
     def generate(param, local_size, world_size, device_type, sharder):  # type: ignore[no-untyped-def]
         if num_buckets is not None:
-            _check_row_buckets(param.shape[0], world_size, num_buckets)
-        ranks = list(range(world_size))
+            check_row_buckets(param.shape[0], world_size, num_buckets)
+        kind, ranks = ShardingType.ROW_WISE, list(range(world_size))
         return _sharding(
-            param, ShardingType.ROW_WISE, ranks, local_size, world_size, device_type, sharder, compute_kernel
+            param, kind, ranks, local_size, world_size, device_type, sharder, compute_kernel, **uneven_rows
         )
 
     return generate
-
-
-def _check_row_buckets(rows: int, world_size: int, num_buckets: int) -> None:
-    """torchrec's bucketed row layout (``num_buckets // W`` whole buckets per rank, the first ``num_buckets % W``
-    ranks one more) must be the ceil layout the input dist implements."""
-    if num_buckets < world_size:
-        raise ValueError(f"num_buckets={num_buckets} must be >= world_size {world_size}: a bucket cannot be split")
-    if rows % num_buckets:
-        raise ValueError(f"num_buckets={num_buckets} must divide the table's {rows} rows")
-    bucket = rows // num_buckets
-    per_rank, extra = divmod(num_buckets, world_size)
-    bucketed = [bucket * (per_rank + (r < extra)) for r in range(world_size)]
-    ceil_blocks = _row_blocks(rows, world_size)
-    if bucketed != ceil_blocks:
-        raise ValueError(
-            f"num_buckets={num_buckets} places rows {bucketed} on the {world_size} ranks, but our row-wise input dist "
-            f"sends ceil(rows / world_size) blocks {ceil_blocks}; use a num_buckets that world_size divides"
-        )
 
 
 def column_wise(
@@ -283,22 +232,8 @@ def column_wise(
       for :func:`table_wise`'s ``device``, the shard lives on the module's device whatever it says).
     """
     ranks = None if ranks is None else list(ranks)
-    if ranks is not None and not ranks:
-        raise ValueError("column_wise needs at least one rank, got ranks=[]")
-    widths = None
-    if size_per_rank is not None:
-        if isinstance(size_per_rank, (str, int)):
-            raise ValueError(f"size_per_rank must be a list of column counts, got size_per_rank={size_per_rank!r}")
-        widths = [check_int(w, "size_per_rank", 1, what="a list of positive column counts") for w in size_per_rank]
-        if not widths:
-            raise ValueError("column_wise needs at least one column block, got size_per_rank=[]")
-        if ranks is not None and len(ranks) != len(widths):
-            raise ValueError(
-                f"ranks={ranks} and size_per_rank={widths} must have the same length (block i goes on ranks[i])"
-            )
-    elif ranks is None:
-        raise ValueError("column_wise needs ranks= or size_per_rank=, got neither")
-    devices = _check_device_types(device_types, "device_types")
+    widths = check_column_widths(ranks, size_per_rank)
+    devices = check_device_types(device_types, "device_types")
 
     def generate(param, local_size, world_size, device_type, sharder):  # type: ignore[no-untyped-def]
         placed = ranks if ranks is not None else list(range(len(widths or ())))
@@ -321,18 +256,11 @@ def column_wise(
     return generate
 
 
-def _host_ranks(host_index: int, local_size: int, world_size: int) -> list[int]:
-    hosts = world_size // local_size
-    what = f"a host index in [0, {hosts}) (world_size {world_size} / local_size {local_size} = {hosts} hosts)"
-    host_index = check_int(host_index, "host_index", 0, hosts - 1, what=what)
-    return list(range(host_index * local_size, (host_index + 1) * local_size))
-
-
 def table_row_wise(host_index: int, compute_kernel: str | None = None) -> ParameterShardingGenerator:
     """Row-wise over the ``local_size`` ranks of host ``host_index``."""
 
     def generate(param, local_size, world_size, device_type, sharder):  # type: ignore[no-untyped-def]
-        ranks = _host_ranks(host_index, local_size, world_size)
+        ranks = host_ranks(host_index, local_size, world_size)
         return _sharding(
             param, ShardingType.TABLE_ROW_WISE, ranks, local_size, world_size, device_type, sharder, compute_kernel
         )
@@ -345,12 +273,7 @@ def table_column_wise(ranks: Sequence[int], compute_kernel: str | None = None) -
     ranks = list(ranks)
 
     def generate(param, local_size, world_size, device_type, sharder):  # type: ignore[no-untyped-def]
-        if not ranks:
-            raise ValueError("table_column_wise needs at least one rank, got ranks=[]")
-        checked = [_check_rank(rank, world_size, "rank") for rank in ranks]
-        hosts = {rank // local_size for rank in checked}
-        if len(hosts) != 1:
-            raise ValueError(f"table_column_wise ranks {ranks} span hosts {sorted(hosts)}; they must share one host")
+        checked = check_one_host_ranks(ranks, local_size, world_size)
         return _sharding(
             param,
             ShardingType.TABLE_COLUMN_WISE,
@@ -373,7 +296,7 @@ def grid_shard(host_indexes: Sequence[int], compute_kernel: str | None = None) -
     def generate(param, local_size, world_size, device_type, sharder):  # type: ignore[no-untyped-def]
         if not host_indexes:
             raise ValueError("grid_shard needs at least one host index, got host_indexes=[]")
-        ranks = [r for h in host_indexes for r in _host_ranks(h, local_size, world_size)]
+        ranks = [r for h in host_indexes for r in host_ranks(h, local_size, world_size)]
         return _sharding(
             param,
             ShardingType.GRID_SHARD,
@@ -443,44 +366,22 @@ def construct_module_sharding_plan(
 
     if sharder is None:
         sharder = _default_sharder(module)
-    if not isinstance(sharder, ModuleSharder):
-        raise TypeError(f"sharder must be a ModuleSharder, got {type(sharder).__name__}")
-    if not isinstance(module, sharder.module_type):
-        raise TypeError(f"{type(sharder).__name__} shards {sharder.module_type.__name__}, got {type(module).__name__}")
+    check_sharder(sharder, module)
     if world_size is None:
         world_size = dist.get_world_size()
     if local_size is None:
         local_size = get_local_size(world_size)
-    world_size = check_int(world_size, "world_size", 1)
-    local_size = check_int(local_size, "local_size", 1, what=f"a positive divisor of world_size {world_size}")
-    if world_size % local_size:
-        raise ValueError(f"local_size must be a positive divisor of world_size {world_size}, got {local_size!r}")
+    world_size, local_size = check_world_sizes(world_size, local_size)
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     shardable = sharder.shardable_parameters(module)
-    unknown = sorted(set(per_param_sharding) - set(shardable))
-    if unknown:
-        raise ValueError(f"unknown tables {unknown}: {type(module).__name__} has tables {sorted(shardable)}")
-    missing = [name for name in shardable if name not in per_param_sharding]
-    if missing:
-        raise ValueError(f"tables {missing} have no sharding: every table of the module needs one")
-    supported = sharder.sharding_types(device_type)
+    check_plan_tables(per_param_sharding, shardable, type(module).__name__)
     plan = EmbeddingModuleShardingPlan()
     for name, generate in per_param_sharding.items():
         try:
             sharding = generate(shardable[name], local_size, world_size, device_type, sharder)
         except ValueError as err:
             raise ValueError(f"table {name!r}: {err}") from None
-        if sharding.sharding_type not in supported:
-            raise ValueError(
-                f"table {name!r}: {type(sharder).__name__} does not support {sharding.sharding_type} on "
-                f"{device_type} (supported: {supported})"
-            )
-        kernels = sharder.compute_kernels(sharding.sharding_type, device_type)
-        if sharding.compute_kernel not in kernels:
-            raise ValueError(
-                f"table {name!r}: compute kernel {sharding.compute_kernel!r} is not supported for "
-                f"{sharding.sharding_type} on {device_type} (supported: {kernels})"
-            )
+        check_supported(name, sharding, sharder, device_type)
         plan[name] = sharding
     return plan

@@ -101,7 +101,8 @@ def jagged(width: int, vdt: torch.dtype, idt: torch.dtype) -> None:
 
 
 def sparse(wdt: torch.dtype, idt: torch.dtype, num_buckets: int) -> None:
-    """Permutes (2-D and 1-D), lengths_to_offsets (one-row, per-row and multi-block scans), block bucketize."""
+    """Permutes (2-D and 1-D), lengths_to_offsets (one-row, per-row and multi-block scans), block bucketize (by block
+    sizes and by row boundaries)."""
     lengths = torch.tensor([[1, 0, 2], [3, 1, 0]], dtype=idt)
     values = torch.arange(7, dtype=idt)
     weights = torch.rand(7).to(wdt)
@@ -117,6 +118,11 @@ def sparse(wdt: torch.dtype, idt: torch.dtype, num_buckets: int) -> None:
             lengths.reshape(-1), values, block_sizes, num_buckets, weights if bucketize_pos else None,
             bucketize_pos, sequence_, keep, backend=T,
         )  # fmt: skip
+    bounds = (torch.arange(num_buckets + 1, dtype=idt) * 2).repeat(2, 1)  # uneven blocks: row boundaries per feature
+    K.block_bucketize_sparse_features(
+        lengths.reshape(-1), values, block_sizes, num_buckets, weights, True, True, block_bucketize_pos=bounds,
+        backend=T,
+    )  # fmt: skip
 
 
 def codecs(row_dim: int, stochastic: bool) -> None:

@@ -11,8 +11,8 @@ What each type needs (``rows x dim`` table, shards in plan order):
 * every type: each shard inside the table, no two overlapping, together covering it exactly;
 * table-wise: one shard;
 * column-wise / table-column-wise: every shard holds all rows (any column blocks);
-* row-wise: one shard per rank, shard ``p`` on rank ``p`` holding the ``p``-th block of ``ceil(rows / W)`` rows
-  (the block size the input dist bucketizes ids by);
+* row-wise: one shard per rank, shard ``p`` on rank ``p`` holding the ``p``-th block of rows in row order (the
+  input dist bucketizes ids by ``ceil(rows / W)`` blocks, or by the shards' row boundaries when they are uneven);
 * table-row-wise: the same over the consecutive ranks of one host;
 * grid: each column block laid out as table-row-wise.
 """
@@ -77,13 +77,18 @@ def _check_row_blocks(name: str, kind: str, rows: int, shards: Sequence[_Shard],
     if ranks != expected_ranks or world_size % parts:
         want = "every rank in order" if kind == ShardingType.ROW_WISE.value else "one host's local ranks in order"
         raise ValueError(f"table {name!r}: {kind} places its row blocks on ranks {ranks}; it needs {want}")
-    sizes, offsets = calculate_shard_sizes_and_offsets(rows, 1, parts, parts, ShardingType.ROW_WISE)
+    if kind == ShardingType.ROW_WISE.value:  # any row blocks in rank order: the input dist sends by boundaries
+        starts = [sum(s.rows for s in shards[:p]) for p in range(parts)]
+        sizes, offsets = [[s.rows] for s in shards], [[start] for start in starts]
+        why = "row blocks follow each other in rank order"
+    else:
+        sizes, offsets = calculate_shard_sizes_and_offsets(rows, 1, parts, parts, ShardingType.ROW_WISE)
+        why = f"blocks of ceil({rows} / {parts}) rows in rank order"
     for p, s in enumerate(shards):
         if [s.rows, s.row_offset] != [sizes[p][0], offsets[p][0]]:
             raise ValueError(
                 f"table {name!r}: {kind} shard {p} holds rows [{s.row_offset}, {s.row_offset + s.rows}) but the "
-                f"input dist sends it rows [{offsets[p][0]}, {offsets[p][0] + sizes[p][0]}) (blocks of "
-                f"ceil({rows} / {parts}) rows in rank order)"
+                f"input dist sends it rows [{offsets[p][0]}, {offsets[p][0] + sizes[p][0]}) ({why})"
             )
 
 

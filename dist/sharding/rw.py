@@ -1,5 +1,7 @@
 """Row-wise sharding: every rank holds one block of ``ceil(rows / W)`` rows of every table (trailing blocks may be
-short or empty), and each index goes to the rank holding its row, made local to the block.
+short or empty), or uneven blocks (``row_wise(sizes_placement=...)``: explicit rows per rank, possibly none), and
+each index goes to the rank holding its row, made local to the block: by block sizes, or by each feature's row
+boundaries (the bucketizer's ``block_bucketize_pos``) once any table's blocks are uneven.
 
 Data flow (pooled)::
 
@@ -28,9 +30,26 @@ from tritonrec.dist.qcomm_protocol import CommOp
 from tritonrec.dist.sharding.base import EmbeddingSharding, feature_dims, record_slots, sequence_rows, shard_columns
 from tritonrec.dist.sharding.common import LocalShard, OutputColumns, ShardingContext, mean_divisor
 from tritonrec.dist.sharding.tw import expand_variable_batch, lookup_received
+from tritonrec.dist.sharding_plan_checks import row_blocks
 from tritonrec.dist.types import ShardingType
 from tritonrec.kernels import block_bucketize_sparse_features
 from tritonrec.kernels.embedding import PoolingMode
+
+
+def row_boundaries(shards: list[LocalShard], world_size: int) -> list[list[int]] | None:
+    """Per feature of ``shards`` (each a row-wise table, its shards in rank order), the ``world_size + 1`` rows its
+    table's blocks start at, then its row count: the bucketizer's ``block_bucketize_pos``. ``None`` when every table
+    has ``ceil(rows / W)`` blocks, which block sizes describe; such a table among uneven ones gets the boundaries
+    ``p * ceil(rows / W)``, which bucket every id (past the table's rows too) as its block size does."""
+    bounds, uneven = [], False
+    for shard in shards:
+        rows, sizes = shard.table.config.num_embeddings, [s.rows for s in shard.table.shards]
+        if sizes == row_blocks(rows, world_size):
+            table_bounds = [p * max(sizes) for p in range(world_size + 1)]
+        else:
+            uneven, table_bounds = True, [s.row_offset for s in shard.table.shards] + [rows]
+        bounds += [table_bounds] * len(shard.features)
+    return bounds if uneven else None
 
 
 def bucketize(
@@ -39,20 +58,31 @@ def bucketize(
     num_buckets: int,
     sequence: bool,
     backend: str,
+    boundaries: torch.Tensor | None = None,
 ) -> tuple[KeyedJaggedTensor, torch.Tensor | None]:
     """``features`` (F keys) -> a KJT of ``num_buckets * F`` keys (bucket-major) whose indices are local to their
-    bucket's row block, and (``sequence``) the unbucketize permutation. Variable-stride inputs stay variable."""
+    bucket's row block, and (``sequence``) the unbucketize permutation. Variable-stride inputs stay variable.
+    ``boundaries [F, num_buckets + 1]`` (:func:`row_boundaries`, on the features' device): bucket by those uneven
+    row blocks instead of ``block_sizes``."""
     lengths, values = features.lengths(), features.values()
     keys = features.keys()
     strides = features.stride_per_key()
+    sizes = torch.tensor(block_sizes, dtype=torch.int64, device=lengths.device)
     if features.variable_stride_per_key():
         # the bucketizer takes one batch size for all features: give it one "feature" per bag instead
-        sizes = torch.tensor(block_sizes, dtype=torch.int64, device=lengths.device)
-        sizes = sizes.repeat_interleave(torch.tensor(strides, device=lengths.device), output_size=lengths.numel())
-    else:
-        sizes = torch.tensor(block_sizes, dtype=torch.int64, device=lengths.device)
+        per_bag = torch.tensor(strides, device=lengths.device)
+        sizes = sizes.repeat_interleave(per_bag, output_size=lengths.numel())
+        if boundaries is not None:
+            boundaries = boundaries.repeat_interleave(per_bag, dim=0, output_size=lengths.numel())
     new_lengths, new_values, new_weights, _, unbucketize = block_bucketize_sparse_features(
-        lengths, values, sizes, num_buckets, features.weights_or_none(), sequence=sequence, backend=backend
+        lengths,
+        values,
+        sizes,
+        num_buckets,
+        features.weights_or_none(),
+        sequence=sequence,
+        block_bucketize_pos=boundaries,
+        backend=backend,
     )
     bucket_keys = keys * num_buckets
     if features.variable_stride_per_key():
@@ -77,6 +107,8 @@ class RwSharding(EmbeddingSharding):
         shards = self.shards_per_rank[self.rank]
         self._features = self.rank_features(self.rank)  # every rank reads every feature, in the same order
         self._block_sizes = [max(s.rows for s in shard.table.shards) for shard in shards for _ in shard.features]
+        bounds = row_boundaries(shards, self.world_size)
+        self._boundaries = None if bounds is None else torch.tensor(bounds, dtype=torch.int64, device=self.device)
         self._dims = feature_dims(shards)
         self._is_mean = [shard.table.is_mean for shard in shards for _ in shard.features]
         self._columns = shard_columns(shards)  # row shards hold every column: col_offset 0
@@ -112,7 +144,7 @@ class RwSharding(EmbeddingSharding):
         ctx.lengths = selected.lengths()
         ctx.batch_size_per_feature_pre_a2a = selected.stride_per_key()
         bucketized, ctx.unbucketize_permute = bucketize(
-            selected, self._block_sizes, self.world_size, not self.pooled, self.lookup.backend
+            selected, self._block_sizes, self.world_size, not self.pooled, self.lookup.backend, self._boundaries
         )
         return self.all_to_all(bucketized, [len(self._features)] * self.world_size, ctx)
 
@@ -160,4 +192,4 @@ class RwSharding(EmbeddingSharding):
         )
 
 
-__all__ = ["RwSharding", "bucketize"]
+__all__ = ["RwSharding", "bucketize", "row_boundaries"]

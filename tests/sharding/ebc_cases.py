@@ -1,6 +1,7 @@
 """Rank-side cases for the sharded EmbeddingBagCollection: every rank shards the same module by a plan, runs its
-part of a global batch (split unevenly across ranks, empty bags, dims 1/3/8/64, a table with fewer rows than ranks)
-and compares with the unsharded module run on the whole global batch in the same process.
+part of a global batch (split unevenly across ranks, empty bags, dims 1/3/8/64, a table with fewer rows than ranks,
+uneven row and column blocks) and compares with the unsharded module run on the whole global batch in the same
+process.
 
 Gradient division is off inside the cases, so each rank's loss ``sum(out * R[rank's rows])`` makes the sharded
 gradients equal the unsharded module's gradient of ``sum(out * R)`` on the global batch.
@@ -244,6 +245,14 @@ def plans_by_type() -> dict[str, dict[str, Callable[[int], Any]]]:
     return {
         "table_wise": {t: (lambda w, i=i: table_wise(rank=(i + 1) % w)) for i, (t, *_) in enumerate(TABLES)},
         "row_wise": _all(lambda w: row_wise()),
+        # uneven row blocks (sizes_placement, 2 ranks): 12 rows as 9+3, the 1-row table only on rank 1 (rank 0 holds
+        # none), 9 as 2+7, 20 all on rank 0; device types as one string and as a list
+        "row_wise_uneven": {
+            "t0": lambda w: row_wise(([9, 3], "cpu")),
+            "t1": lambda w: row_wise(([0, 1], ["cpu", "cpu"])),
+            "t2": lambda w: row_wise(([2, 7], "cpu")),
+            "t3": lambda w: row_wise(([20, 0], "cpu")),
+        },
         "data_parallel": _all(lambda w: data_parallel()),
         # D=8 over two ranks, D=3 in three blocks with a repeated rank, D=1 whole, D=64 in four blocks (two per rank)
         "column_wise": {
@@ -315,7 +324,7 @@ def ebc_cases(types: list[str]) -> list[Case]:
 
 TYPES_BY_WORLD = {
     2: ["table_wise", "row_wise", "data_parallel", "column_wise", "column_wise_uneven", "table_column_wise",
-        "table_row_wise", "grid_shard", "mixed"],
+        "table_row_wise", "grid_shard", "mixed", "row_wise_uneven"],
     4: ["table_row_wise", "grid_shard", "row_wise", "column_wise", "mixed"],
 }  # fmt: skip
 

@@ -1,7 +1,7 @@
 """Rank-side cases for the sharded EmbeddingCollection: per sequence sharding type (data parallel, table-wise,
-column-wise, table-column-wise, row-wise), dense forward and gradients and 10 fused steps, with and without index
-dedup, against the unsharded EC on the global batch (uneven split, empty bags, a table with fewer rows than ranks;
-dims 1/3/8/64 in the mixed plan, where each sharding's tables share a width)."""
+column-wise, table-column-wise, row-wise with even and uneven row blocks), dense forward and gradients and 10 fused
+steps, with and without index dedup, against the unsharded EC on the global batch (uneven split, empty bags, a table
+with fewer rows than ranks; dims 1/3/8/64 in the mixed plan, where each sharding's tables share a width)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,12 @@ def plans() -> dict[str, dict[str, Callable[[int], Any]]]:
     return {
         "table_wise": {t: (lambda w, i=i: table_wise(rank=(i + 1) % w)) for i, t in enumerate(names)},
         "row_wise": {t: (lambda w: row_wise()) for t in names},
+        "row_wise_uneven": {  # sizes_placement: 12 rows as 9+3, 1 row on rank 1 only, 9 as 2+7, 20 on rank 0 only
+            "t0": lambda w: row_wise(([9, 3], "cpu")),
+            "t1": lambda w: row_wise(([0, 1], "cpu")),
+            "t2": lambda w: row_wise(([2, 7], "cpu")),
+            "t3": lambda w: row_wise(([20, 0], "cpu")),
+        },
         "data_parallel": {t: (lambda w: data_parallel()) for t in names},
         "column_wise": {
             "t0": lambda w: column_wise(ranks=[0, w - 1]),
@@ -74,6 +80,8 @@ def ec_cases() -> list[ECCase]:
     cases.append(ECCase("mixed-ADAM", TABLES, plans()["mixed"], "ADAM", steps=10))
     cases.append(ECCase("mixed-EXACT_ADAGRAD", TABLES, plans()["mixed"], "EXACT_ADAGRAD", steps=10))
     cases.append(ECCase("row_wise-dedup-dense", EQUAL_DIMS, plans()["row_wise"], dedup=True))
+    cases.append(ECCase("row_wise_uneven-dense", EQUAL_DIMS, plans()["row_wise_uneven"]))
+    cases.append(ECCase("row_wise_uneven-ADAM", EQUAL_DIMS, plans()["row_wise_uneven"], "ADAM", steps=10))
     adagrad = "EXACT_ROWWISE_ADAGRAD"
     cases.append(ECCase(f"mixed-dedup-{adagrad}", TABLES, plans()["mixed"], adagrad, dedup=True, steps=10))
     return cases

@@ -115,4 +115,7 @@ def run_suite(rank: int, world: int) -> dict[str, Any]:
         # uneven column blocks (size_per_rank) saved, loaded into equal blocks / row-wise / table-wise / grid
         "keys_and_load_uneven": keys_and_load_cases(rank, world, "column_wise_uneven"),
         "dcp_uneven_adagrad": dcp_case(rank, world, "EXACT_ROWWISE_ADAGRAD", "column_wise_uneven"),
+        # uneven row blocks (sizes_placement, a rank without rows) saved, loaded into the other plan
+        "keys_and_load_uneven_rows": keys_and_load_cases(rank, world, "row_wise_uneven"),
+        "dcp_uneven_rows_adam": dcp_case(rank, world, "ADAM", "row_wise_uneven"),
     }

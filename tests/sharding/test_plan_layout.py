@@ -125,10 +125,28 @@ def test_plan_that_does_not_lay_out_the_table_names_it(plan: dict, message: str)
         _check(plan)
 
 
-def test_row_blocks_must_be_the_input_dists_blocks() -> None:
-    # rows [0, 3) and [3, 7) tile the table, but the input dist sends ids by blocks of ceil(7 / 2) = 4 rows
+def test_uneven_row_wise_blocks_are_accepted() -> None:
+    # rows [0, 3) and [3, 7): the input dist bucketizes by these row boundaries
     plan = _edited(row_wise(compute_kernel="dense"), _set(0, "shard_sizes", [3, 8]))
     plan["t1"].sharding_spec.shards[1].shard_offsets = [3, 0]
     plan["t1"].sharding_spec.shards[1].shard_sizes = [4, 8]
-    with pytest.raises(ValueError, match="table 't1': row_wise shard 0 holds rows \\[0, 3\\) but the input dist"):
+    _check(plan)
+    _check(_plan(row_wise(([0, 7], "cpu"), compute_kernel="dense")))
+
+
+def test_row_wise_blocks_must_follow_rank_order() -> None:
+    plan = _plan(row_wise(([4, 3], "cpu"), compute_kernel="dense"))
+    shards = plan["t1"].sharding_spec.shards  # rank 0 gets rows [4, 7), rank 1 rows [0, 4)
+    shards[0].shard_offsets, shards[0].shard_sizes = [4, 0], [3, 8]
+    shards[1].shard_offsets, shards[1].shard_sizes = [0, 0], [4, 8]
+    with pytest.raises(ValueError, match="table 't1': row_wise shard 0 holds rows \\[4, 7\\) but the input dist"):
+        _check(plan)
+
+
+def test_table_row_wise_blocks_must_be_the_input_dists_blocks() -> None:
+    # rows [0, 3) and [3, 7) tile the table, but table-row-wise sends ids by blocks of ceil(7 / 2) = 4 rows
+    plan = _edited(table_row_wise(0, "dense"), _set(0, "shard_sizes", [3, 8]))
+    plan["t1"].sharding_spec.shards[1].shard_offsets = [3, 0]
+    plan["t1"].sharding_spec.shards[1].shard_sizes = [4, 8]
+    with pytest.raises(ValueError, match="table 't1': table_row_wise shard 0 holds rows \\[0, 3\\) .*ceil\\(7 / 2\\)"):
         _check(plan)

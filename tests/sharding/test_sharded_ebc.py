@@ -2,7 +2,8 @@
 (2 ranks; table-row-wise, grid and a subset on 4 ranks as 2 nodes x 2): forward and gradients at the same weights
 (dense kernel, sum / mean / weighted pooling), weights and optimizer state after 10 fused steps of SGD, rowwise
 Adagrad, Adam and per-element Adagrad. Global batches are split unevenly across ranks, have empty bags, dims 1/3/8/64
-and a table with fewer rows than ranks. Rank-side code: ebc_cases.py.
+and a table with fewer rows than ranks; uneven row blocks (``row_wise(sizes_placement=...)``, ranks holding no rows
+of a table) and uneven column blocks. Rank-side code: ebc_cases.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """ShardedEmbeddingCollection on 2 gloo ranks against the unsharded EC on the same global batch: every sequence
-sharding type (row-wise on CPU too), dense forward and gradients, 10 fused steps of SGD / rowwise Adagrad / Adam,
-index dedup, a mixed plan with dims 1/3/8/64, and the fp16 codec on the sequence all-to-all.
-Rank-side code: ec_cases.py."""
+sharding type (row-wise on CPU too, with even and uneven row blocks), dense forward and gradients, 10 fused steps of
+SGD / rowwise Adagrad / Adam, index dedup, a mixed plan with dims 1/3/8/64, and the fp16 codec on the sequence
+all-to-all. Rank-side code: ec_cases.py."""
 
 from __future__ import annotations
 

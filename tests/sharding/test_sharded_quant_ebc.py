@@ -1,8 +1,8 @@
 """ShardedQuantEmbeddingBagCollection over the "devices" of one process (all CPU here, as torchrec's inference
 sharding on one host): table-wise and column-wise outputs are bit-identical to the unsharded QuantEBC (shards keep
-the unsharded codes, scales and biases), row-wise equal up to the order of partial sums (mean: global lengths), for
-INT8 and INT4 (the latter weighted), 2 and 3 devices, and for INT2 / FP16 / FP32 tables mixed with INT8 / INT4 ones
-in one collection on 2 devices; unsupported plans raise clear errors."""
+the unsharded codes, scales and biases), row-wise (even and uneven row blocks) equal up to the order of partial sums
+(mean: global lengths), for INT8 and INT4 (the latter weighted), 2 and 3 devices, and for INT2 / FP16 / FP32 tables
+mixed with INT8 / INT4 ones in one collection on 2 devices; unsupported plans raise clear errors."""
 
 from __future__ import annotations
 
@@ -45,13 +45,18 @@ def _plan(kind: str, world: int) -> dict:
         return {t: table_wise(rank=i % world) for i, (t, *_) in enumerate(TABLES)}
     if kind == "row_wise":
         return {t: row_wise() for t, *_ in TABLES}
+    if kind == "row_wise_uneven":  # sizes_placement on 3 devices: devices without rows of t0, t1, t2
+        sizes = {"t0": [0, 8, 4], "t1": [0, 0, 1], "t2": [9, 0, 0]}
+        return {t: row_wise((sizes[t], "cpu")) for t, *_ in TABLES}
     if kind == "column_wise":  # t2: 6 columns in three blocks on repeated devices
         return {"t0": column_wise(ranks=[world - 1, 0]), "t1": table_wise(rank=0), "t2": column_wise(ranks=[0, 1, 0])}
     return {"t0": row_wise(), "t1": table_wise(rank=world - 1), "t2": column_wise(ranks=[1, 0, 1])}
 
 
 @pytest.mark.parametrize("data_type", [DataType.INT8, DataType.INT4])
-@pytest.mark.parametrize(("kind", "world"), [("table_wise", 2), ("row_wise", 3), ("column_wise", 2), ("mixed", 3)])
+@pytest.mark.parametrize(
+    ("kind", "world"), [("table_wise", 2), ("row_wise", 3), ("row_wise_uneven", 3), ("column_wise", 2), ("mixed", 3)]
+)
 def test_sharded_quant_ebc_matches_unsharded(kind: str, world: int, data_type: DataType) -> None:
     weighted = data_type == DataType.INT4
     qebc = _quant_ebc(data_type, weighted)

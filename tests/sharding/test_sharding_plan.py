@@ -180,6 +180,24 @@ def test_device_arguments_name_the_placement_device() -> None:
     assert [str(s.placement) for s in plan["t1"].shards] == ["rank:0/cpu", "rank:1/cuda:1"]
 
 
+def test_row_wise_sizes_placement_gives_uneven_row_blocks() -> None:
+    plan = _cpu_plan(
+        {"t0": row_wise(([4, 0, 5, 1], "cpu")), "t1": row_wise(([0, 10, 0, 0], ["cpu", "cuda", "cpu", "cuda"]))}
+    )
+    assert plan["t0"].sharding_type == "row_wise" and plan["t0"].ranks == [0, 1, 2, 3]
+    assert [list(s.shard_sizes) for s in plan["t0"].shards] == [[4, 4], [0, 4], [5, 4], [1, 4]]
+    assert [list(s.shard_offsets) for s in plan["t0"].shards] == [[0, 0], [4, 0], [4, 0], [9, 0]]
+    assert [str(s.placement) for s in plan["t0"].shards] == [f"rank:{r}/cpu" for r in range(4)]
+    assert [list(s.shard_offsets) for s in plan["t1"].shards] == [[0, 0], [0, 0], [10, 0], [10, 0]]
+    assert [str(s.placement) for s in plan["t1"].shards] == [
+        "rank:0/cpu",
+        "rank:1/cuda:1",
+        "rank:2/cpu",
+        "rank:3/cuda:1",
+    ]
+    assert plan["t0"].compute_kernel == "fused"  # the sharder's default, as for row_wise()
+
+
 def test_row_wise_num_buckets_accepted_where_it_keeps_the_ceil_layout() -> None:
     plan = _cpu_plan({"t0": row_wise(num_buckets=8), "t1": row_wise(num_buckets=4)}, rows=16)
     assert [s.shard_sizes[0] for s in plan["t0"].shards] == [4, 4, 4, 4]
@@ -196,8 +214,21 @@ def test_row_wise_num_buckets_accepted_where_it_keeps_the_ceil_layout() -> None:
         (lambda: column_wise([0, 1], [2, 1, 1]), r"ranks=\[0, 1\] and size_per_rank=\[2, 1, 1\] must have the same"),
         (lambda: column_wise([0], device_types="cpu"), r"device_types must name device types .*'cpu'"),
         (lambda: table_wise(0, "fused"), r"device must name device types .*device='fused' .*pass compute_kernel="),
-        (lambda: row_wise(([5, 5], "cpu")), r"row_wise\(sizes_placement=\(\[5, 5\], 'cpu'\)\) is not supported"),
-        (lambda: row_wise("dense"), r"sizes_placement='dense'\) is not supported \(a compute kernel name\? pass"),
+        (lambda: row_wise("dense"), r"got sizes_placement='dense' \(a compute kernel name\? pass compute_kernel="),
+        (lambda: row_wise(([5, 5],)), r"sizes_placement must be \(rows per rank, device type\), got .*\(\[5, 5\],\)"),
+        (lambda: row_wise(([], "cpu")), r"sizes_placement\[0\] must be a non-empty list .*got \[\]"),
+        (
+            lambda: row_wise(([5, -1], "cpu")),
+            r"sizes_placement must be a list of non-negative .*got sizes_placement=-1",
+        ),
+        (lambda: row_wise(([5, 2.5], "cpu")), r"sizes_placement must be .*got sizes_placement=2.5"),
+        (
+            lambda: row_wise(([5, 5], "fused")),
+            r"sizes_placement\[1\] must name device types .*'fused' .*compute_kernel=",
+        ),
+        (lambda: row_wise(([5, 5], None)), r"sizes_placement\[1\] must name device types .*=None"),
+        (lambda: row_wise(([5, 5], ["cpu"])), r"sizes_placement\[1\]=\['cpu'\] must name one device type per row"),
+        (lambda: row_wise(([5, 5], "cpu"), num_buckets=2), r"sizes_placement or num_buckets, got both"),
         (lambda: row_wise(num_buckets=0), r"num_buckets must be .*got num_buckets=0"),
     ],
 )
@@ -216,6 +247,11 @@ def test_generator_arguments_are_checked_when_made(make, message: str) -> None: 
         ({"t0": row_wise(num_buckets=2), "t1": row_wise()}, r"t0.*num_buckets=2 must be >= world_size 4"),
         ({"t0": row_wise(num_buckets=4), "t1": row_wise()}, r"t0.*num_buckets=4 must divide the table's 10 rows"),
         ({"t0": row_wise(num_buckets=5), "t1": row_wise()}, r"t0.*num_buckets=5 places rows \[4, 2, 2, 2\]"),
+        (
+            {"t0": row_wise(([5, 4, 0, 0], "cpu")), "t1": row_wise()},
+            r"t0.*sizes_placement=\[5, 4, 0, 0\] sums to 9 rows",
+        ),
+        ({"t0": row_wise(), "t1": row_wise(([5, 5], "cpu"))}, r"t1.*sizes_placement gives 2 row counts \[5, 5\]; .*4"),
     ],
 )
 def test_impossible_uneven_plans_name_table_and_argument(generators: dict, message: str) -> None:
