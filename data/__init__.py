@@ -27,6 +27,7 @@ from tritonrec.data.keyed_jagged_tensor import KeyedJaggedTensor, kjt_is_equal
 from tritonrec.data.keyed_tensor import KeyedTensor
 from tritonrec.data.loader import ShardedBatchDataset, make_rank_loader
 from tritonrec.data.multihost import MultiHostDataLoadIterator
+from tritonrec.data.random_dataset import RandomRecDataset
 from tritonrec.data.sharding import Shard
 from tritonrec.data.synthetic import SyntheticRecSource
 
@@ -54,6 +55,7 @@ __all__ = [
     "KeyedTensor",
     "MalformedLineError",
     "MultiHostDataLoadIterator",
+    "RandomRecDataset",
     "RecElement",
     "SequencePackingArgs",
     "Shard",
