@@ -1,9 +1,10 @@
 """``fused_params``: what a sharder passes to the local lookups (torchrec's / FBGEMM TBE's key names).
 
 Keys: ``optimizer`` (an ``OptimType``, its name, or ``torch.optim.SGD`` / ``Adam`` / ``Adagrad``), ``learning_rate``
-(or ``lr``), ``eps``, ``beta1``, ``beta2``, ``weight_decay``, ``stochastic_rounding``, ``bounds_check_mode`` (a
-``BoundsCheckMode``), ``weights_precision`` (a ``DataType``: the storage type of every table), and ours, ``backend``
-(``"auto"``/``"triton"``/``"torch"``). An unknown key raises ``ValueError`` naming it.
+(or ``lr``), ``eps``, ``beta1``, ``beta2``, ``weight_decay``, ``initial_accumulator_value`` (where the Adagrad rules'
+state starts), ``stochastic_rounding``, ``bounds_check_mode`` (a ``BoundsCheckMode``), ``weights_precision`` (a
+``DataType``: the storage type of every table), and ours, ``backend`` (``"auto"``/``"triton"``/``"torch"``). An
+unknown key raises ``ValueError`` naming it.
 
 A ``FusedEmbeddingBagCollection`` / ``FusedEmbeddingCollection`` carries its own optimizer; ``fused_params`` may
 override its hyperparameters.
@@ -20,7 +21,13 @@ from tritonrec.kernels.embedding.optim_state import hyperparameter_names
 from tritonrec.modules.embedding_configs import DataType
 from tritonrec.modules.fused_embedding_modules import resolve_optimizer_type
 
-_HYPERPARAMS = {"learning_rate": "lr", "lr": "lr", "eps": "eps", "weight_decay": "weight_decay"}
+_HYPERPARAMS = {
+    "learning_rate": "lr",
+    "lr": "lr",
+    "eps": "eps",
+    "weight_decay": "weight_decay",
+    "initial_accumulator_value": "initial_accumulator_value",
+}
 _KNOWN = {
     "optimizer",
     "beta1",

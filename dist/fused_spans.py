@@ -93,15 +93,25 @@ class SpanRows:
         return out
 
 
-def _table_rows(grad: torch.Tensor | None, dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rows [U], values [U, dim])`` of one table's gradient: coalesced sparse (the lookup's), dense, or none."""
+def _table_rows(
+    grad: torch.Tensor | None, dim: int, device: torch.device, label: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows [U], values [U, dim])`` of one table's gradient: coalesced sparse (the lookup's), or none (no lookup
+    read the table).
+
+    The touched rows are the sparse gradient's indices, i.e. the ids the lookup read, kept even where a row's
+    gradient is exactly zero (its upstream gradient was zero): the rule still applies to it (weight decay, Adam's
+    moments), as in the unsharded module. A dense gradient cannot tell such a row from an untouched one, so it is
+    refused rather than guessed from nonzero values."""
     if grad is None:
         return torch.zeros(0, dtype=torch.int64, device=device), torch.zeros(0, dim, device=device)
-    if grad.is_sparse:
-        grad = grad.coalesce()  # the lookup's are coalesced already: no work
-        return grad.indices()[0], grad.values()
-    touched = (grad != 0).any(dim=1).nonzero().squeeze(1)
-    return touched, grad.index_select(0, touched)
+    if not grad.is_sparse:
+        raise TypeError(
+            f"{label}: the sharded fused update needs the lookup's sparse row gradient (its touched rows are "
+            f"the ids the lookup read), got a dense gradient of shape {list(grad.shape)}"
+        )
+    grad = grad.coalesce()  # the lookup's are coalesced already: no work
+    return grad.indices()[0], grad.values()
 
 
 def _concat_rows(values: list[torch.Tensor], dim: int) -> torch.Tensor:
@@ -127,7 +137,7 @@ def span_rows(span: WidthSpan, grads: Sequence[torch.Tensor | None]) -> SpanRows
     layout = span.group.layout
     rows, values = [], []
     for t, grad in zip(range(span.first, span.end), grads, strict=True):
-        r, v = _table_rows(grad, span.dim, device)
+        r, v = _table_rows(grad, span.dim, device, f"table {t} {layout.tables[t].name!r}")
         shift = layout.table_row_offsets[t] - span.first_row
         rows.append(r + shift if shift else r)
         values.append(v)

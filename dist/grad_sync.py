@@ -38,11 +38,13 @@ class _TableGradSink(torch.autograd.Function):
     """Per-table views of flat weight buffers whose backward hands all tables' gradients to ``handler``.
 
     ``trigger`` is an empty leaf that requires grad, so the views (and the lookup's output) require grad and the
-    backward runs even though the buffers themselves never do."""
+    backward runs even though the buffers themselves never do. A table no lookup read gets ``None``, not zeros: the
+    handlers take the touched rows from the lookup's sparse gradients (its ids), never from nonzero values."""
 
     @staticmethod
     def forward(ctx: Any, handler: GradHandler, trigger: torch.Tensor, layouts: Any, *flats: torch.Tensor) -> Any:
         ctx.handler = handler
+        ctx.set_materialize_grads(False)
         return tuple(layout.table_view(flat, t) for layout, flat in zip(layouts, flats, strict=True)
                      for t in range(layout.num_tables))  # fmt: skip
 

@@ -25,10 +25,11 @@ from torch import nn
 
 from tritonrec.kernels.backend import Backend
 from tritonrec.kernels.embedding import BoundsCheckMode, FusedOptimizerState, OptimType, create_fused_optimizer_state
-from tritonrec.kernels.embedding.optim_state import check_hyperparameters
+from tritonrec.kernels.embedding.optim_state import check_hyperparameters, reset_fused_state
 from tritonrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
 from tritonrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from tritonrec.modules.table_batched import TableGroup
+from tritonrec.modules.torch_optimizer_args import torch_optimizer_kwargs
 from tritonrec.optim.keyed import EmptyFusedOptimizer, KeyedOptimizer
 
 # the torchrec marker on fused tables' parameters (``in_backward_optimizer_filter`` reads it); one shared instance
@@ -196,6 +197,8 @@ class _FusedMixin:
         if optimizer_kwargs is not None and not isinstance(optimizer_kwargs, Mapping):
             raise TypeError(f"optimizer_kwargs must be a dict, got {type(optimizer_kwargs).__name__}")
         kwargs = dict(optimizer_kwargs or {})
+        if optimizer_type in _TORCH_RULES:  # the torch class's keywords: defaults dropped, the rest refused
+            kwargs = torch_optimizer_kwargs(optimizer_type, optim, kwargs)  # type: ignore[arg-type]
         states: list[FusedOptimizerState] = []
         for seed, group in enumerate(self._groups):
             state = create_fused_optimizer_state(group.layout, optim, device, stochastic_rounding, seed, **kwargs)
@@ -209,14 +212,12 @@ class _FusedMixin:
 
     def reset_parameters(self) -> None:
         """Re-draw every table from its config's ``init_fn`` (as the plain collection does) and return the fused
-        optimizer state to a freshly built module's: momenta and step counts zero, stochastic rounding's update
-        count back to 0 (the same random stream again). Hyperparameters (``param_groups[0]``) are kept."""
+        optimizer state to a freshly built module's: step counts and Adam's moments zero, Adagrad's sums at
+        ``initial_accumulator_value``, stochastic rounding's update count back to 0 (the same random stream again).
+        Hyperparameters (``param_groups[0]``) are kept."""
         super().reset_parameters()  # type: ignore[misc]
-        with torch.no_grad():
-            for state in self._fused_states:
-                for tensor in state.state_tensors().values():
-                    tensor.zero_()
-                state.updates = 0
+        for state in self._fused_states:
+            reset_fused_state(state)
 
     def _ensure_packed(self) -> bool:
         repacked = super()._ensure_packed()  # type: ignore[misc]
@@ -248,7 +249,9 @@ class FusedEmbeddingBagCollection(_FusedMixin, EmbeddingBagCollection):
         tables, is_weighted, device, bounds_check, backend: as for :class:`EmbeddingBagCollection`.
         optimizer_type: ``OptimType.EXACT_SGD`` / ``EXACT_ROWWISE_ADAGRAD`` / ``EXACT_ADAGRAD`` / ``ADAM`` (or
             ``torch.optim.SGD`` / ``torch.optim.Adagrad`` / ``torch.optim.Adam``).
-        optimizer_kwargs: ``lr``, ``eps``, ``betas``, ``weight_decay`` as the rule takes them.
+        optimizer_kwargs: ``lr``, ``eps``, ``betas``, ``weight_decay`` (and the Adagrad rules'
+            ``initial_accumulator_value``) as the rule takes them; with a torch optimizer class, that class's
+            keywords (:mod:`~tritonrec.modules.torch_optimizer_args`).
         stochastic_rounding: round fp16 / bf16 weights stochastically after each update (else to nearest).
     """
 

@@ -41,11 +41,12 @@ _OPTIM_CODE = {
 PER_ELEMENT_MOMENTUM1 = frozenset({OptimType.ADAM, OptimType.EXACT_ADAGRAD})
 _DEFAULTS: dict[OptimType, dict[str, Any]] = {
     OptimType.EXACT_SGD: {"lr": 0.01, "weight_decay": 0.0},
-    OptimType.EXACT_ROWWISE_ADAGRAD: {"lr": 0.01, "eps": 1e-8, "weight_decay": 0.0},
+    # initial_accumulator_value: what momentum1 starts at (and returns to on reset), torch.optim.Adagrad's argument
+    OptimType.EXACT_ROWWISE_ADAGRAD: {"lr": 0.01, "eps": 1e-8, "weight_decay": 0.0, "initial_accumulator_value": 0.0},
     OptimType.ADAM: {"lr": 0.001, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},
     # FBGEMM's EXACT_ADAGRAD ignores weight_decay (in every weight_decay_mode); ours adds it as L2, like
     # torch.optim.Adagrad (torchrec's spelling of this rule); at the default 0 the rules are the same
-    OptimType.EXACT_ADAGRAD: {"lr": 0.01, "eps": 1e-8, "weight_decay": 0.0},
+    OptimType.EXACT_ADAGRAD: {"lr": 0.01, "eps": 1e-8, "weight_decay": 0.0, "initial_accumulator_value": 0.0},
 }
 
 
@@ -101,15 +102,15 @@ def _is_number(value: object) -> bool:
 
 
 def check_hyperparameters(hyperparams: Mapping[str, Any], where: str = "") -> None:
-    """Raise ``ValueError`` naming the field when ``lr``, ``eps`` or ``weight_decay`` is not a finite non-negative
-    number, or ``betas`` is not two numbers in ``[0, 1)``. Other keys (``params``, a scheduler's ``initial_lr``) are
-    ignored. ``where`` prefixes the message (``"param_groups[0]: "``).
+    """Raise ``ValueError`` naming the field when ``lr``, ``eps``, ``weight_decay`` or ``initial_accumulator_value``
+    is not a finite non-negative number, or ``betas`` is not two numbers in ``[0, 1)``. Other keys (``params``, a
+    scheduler's ``initial_lr``) are ignored. ``where`` prefixes the message (``"param_groups[0]: "``).
 
     Runs at construction, on ``load_state_dict`` and at every fused update, so a NaN written into ``param_groups``
     stops the next backward before it reaches the weights (NaN compares false with everything and would pass a
     plain ``< 0`` test, turning every touched row into NaN).
     """
-    for name in ("lr", "eps", "weight_decay"):
+    for name in ("lr", "eps", "weight_decay", "initial_accumulator_value"):
         if name in hyperparams:
             value = hyperparams[name]
             if not _is_number(value) or not math.isfinite(float(value)) or float(value) < 0:
@@ -159,7 +160,21 @@ def create_fused_optimizer_state(
     if optim == OptimType.ADAM:
         momentum2 = zeros_table_storage(layout.num_weights, torch.float32, device)
     step = torch.zeros(layout.num_tables, dtype=torch.int64, device=device)
-    return FusedOptimizerState(optim, merged, momentum1, momentum2, step, stochastic_rounding, seed)
+    state = FusedOptimizerState(optim, merged, momentum1, momentum2, step, stochastic_rounding, seed)
+    reset_fused_state(state)
+    return state
+
+
+def reset_fused_state(state: FusedOptimizerState) -> None:
+    """Return ``state`` to a fresh one's: step counts and Adam's moments zero, Adagrad's ``momentum1`` at
+    ``initial_accumulator_value`` (torch.optim.Adagrad's starting sum), the stochastic-rounding stream at its start."""
+    with torch.no_grad():
+        for name, tensor in state.state_tensors().items():
+            if name == "momentum1" and state.optim != OptimType.ADAM:
+                tensor.fill_(float(state.hyperparams.get("initial_accumulator_value", 0.0)))
+            else:
+                tensor.zero_()
+    state.updates = 0
 
 
 @dataclass(frozen=True)

@@ -149,8 +149,10 @@ def test_optimizer_types_and_kwargs():
     assert FusedEmbeddingBagCollection(_tables(), "exact_adagrad", {})._fused_states[0].optim == OptimType.EXACT_ADAGRAD
     with pytest.raises(ValueError, match="optimizer_type=<class 'torch.optim.rmsprop.RMSprop'> cannot be fused"):
         FusedEmbeddingBagCollection(_tables(), torch.optim.RMSprop, {"lr": 0.1})
-    with pytest.raises(ValueError, match=r"EXACT_SGD does not take \['momentum'\]"):
+    with pytest.raises(ValueError, match=r"torch.optim.SGD argument momentum=0.9 cannot be honoured"):
         FusedEmbeddingBagCollection(_tables(), torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
+    with pytest.raises(ValueError, match=r"EXACT_SGD does not take \['momentum'\]"):
+        FusedEmbeddingBagCollection(_tables(), OptimType.EXACT_SGD, {"lr": 0.1, "momentum": 0.9})
     with pytest.raises(TypeError, match="optimizer_kwargs must be a dict, got list"):
         FusedEmbeddingBagCollection(_tables(), torch.optim.SGD, [0.1])
 

@@ -123,7 +123,10 @@ def test_state_is_per_element_and_takes_adagrads_hyperparameters():
     layout = make_layout([3, 5], rows=[4, 2])
     state = create_fused_optimizer_state(layout, OptimType.EXACT_ADAGRAD)
     assert state.momentum1.shape == (layout.num_weights,) and state.momentum2 is None
-    assert state.hyperparams == {"lr": 0.01, "eps": 1e-8, "weight_decay": 0.0}
+    assert state.hyperparams == {"lr": 0.01, "eps": 1e-8, "weight_decay": 0.0, "initial_accumulator_value": 0.0}
+    assert not state.momentum1.any()
+    started = create_fused_optimizer_state(layout, OptimType.EXACT_ADAGRAD, initial_accumulator_value=0.25)
+    assert torch.equal(started.momentum1, torch.full((layout.num_weights,), 0.25))  # torch.optim.Adagrad's state_sum
     with pytest.raises(ValueError, match=r"EXACT_ADAGRAD does not take \['betas'\]"):
         create_fused_optimizer_state(layout, OptimType.EXACT_ADAGRAD, betas=(0.9, 0.99))
     with pytest.raises(ValueError, match=r"eps must be a non-negative number, got eps=-1"):

@@ -1,5 +1,6 @@
 """Rank-side cases around the sharded EBC: bad plans and inputs (each a clear error naming the culprit), sharding a
-module built on the meta device, and gradient division (the default) scaling every sharding's gradient alike."""
+module built on the meta device, gradient division (the default) scaling every sharding's gradient alike, and the
+Adagrad rules' initial_accumulator_value reaching every sharding's state."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from tests.sharding.ebc_cases import (
     make_tables,
     max_diff,
     plans_by_type,
+    run_ebc_case,
     shard_slices,
 )
 
@@ -182,10 +184,22 @@ def options_case(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def initial_accumulator_cases(rank: int, world: int) -> dict[str, dict[str, float]]:
+    """Both Adagrad rules started at ``initial_accumulator_value`` (through ``fused_params``) on every sharding type
+    (row-wise, table-wise, data-parallel, column-wise), 3 steps against the unsharded module started alike."""
+    extra = {"optimizer_kwargs": {"initial_accumulator_value": 0.5}}
+    plans = plans_by_type()["mixed"]
+    cases = [
+        Case(rule, plans, "SUM", False, rule, 3, extra=extra) for rule in ("EXACT_ROWWISE_ADAGRAD", "EXACT_ADAGRAD")
+    ]
+    return {case.name: run_ebc_case(case, rank, world) for case in cases}
+
+
 def run_suite(rank: int, world: int) -> dict[str, Any]:
     return {
         "errors": error_cases(rank, world),
         "meta": meta_case(rank, world),
         "division": division_case(rank, world),
         "options": options_case(rank, world),
+        "initial_accumulator": initial_accumulator_cases(rank, world),
     }

@@ -20,7 +20,16 @@ LOCAL_WORLD_SIZE = {2: 2, 4: 2}
 
 
 def _suites() -> dict[str, tuple[Callable[[int, int], Any], tuple[int, ...]]]:
-    from tests.sharding import ebc_cases, ec_cases, fp_cases, misc_cases, shared_cases, state_cases, wire_cases
+    from tests.sharding import (
+        dp_zero_cases,
+        ebc_cases,
+        ec_cases,
+        fp_cases,
+        misc_cases,
+        shared_cases,
+        state_cases,
+        wire_cases,
+    )
 
     return {
         "ebc": (ebc_cases.run_suite, (2, 4)),
@@ -30,6 +39,7 @@ def _suites() -> dict[str, tuple[Callable[[int, int], Any], tuple[int, ...]]]:
         "fp": (fp_cases.run_suite, (2,)),
         "state": (state_cases.run_suite, (2,)),
         "shared": (shared_cases.run_suite, (2,)),
+        "dp_zero": (dp_zero_cases.run_suite, (2,)),
     }
 
 

@@ -83,6 +83,34 @@ def test_span_rows_reads_back_to_back_gradients_in_place_and_copies_otherwise() 
         spans_rows(spans, grads[:4])
 
 
+def test_span_rows_keeps_rows_read_with_a_zero_gradient_and_refuses_dense_gradients() -> None:
+    # the touched rows are the ids the lookup read: a zero gradient (its bag's upstream gradient was zero) still
+    # gets the rule (weight decay, Adam's moments); a dense gradient cannot tell it from an untouched row
+    group = make_group(OptimType.ADAM, weight_decay=0.1)
+    spans = width_spans([group])
+    grads = sparse_grads(group, 5)
+    zeroed = torch.sparse_coo_tensor(
+        grads[1].indices(),
+        torch.zeros_like(grads[1].values()),
+        grads[1].shape,
+        is_coalesced=True,
+        check_invariants=False,
+    )
+    touched = span_rows(spans[0], [grads[0], zeroed])
+    assert touched.counts == [grads[0]._nnz(), grads[1]._nnz()]
+    assert torch.equal(touched.rows[grads[0]._nnz() :], grads[1].indices()[0] + ROWS[0])
+    before = group.weights.clone()
+    scalars = begin_step(group.state)
+    decayed = decayed_gradient(spans[0], touched, scalars)
+    apply_span_rule(spans[0], type(scalars)(**{**scalars.__dict__, "weight_decay": 0.0}), touched, decayed)
+    table1 = group.layout.table_view(group.weights, 1)
+    moved = (table1 != group.layout.table_view(before, 1)).any(dim=1)
+    assert torch.equal(moved.nonzero().squeeze(1), grads[1].indices()[0])  # exactly the rows read
+    assert span_rows(spans[0], [grads[0], None]).counts == [grads[0]._nnz(), 0]  # no lookup read table 1
+    with pytest.raises(TypeError, match="table 1 't1': .* got a dense gradient of shape \\[5, 4\\]"):
+        span_rows(spans[0], [grads[0], zeroed.to_dense()])
+
+
 def _reference_update(group: FusedTables, grads: list[torch.Tensor], scalars, full: dict[int, torch.Tensor]) -> None:  # type: ignore[no-untyped-def]
     """The textbook rules, one row at a time, each table on its own (independent of the span code)."""
     layout, state = group.layout, group.state

@@ -1,7 +1,7 @@
 """Sharded EBC on 2 gloo ranks: bad plans and inputs raise clear errors naming the culprit; a meta-device module is
 sharded without touching its weights (each shard initialised by its config's init_fn); gradient division scales
-every sharding's gradient by 1/W alike; fused_params (weights precision) and a fused module's own optimizer reach the
-local lookups. Rank-side code: misc_cases.py."""
+every sharding's gradient by 1/W alike; fused_params (weights precision, the Adagrad rules' initial_accumulator_value)
+and a fused module's own optimizer reach the local lookups. Rank-side code: misc_cases.py."""
 
 from __future__ import annotations
 
@@ -76,4 +76,12 @@ def test_a_fused_modules_scheduler_keys_do_not_reach_its_lookups() -> None:
     scheduler.step()
     assert module.fused_optimizer.param_groups[0]["initial_lr"] == 0.2
     options = parse_fused_params(None, module)
-    assert options.fused.hyperparams == {"lr": 0.1, "eps": 1e-3, "weight_decay": 0.0}
+    assert options.fused.hyperparams == {"lr": 0.1, "eps": 1e-3, "weight_decay": 0.0, "initial_accumulator_value": 0.0}
+
+
+@pytest.mark.parametrize("optimizer", ["EXACT_ROWWISE_ADAGRAD", "EXACT_ADAGRAD"])
+def test_initial_accumulator_value_starts_every_shards_state(optimizer: str) -> None:
+    for rank, results in enumerate(suite_results("misc", 2)):
+        got = results["initial_accumulator"][optimizer]
+        assert got["weights"] <= 1e-5, f"rank {rank}: weights differ from the unsharded module by {got['weights']}"
+        assert got["state"] <= 1e-5, f"rank {rank}: optimizer state differs by {got['state']}"
