@@ -44,10 +44,10 @@ def sharder_for(module: nn.Module, sharders: Mapping[type, ModuleSharder[Any]]) 
 
 def dense_only_constraints(module: nn.Module, sharders: Mapping[type, ModuleSharder[Any]]) -> dict[str, Any]:
     """Planner constraints for DistributedModelParallel's default plan: the dense compute kernel only, for every table
-    of a sharded module that has no optimizer to fuse (a plain module, and no ``optimizer`` in its sharder's
-    ``fused_params``). Its tables then train with the caller's optimizer, as the unsharded module's would; the
-    planner would otherwise pick the fused kernel, which has no update to apply (torchrec's falls back to
-    FBGEMM's SGD at lr 0.01, silently; ours raised)."""
+    of a sharded module that has no optimizer to fuse (a plain module, no ``optimizer`` in its sharder's
+    ``fused_params``, and no optimizer applied in backward to the table). Its tables then train with the caller's
+    optimizer, as the unsharded module's would; the planner would otherwise pick the fused kernel, which has no update
+    to apply (torchrec's falls back to FBGEMM's SGD at lr 0.01, silently; ours raised)."""
     from tritonrec.dist.planner.enumerators import fused_optimizer_type
     from tritonrec.dist.planner.types import ParameterConstraints
     from tritonrec.dist.types import EmbeddingComputeKernel
@@ -57,6 +57,7 @@ def dense_only_constraints(module: nn.Module, sharders: Mapping[type, ModuleShar
         sharder = sharder_for(child, sharders)
         if sharder is None or fused_optimizer_type(sharder, child) is not None:
             continue
-        for table in sharder.shardable_parameters(child):
-            constraints[table] = ParameterConstraints(compute_kernels=[EmbeddingComputeKernel.DENSE.value])
+        for table, param in sharder.shardable_parameters(child).items():
+            if fused_optimizer_type(sharder, child, param) is None:  # no optimizer applied in backward either
+                constraints[table] = ParameterConstraints(compute_kernels=[EmbeddingComputeKernel.DENSE.value])
     return constraints

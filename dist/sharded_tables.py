@@ -26,6 +26,7 @@ from tritonrec.data import KeyedJaggedTensor
 from tritonrec.dist.awaitable import Awaitable
 from tritonrec.dist.embedding_lookup import ShardWeight
 from tritonrec.dist.fused_params import LookupOptions, parse_fused_params
+from tritonrec.dist.in_backward import in_backward_fused_params
 from tritonrec.dist.qcomm_protocol import QuantizedCommCodecs
 from tritonrec.dist.sharded_fused_optimizer import NoLocalShardsOptimizer, ShardedEmbeddingFusedOptimizer
 from tritonrec.dist.sharded_state import (
@@ -121,7 +122,8 @@ class ShardedTablesMixin:
     ) -> None:
         env = _check_env(env)
         self._env = env
-        self._options = parse_fused_params(fused_params, module)
+        # a table's optimizer set by torch's apply_optimizer_in_backward (torchrec's recipe) joins fused_params
+        self._options = parse_fused_params(in_backward_fused_params(fused_params, source_weights), module)
         if self._options.weights_precision is not None:
             configs = [dataclasses.replace(c, data_type=self._options.weights_precision) for c in configs]
         self._configs = configs
@@ -132,6 +134,13 @@ class ShardedTablesMixin:
                 raise ValueError(
                     f"table {table.name!r}: the fused compute kernel needs an optimizer: pass "
                     "fused_params={'optimizer': ...} to the sharder (or shard a Fused* module)"
+                )
+            if kernel == EmbeddingComputeKernel.DENSE.value and hasattr(
+                source_weights.get(table.name), "_optimizer_classes"
+            ):
+                raise ValueError(
+                    f"table {table.name!r} has an optimizer applied in backward, which the dense compute kernel would "
+                    "drop (its shards would train with the dense optimizer instead): use compute_kernel='fused'"
                 )
             if kernel == EmbeddingComputeKernel.QUANT.value:
                 raise ValueError(f"table {table.name!r}: the quant compute kernel is for QuantEmbeddingBagCollection")

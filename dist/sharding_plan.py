@@ -164,11 +164,14 @@ def _sharding(
 
 
 def data_parallel(compute_kernel: str | None = None) -> ParameterShardingGenerator:
-    """Replicate the table on every rank (gradients all-reduced)."""
+    """Replicate the table on every rank (gradients all-reduced). The default kernel is dense (torchrec's), or fused
+    for a table that ``apply_optimizer_in_backward`` gave an optimizer (the dense kernel would drop it)."""
 
     def generate(param, local_size, world_size, device_type, sharder):  # type: ignore[no-untyped-def]
         ranks = list(range(world_size))
         kernel = compute_kernel or EmbeddingComputeKernel.DENSE.value
+        if compute_kernel is None and hasattr(param, "_optimizer_classes"):
+            kernel = _default_kernel(sharder, ShardingType.DATA_PARALLEL.value, device_type)
         return _sharding(param, ShardingType.DATA_PARALLEL, ranks, local_size, world_size, device_type, sharder, kernel)
 
     return generate

@@ -6,7 +6,9 @@ The enumerator relies only on the :class:`~tritonrec.dist.types.ModuleSharder` i
 ``shardable_parameters``, ``sharding_types``, ``compute_kernels``, ``storage_usage``), plus two things a module may
 tell: its table configs (``embedding_bag_configs()`` -> pooled, ``embedding_configs()`` -> sequence; for each table's
 feature count and output dim) and ``is_weighted()``. The fused optimizer whose state a ``fused`` shard carries comes
-from the sharder's ``fused_params["optimizer"]`` (torchrec's key) or the module's own ``fused_optimizer``.
+from the optimizer ``apply_optimizer_in_backward`` put on the table (torchrec's recipe; such a table is offered no
+dense kernel, which would drop it), the sharder's ``fused_params["optimizer"]`` (torchrec's key) or the module's own
+``fused_optimizer``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from tritonrec.dist.planner.types import (
     Topology,
 )
 from tritonrec.dist.sharding_plan import calculate_shard_sizes_and_offsets
-from tritonrec.dist.types import ModuleSharder, ShardingType
+from tritonrec.dist.types import EmbeddingComputeKernel, ModuleSharder, ShardingType
 from tritonrec.kernels.checks import check_int
 from tritonrec.modules.fused_embedding_modules import resolve_optimizer_type
 
@@ -82,9 +84,13 @@ def _table_config(module: nn.Module, name: str) -> tuple[Any, bool]:
     return None, True
 
 
-def fused_optimizer_type(sharder: ModuleSharder[Any], module: nn.Module) -> Any:
-    """The optimizer a fused kernel would apply to ``module``'s tables: the sharder's ``fused_params``, else the
-    module's own fused optimizer (the inner EBC's, for a feature-processed one); None when neither has one."""
+def fused_optimizer_type(sharder: ModuleSharder[Any], module: nn.Module, param: nn.Parameter | None = None) -> Any:
+    """The optimizer a fused kernel would apply to ``module``'s tables: the one ``apply_optimizer_in_backward`` put
+    on ``param``, else the sharder's ``fused_params``, else the module's own fused optimizer (the inner EBC's, for a
+    feature-processed one); None when none has one."""
+    in_backward = getattr(param, "_optimizer_classes", None)
+    if in_backward:
+        return resolve_optimizer_type(in_backward[0])
     fused_params = getattr(sharder, "fused_params", None) or {}
     for key in ("optimizer", "optimizer_type"):
         if key in fused_params:
@@ -174,13 +180,17 @@ class EmbeddingEnumerator:
         pooling = _per_feature(name, "pooling factors", c.pooling_factors if c else None, features, 1.0)
         poolings = _per_feature(name, "num_poolings", c.num_poolings if c else None, features, 1.0)
         batches = _per_feature(name, "batch sizes", c.batch_sizes if c else None, features, self._batch_size)
-        optimizer = fused_optimizer_type(sharder, module)
+        optimizer = fused_optimizer_type(sharder, module, param)
+        # the dense kernel would drop an optimizer applied in backward (the sharded module refuses that plan)
+        in_backward = hasattr(param, "_optimizer_classes")
         device = topo.compute_device
         for sharding_type in sharder.sharding_types(device):
             if c is not None and c.sharding_types is not None and sharding_type not in c.sharding_types:
                 continue
             for kernel in sharder.compute_kernels(sharding_type, device):
                 if c is not None and c.compute_kernels is not None and kernel not in c.compute_kernels:
+                    continue
+                if in_backward and kernel == EmbeddingComputeKernel.DENSE.value:
                     continue
                 for n in self._column_shard_counts(sharding_type, dim, c):
                     sizes, offsets = calculate_shard_sizes_and_offsets(

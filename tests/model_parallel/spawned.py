@@ -24,7 +24,7 @@ LOCAL_WORLD_SIZE = {2: 2, 4: 2}
 
 
 def _suites() -> dict[str, tuple[Callable[..., Any], tuple[int, ...]]]:
-    from tests.model_parallel import api_cases, checkpoint_cases, dlrm_cases, fused_state_cases
+    from tests.model_parallel import api_cases, checkpoint_cases, dlrm_cases, fused_state_cases, in_backward_cases
 
     return {
         "memory": (api_cases.run_memory_suite, (2,)),
@@ -32,6 +32,7 @@ def _suites() -> dict[str, tuple[Callable[..., Any], tuple[int, ...]]]:
         "dlrm": (dlrm_cases.run_suite, (2, 4)),
         "checkpoint_save": (checkpoint_cases.run_save_suite, (2,)),
         "fused_state": (fused_state_cases.run_suite, (2,)),
+        "in_backward": (in_backward_cases.run_suite, (2,)),
         "checkpoint_reshard": (checkpoint_cases.run_reshard_suite, (4,)),
     }
 

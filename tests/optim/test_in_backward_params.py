@@ -1,0 +1,82 @@
+"""``apply_optimizer_in_backward``'s marks on a table -> the sharded module's ``fused_params`` (rank-free parts of
+dist/in_backward.py; the 2-rank training is tests/model_parallel/test_dmp_in_backward.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.optim import _apply_optimizer_in_backward
+
+from tritonrec.dist.in_backward import in_backward_fused_params, torch_optimizer_fused_params
+from tritonrec.kernels.embedding import OptimType
+
+
+def _marked(optimizer: type, kwargs: dict, times: int = 1) -> torch.nn.Parameter:
+    param = torch.nn.Parameter(torch.zeros(3, 2))
+    for _ in range(times):
+        _apply_optimizer_in_backward(optimizer, [param], kwargs)
+    return param
+
+
+def test_left_out_hyperparameters_take_the_torch_class_defaults() -> None:
+    assert torch_optimizer_fused_params(torch.optim.SGD, {}, "t") == {
+        "optimizer": OptimType.EXACT_SGD, "lr": 1e-3, "weight_decay": 0
+    }  # fmt: skip
+    adagrad = torch_optimizer_fused_params(torch.optim.Adagrad, {"lr": 0.5}, "t")
+    assert adagrad == {
+        "optimizer": OptimType.EXACT_ADAGRAD, "lr": 0.5, "eps": 1e-10, "weight_decay": 0, "initial_accumulator_value": 0
+    }  # fmt: skip
+    adam = torch_optimizer_fused_params(torch.optim.Adam, {"betas": (0.5, 0.75), "weight_decay": 0.1}, "t")
+    assert adam["optimizer"] == OptimType.ADAM and (adam["beta1"], adam["beta2"]) == (0.5, 0.75)
+    assert adam["lr"] == 1e-3 and adam["eps"] == 1e-8 and adam["weight_decay"] == 0.1
+
+
+def test_initial_accumulator_value_reaches_the_adagrad_rules() -> None:
+    got = torch_optimizer_fused_params(torch.optim.Adagrad, {"initial_accumulator_value": 0.25}, "t")
+    assert got["initial_accumulator_value"] == 0.25
+
+
+def test_implementation_choices_of_torch_are_accepted() -> None:
+    for optimizer in (torch.optim.SGD, torch.optim.Adam, torch.optim.Adagrad):
+        got = torch_optimizer_fused_params(optimizer, {"lr": 0.1, "foreach": True, "fused": False}, "t")
+        assert got["lr"] == 0.1 and "foreach" not in got and "fused" not in got
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "kwargs", "message"),
+    [
+        (torch.optim.SGD, {"momentum": 0.9}, "momentum=0.9"),
+        (torch.optim.SGD, {"nesterov": True, "momentum": 0.5}, "nesterov=True"),
+        (torch.optim.Adam, {"capturable": True}, "capturable=True"),
+        (torch.optim.SGD, {"maximize": True}, "maximize=True"),
+        (torch.optim.Adam, {"amsgrad": True}, "amsgrad=True"),
+        (torch.optim.Adagrad, {"lr_decay": 0.1}, "lr_decay=0.1"),
+        (torch.optim.Adagrad, {"differentiable": True}, "differentiable=True"),
+    ],
+)
+def test_what_a_fused_rule_cannot_apply_is_refused_by_name(optimizer, kwargs, message) -> None:
+    with pytest.raises(ValueError, match=f"table 't3'.*{message}"):
+        torch_optimizer_fused_params(optimizer, kwargs, "table 't3'")
+
+
+def test_unknown_keywords_and_classes_are_refused() -> None:
+    with pytest.raises(ValueError, match="SGD takes no argument 'betas'"):
+        torch_optimizer_fused_params(torch.optim.SGD, {"betas": (0.9, 0.9)}, "t")
+    with pytest.raises(ValueError, match="cannot be fused"):
+        torch_optimizer_fused_params(torch.optim.RMSprop, {}, "t")
+
+
+def test_the_tables_optimizer_overrides_the_sharders_fused_params() -> None:
+    weights = {"a": _marked(torch.optim.Adagrad, {"lr": 0.3}), "b": _marked(torch.optim.Adagrad, {"lr": 0.3})}
+    merged = in_backward_fused_params({"optimizer": OptimType.EXACT_SGD, "lr": 9.0, "backend": "torch"}, weights)
+    assert merged["optimizer"] == OptimType.EXACT_ADAGRAD and merged["lr"] == 0.3 and merged["backend"] == "torch"
+    untouched = {"backend": "torch"}
+    assert in_backward_fused_params(untouched, {"a": torch.nn.Parameter(torch.zeros(1, 1))}) is untouched
+
+
+def test_tables_that_disagree_or_carry_two_optimizers_are_refused() -> None:
+    weights = {"a": _marked(torch.optim.Adagrad, {"lr": 0.3}), "b": _marked(torch.optim.Adagrad, {"lr": 0.2})}
+    with pytest.raises(ValueError, match=r"Adagrad\(lr=0.3\) on tables \['a'\]; Adagrad\(lr=0.2\) on tables \['b'\]"):
+        in_backward_fused_params(None, weights)
+    with pytest.raises(ValueError, match="table 'c' has 2 optimizers applied in backward"):
+        in_backward_fused_params(None, {"c": _marked(torch.optim.SGD, {"lr": 0.1}, times=2)})
