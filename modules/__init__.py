@@ -1,8 +1,10 @@
 """nn.Modules with torchrec's names: embedding configs, (fused) embedding bag / sequence collections, feature
-processors, quantized inference collections and the DLRM family. Modules hold parameters and route KJTs; the lookups are
-:mod:`tritonrec.kernels.embedding` ops."""
+processors, quantized inference collections, the DLRM family, the cross nets and DeepFM. Modules hold parameters and
+route KJTs; the lookups are :mod:`tritonrec.kernels.embedding` ops."""
 
 from tritonrec.kernels.embedding import OptimType
+from tritonrec.modules.crossnet import CrossNet, LowRankMixtureCrossNet, VectorCrossNet
+from tritonrec.modules.deepfm import DeepFM, FactorizationMachine
 from tritonrec.modules.dlrm import DLRM, DLRM_DCN, DLRMTrain
 from tritonrec.modules.dlrm_archs import (
     MLP,
@@ -13,6 +15,7 @@ from tritonrec.modules.dlrm_archs import (
     OverArch,
     SparseArch,
 )
+from tritonrec.modules.dlrm_projection import DLRM_Projection, InteractionProjectionArch
 from tritonrec.modules.embedding_configs import (
     BaseEmbeddingConfig,
     BoundsCheckMode,
@@ -34,6 +37,7 @@ from tritonrec.modules.fused_embedding_modules import (
     FusedEmbeddingCollection,
 )
 from tritonrec.modules.quant_embedding_modules import QuantEmbeddingBagCollection
+from tritonrec.modules.simple_deepfm import FMInteractionArch, SimpleDeepFMNN
 
 __all__ = [
     "DLRM",
@@ -41,26 +45,35 @@ __all__ = [
     "MLP",
     "BaseEmbeddingConfig",
     "BoundsCheckMode",
+    "CrossNet",
     "DLRMTrain",
+    "DLRM_Projection",
     "DataType",
+    "DeepFM",
     "DenseArch",
     "EmbeddingBagCollection",
     "EmbeddingBagConfig",
     "EmbeddingCollection",
     "EmbeddingConfig",
     "EmbeddingFusedOptimizer",
+    "FMInteractionArch",
+    "FactorizationMachine",
     "FeatureProcessedEmbeddingBagCollection",
     "FusedEmbeddingBagCollection",
     "FusedEmbeddingCollection",
     "InteractionArch",
     "InteractionDCNArch",
+    "InteractionProjectionArch",
     "LowRankCrossNet",
+    "LowRankMixtureCrossNet",
     "OptimType",
     "OverArch",
     "PoolingType",
     "PositionWeightedModule",
     "PositionWeightedModuleCollection",
     "QuantEmbeddingBagCollection",
+    "SimpleDeepFMNN",
     "SparseArch",
+    "VectorCrossNet",
     "data_type_to_dtype",
 ]

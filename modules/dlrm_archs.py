@@ -18,6 +18,7 @@ from tritonrec.kernels.checks import check_int
 from tritonrec.modules.embedding_configs import get_embedding_names
 from tritonrec.modules.embedding_modules import EmbeddingBagCollection
 from tritonrec.modules.feature_processor import FeatureProcessedEmbeddingBagCollection
+from tritonrec.modules.input_checks import check_dense_input
 from tritonrec.modules.quant_embedding_modules import QuantEmbeddingBagCollection
 
 # Collections whose output KeyedTensor lists the embedding names in config order (what SparseArch reads), so a
@@ -173,7 +174,7 @@ class LowRankCrossNet(nn.Module):
 
     def __init__(self, in_features: int, num_layers: int, low_rank: int = 1) -> None:
         super().__init__()
-        in_features = _check_positive(in_features, "in_features")
+        self._in_features = in_features = _check_positive(in_features, "in_features")
         self._num_layers = _check_positive(num_layers, "num_layers")
         self._low_rank = _check_positive(low_rank, "low_rank")
         self.W_kernels = nn.ParameterList(
@@ -185,6 +186,8 @@ class LowRankCrossNet(nn.Module):
         self.bias = nn.ParameterList([nn.Parameter(torch.zeros(in_features)) for _ in range(num_layers)])
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """``input [B, N]`` -> ``[B, N]``."""
+        check_dense_input(input, "input", f"[B, in_features={self._in_features}]", ndim=2, last_dim=self._in_features)
         x_0 = x_l = input
         for layer in range(self._num_layers):
             projected = nn.functional.linear(nn.functional.linear(x_l, self.V_kernels[layer]), self.W_kernels[layer])
