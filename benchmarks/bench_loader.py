@@ -13,7 +13,7 @@ it loads the files and hashes every id in its constructor, untimed, so its passe
 batches (the loader must reach 3x its samples/s so it never bounds a rank's step).
 
     python benchmarks/bench_loader.py [--rows 122880] [--batch-sizes 2048 8192] [--rounds 5] [--out loader_cpu.csv]
-        [--plot]
+        [--plot] [--cases npy npy_rows npy_hashed ...] [--workers 0]
 
 Batch sizes: 2048 (the criteo_kaggle TSV experiment's) and 8192 (the criteo_terabyte_npy experiment's). One timed
 call is one whole pass over the file (every batch distinct); the train-step bar is timed over 5 steps. The
@@ -65,6 +65,7 @@ from loader_cases import (
     write_tsv,
 )
 
+from tritonrec.data.batch_cache import DataGroup
 from tritonrec.data.criteo import CriteoTSVSource
 from tritonrec.data.criteo_npy import CriteoNPYSource, criteo_tsv_to_npy
 from tritonrec.data.loader import make_rank_loader
@@ -95,67 +96,90 @@ def timing(walls: list[float]) -> dict[str, float]:
     }  # fmt: skip
 
 
-def bench_batch_size(tsv: Path, root: Path, B: int, rounds: int) -> list[dict[str, Any]]:
-    """Every case at batch size ``B``, interleaved; one CSV row each, with its ratios to its anchor and the bar."""
+class Selection:
+    """Which cases run (``--cases`` formats, ``--workers`` counts; ``None``: all); the train-step bar is ``step``."""
+
+    def __init__(self, formats: list[str] | None, workers: list[int] | None) -> None:
+        self.formats, self.workers = formats, workers
+
+    def __call__(self, fmt: str, workers: int = 0) -> bool:
+        fmt_ok = self.formats is None or fmt in self.formats or (fmt.startswith("cache") and "cache" in self.formats)
+        return fmt_ok and (self.workers is None or workers in self.workers)
+
+
+def bench_batch_size(
+    tsv: Path, root: Path, B: int, rounds: int, wanted: Selection | None = None
+) -> list[dict[str, Any]]:
+    """The ``wanted`` cases at batch size ``B``, interleaved; one CSV row each, with its ratios to its anchor and the
+    bar (a case is built only when wanted: the batch caches are filled when built)."""
+    wanted = wanted or Selection(None, None)
     rows_prefix, hashed_prefix = root / "rows" / "day_0", root / "hashed" / "day_0"
     cases: list[tuple[str, str, int, Callable[[], Iterable[Any]]]] = []
     for workers in (0, 1, 2):
-        loaders = {
-            "tsv": make_rank_loader(CriteoTSVSource(tsv, HASH), B, num_workers=workers),
-            "npy": make_rank_loader(CriteoNPYSource(hashed_prefix, HASH), B, num_workers=workers),
-        }
-        cases.append(("tritonrec CriteoTSVSource -> Batch", "tsv", workers, lambda lo=loaders["tsv"]: lo))
-        cases.append(("tritonrec CriteoNPYSource (key-major, hashed when written) -> Batch", "npy", workers,
-                      lambda lo=loaders["npy"]: lo))  # fmt: skip
-    rows_loader = make_rank_loader(CriteoNPYSource(rows_prefix, HASH), B)
-    cases.append(("tritonrec CriteoNPYSource (rows layout, raw ids) -> Batch", "npy_rows", 0, lambda: rows_loader))
-    cases.append(("tritonrec batch cache (defaults: copies, row-major ids) -> Batch", "cache", 0, cached_pass(
-        cached_group(rows_prefix, root / f"cache_{B}", B))))  # fmt: skip
-    cases.append(("tritonrec batch cache (cache_views, cache_key_major ids) -> Batch", "cache_key_major", 0,
-                  cached_pass(cached_group(rows_prefix, root / f"cache_km_{B}", B, tuned=True))))  # fmt: skip
-    cases.append(("tritonrec batch cache (views, key-major; missing id = 0 as torchrec's files)", "cache_one_id", 0,
-                  cached_pass(cached_group(rows_prefix, root / f"cache_zero_{B}", B, True, True))))  # fmt: skip
+        if wanted("tsv", workers):
+            tsv_loader = make_rank_loader(CriteoTSVSource(tsv, HASH), B, num_workers=workers)
+            cases.append(("tritonrec CriteoTSVSource -> Batch", "tsv", workers, lambda lo=tsv_loader: lo))
+        if wanted("npy", workers):
+            npy_loader = make_rank_loader(CriteoNPYSource(hashed_prefix, HASH), B, num_workers=workers)
+            cases.append(("tritonrec CriteoNPYSource (key-major, hashed when written) -> Batch", "npy", workers,
+                          lambda lo=npy_loader: lo))  # fmt: skip
+    if wanted("npy_rows"):
+        rows_loader = make_rank_loader(CriteoNPYSource(rows_prefix, HASH), B)
+        cases.append(("tritonrec CriteoNPYSource (rows layout, raw ids) -> Batch", "npy_rows", 0, lambda: rows_loader))
     kjt_cache = root / f"cache_kjt_{B}"
-    cases.append(("tritonrec batch cache (defaults: copies; ids as a KJTLayout, empty bags)", "cache_kjt", 0,
-                  cached_pass(cached_group(rows_prefix, kjt_cache, B, kjt=True))))  # fmt: skip
-    cases.append(("tritonrec batch cache (cache_views; ids as a KJTLayout, empty bags)", "cache_kjt_views", 0,
-                  cached_pass(cached_group(rows_prefix, kjt_cache, B, tuned=True, kjt=True))))  # fmt: skip
-    cases.append(("tritonrec batch cache (defaults: copies; ids as an int32 KJTLayout, empty bags)", "cache_kjt32",
-                  0, cached_pass(cached_group(rows_prefix, root / f"cache_kjt32_{B}", B, kjt=True,
-                                              ids_dtype=torch.int32))))  # fmt: skip
+    caches: list[tuple[str, str, Callable[[], DataGroup]]] = [
+        ("tritonrec batch cache (defaults: copies, row-major ids) -> Batch", "cache",
+         lambda: cached_group(rows_prefix, root / f"cache_{B}", B)),
+        ("tritonrec batch cache (cache_views, cache_key_major ids) -> Batch", "cache_key_major",
+         lambda: cached_group(rows_prefix, root / f"cache_km_{B}", B, tuned=True)),
+        ("tritonrec batch cache (views, key-major; missing id = 0 as torchrec's files)", "cache_one_id",
+         lambda: cached_group(rows_prefix, root / f"cache_zero_{B}", B, True, True)),
+        ("tritonrec batch cache (defaults: copies; ids as a KJTLayout, empty bags)", "cache_kjt",
+         lambda: cached_group(rows_prefix, kjt_cache, B, kjt=True)),
+        ("tritonrec batch cache (cache_views; ids as a KJTLayout, empty bags)", "cache_kjt_views",
+         lambda: cached_group(rows_prefix, kjt_cache, B, tuned=True, kjt=True)),
+        ("tritonrec batch cache (defaults: copies; ids as an int32 KJTLayout, empty bags)", "cache_kjt32",
+         lambda: cached_group(rows_prefix, root / f"cache_kjt32_{B}", B, kjt=True, ids_dtype=torch.int32)),
+    ]  # fmt: skip
+    cases += [(impl, fmt, 0, cached_pass(group())) for impl, fmt, group in caches if wanted(fmt)]
     anchor_notes: dict[str, str] = {}
     try:
-        theirs = root / "torchrec" / "day_0"
-        cases.append(("anchor: torchrec criteo_kaggle datapipe + Batcher + KJT", "tsv", 0, torchrec_tsv_pass([tsv], B)))
+        theirs, theirs_hashed = root / "torchrec" / "day_0", root / "torchrec_hashed" / "day_0"
+        anchor_cases: list[tuple[str, str, int, Callable[[], Callable[[], Iterable[Any]]]]] = [
+            ("anchor: torchrec criteo_kaggle datapipe + Batcher + KJT", "tsv", 0, lambda: torchrec_tsv_pass([tsv], B)),
+            ("anchor: torchrec InMemoryBinaryCriteoIterDataPipe (mmap_mode) in a DataLoader", "npy", 0,
+             lambda: torchrec_npy_pass(theirs, B, mmap_mode=True, data_loader=True)),
+            # the same work as our key-major reader: files hashed when written, read with hashes=None
+            ("anchor: torchrec InMemoryBinaryCriteoIterDataPipe (mmap_mode, files hashed when written) in a "
+             "DataLoader", "npy_hashed", 0,
+             lambda: torchrec_npy_pass(theirs_hashed, B, mmap_mode=True, data_loader=True, hashed_files=True)),
+            ("torchrec InMemoryBinaryCriteoIterDataPipe (mmap_mode), bare", "npy_bare", 0,
+             lambda: torchrec_npy_pass(theirs, B, mmap_mode=True)),
+            # its default mode, wrapped as the reference DLRM script wraps it (ours run in a DataLoader too), and bare
+            ("anchor: torchrec InMemoryBinaryCriteoIterDataPipe (in memory, pre-hashed) in a DataLoader", "npy_mem", 0,
+             lambda: torchrec_npy_pass(theirs, B, mmap_mode=False, data_loader=True)),
+            ("torchrec InMemoryBinaryCriteoIterDataPipe (in memory, pre-hashed), bare", "npy_mem_bare", 0,
+             lambda: torchrec_npy_pass(theirs, B, mmap_mode=False)),
+        ]  # fmt: skip
         for workers in (1, 2):
-            parts = [tsv] if workers == 1 else split_tsv(tsv, workers)
-            cases.append(("anchor: torchrec CriteoIterDataPipe + Batcher + KJT in a DataLoader (a file per worker)",
-                          "tsv", workers, torchrec_tsv_pass(parts, B, workers)))  # fmt: skip
-            cases.append(("anchor: torchrec InMemoryBinaryCriteoIterDataPipe (mmap_mode), DataLoader, rank = worker",
-                          "npy", workers, torchrec_npy_workers_pass(theirs, B, workers)))  # fmt: skip
-        cases.append(("anchor: torchrec InMemoryBinaryCriteoIterDataPipe (mmap_mode) in a DataLoader", "npy", 0,
-                      torchrec_npy_pass(theirs, B, mmap_mode=True, data_loader=True)))  # fmt: skip
-        # the same work as our key-major reader: files hashed when written, read with hashes=None
-        cases.append(("anchor: torchrec InMemoryBinaryCriteoIterDataPipe (mmap_mode, files hashed when written) in a "
-                      "DataLoader", "npy_hashed", 0, torchrec_npy_pass(root / "torchrec_hashed" / "day_0", B,
-                                                                    mmap_mode=True, data_loader=True,
-                                                                    hashed_files=True)))  # fmt: skip
-        cases.append(("torchrec InMemoryBinaryCriteoIterDataPipe (mmap_mode), bare", "npy_bare", 0,
-                      torchrec_npy_pass(theirs, B, mmap_mode=True)))  # fmt: skip
-        # its default mode, wrapped as the reference DLRM script wraps it (ours run in a DataLoader too), and bare
-        cases.append(("anchor: torchrec InMemoryBinaryCriteoIterDataPipe (in memory, pre-hashed) in a DataLoader",
-                      "npy_mem", 0, torchrec_npy_pass(theirs, B, mmap_mode=False, data_loader=True)))  # fmt: skip
-        cases.append(("torchrec InMemoryBinaryCriteoIterDataPipe (in memory, pre-hashed), bare", "npy_mem_bare", 0,
-                      torchrec_npy_pass(theirs, B, mmap_mode=False)))  # fmt: skip
+            anchor_cases += [
+                ("anchor: torchrec CriteoIterDataPipe + Batcher + KJT in a DataLoader (a file per worker)", "tsv",
+                 workers, lambda w=workers: torchrec_tsv_pass([tsv] if w == 1 else split_tsv(tsv, w), B, w)),
+                ("anchor: torchrec InMemoryBinaryCriteoIterDataPipe (mmap_mode), DataLoader, rank = worker", "npy",
+                 workers, lambda w=workers: torchrec_npy_workers_pass(theirs, B, w)),
+            ]  # fmt: skip
+        cases += [(impl, fmt, workers, make()) for impl, fmt, workers, make in anchor_cases if wanted(fmt, workers)]
     except ImportError as error:
         anchor_notes["tsv"] = anchor_notes["npy"] = f"torchrec anchor unavailable: {error}"
-    runs = [passes(make) for *_, make in cases] + [train_steps(rows_prefix, B, steps=5)]
+    runs = [passes(make) for *_, make in cases]
+    labels = [(impl, fmt, workers) for impl, fmt, workers, _ in cases]
+    if wanted("step"):
+        runs.append(train_steps(rows_prefix, B, steps=5))
+        labels.append(("bar: default DLRM train step (same batches)", "step", 0))
     load = os.getloadavg()[0]
     results = interleaved(runs, rounds)
     load = (load + os.getloadavg()[0]) / 2
     rows_out: list[dict[str, Any]] = []
-    labels = [(impl, fmt, workers) for impl, fmt, workers, _ in cases]
-    labels.append(("bar: default DLRM train step (same batches)", "step", 0))
     for (impl, fmt, workers), (samples, walls, cpus) in zip(labels, results, strict=True):
         wall = timing(walls)
         rows_out.append({
@@ -169,12 +193,12 @@ def bench_batch_size(tsv: Path, root: Path, B: int, rounds: int) -> list[dict[st
         cached: "npy_mem"
         for cached in ("cache", "cache_key_major", "cache_one_id", "cache_kjt", "cache_kjt_views", "cache_kjt32")
     }
-    step = rows_out[-1]
+    step = next((row for row in rows_out if row["format"] == "step"), None)
     for row in rows_out:
         fmt = anchor_of.get(row["format"], row["format"])
         like, in_process = anchors.get((fmt, row["workers"])), anchors.get((fmt, 0))
         for column in ("samples_per_s", "cpu_samples_per_s"):
-            mine, bar = row[column], step[column]
+            mine, bar = row[column], step[column] if step else None
             for suffix, anchor in (("vs_torchrec", like), ("vs_torchrec_in_process", in_process)):
                 theirs_rate = anchor[column] if anchor else None
                 row[f"{column}_{suffix}"] = mine / theirs_rate if mine and theirs_rate else None
@@ -191,7 +215,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="loader_cpu.csv")
     parser.add_argument("--plot", action="store_true")
+    parser.add_argument(
+        "--cases", nargs="+", default=None, metavar="FORMAT",
+        help="run only these formats (ours and anchors): tsv npy npy_rows npy_hashed npy_bare npy_mem npy_mem_bare "
+        "cache (all cache_*) or one cache_* format, step (the train-step bar); default: all",
+    )  # fmt: skip
+    parser.add_argument("--workers", type=int, nargs="+", default=None, help="only these loader worker counts")
     args = parser.parse_args()
+    wanted = Selection(args.cases, args.workers)
     torch.set_num_threads(args.threads)
     rows_out: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench_loader_") as tmp:
@@ -211,19 +242,21 @@ def main() -> None:
         except ImportError:
             pass
         for B in args.batch_sizes:
-            rows_out += bench_batch_size(tsv, root, B, args.rounds)
+            rows_out += bench_batch_size(tsv, root, B, args.rounds, wanted)
     print_table(rows_out, ["impl", "format", "workers", "batch_size", "samples_per_s", "cpu_samples_per_s",
                            "samples_per_s_vs_torchrec", "samples_per_s_vs_torchrec_in_process",
                            "cpu_samples_per_s_vs_torchrec",
                            "samples_per_s_vs_train_step", "cpu_samples_per_s_vs_train_step"])  # fmt: skip
     for B in args.batch_sizes:
         of_size = [r for r in rows_out if r["batch_size"] == B]
-        ours = next(r for r in of_size if r["format"] == "npy" and r["workers"] == 0 and r["impl"].startswith("trit"))
+        ours = next(
+            (r for r in of_size if r["format"] == "npy" and r["workers"] == 0 and r["impl"].startswith("trit")), None
+        )
         for fmt, what in (("npy_hashed", "mmap pipe on files hashed when written (the same work)"),
                           ("npy_bare", "bare mmap pipe"), ("npy_mem", "in-RAM pipe in a DataLoader"),
                           ("npy_mem_bare", "bare in-RAM pipe")):  # fmt: skip
             other = next((r for r in of_size if r["format"] == fmt), None)
-            if other:
+            if ours and other:
                 wall, cpu = (ours[c] / other[c] for c in ("samples_per_s", "cpu_samples_per_s"))
                 print(f"B={B}: key-major npy vs torchrec's {what}: {wall:.2f}x wall, {cpu:.2f}x per CPU second")
         mmap_pipe = next(

@@ -27,6 +27,20 @@ class Batch:
     def __post_init__(self) -> None:
         check_batch_parts(self.dense_features, self.sparse_features, self.labels, self.valid_mask)
 
+    @classmethod
+    def _trusted(
+        cls,
+        dense_features: torch.Tensor,
+        sparse_features: KeyedJaggedTensor,
+        labels: torch.Tensor,
+        valid_mask: torch.Tensor,
+    ) -> Batch:
+        """Build from parts known to fit (the collate functions' own, every batch): no checks."""
+        batch = cls.__new__(cls)
+        batch.dense_features, batch.sparse_features = dense_features, sparse_features
+        batch.labels, batch.valid_mask = labels, valid_mask
+        return batch
+
     @property
     def batch_size(self) -> int:
         """``B``, padded rows included."""

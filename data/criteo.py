@@ -45,6 +45,7 @@ from tritonrec.data.criteo_parse import (
 )
 from tritonrec.data.element_chunk import ElementChunk
 from tritonrec.data.elements import ElementSpec, RecElement, check_position
+from tritonrec.data.id_folding import hash_id_matrix
 from tritonrec.data.sharding import Shard, block_shuffled, check_seed, check_shuffle_buffer, elements_of
 from tritonrec.kernels.checks import check_int
 
@@ -80,20 +81,6 @@ def resolve_num_embeddings(num_embeddings: int | Sequence[int], num_features: in
             f"num_embeddings must be one int or {num_features} ints, got num_embeddings={num_embeddings!r}"
         )
     return [check_int(s, f"num_embeddings[{i}]", 1) for i, s in enumerate(sizes)]
-
-
-def hash_id_matrix(raw_ids: np.ndarray, num_embeddings: np.ndarray) -> np.ndarray:
-    """``raw_ids [n, F]`` (negative = missing) -> the same ids folded into their tables by modulo, -1 where missing.
-
-    ``a - (a // n) * n`` is ``a % n``; numpy divides by a scalar with a multiply and a shift, which makes this twice
-    as fast as ``%`` when every table has the same size. In place after the division: a block's temporaries are
-    large, and each fresh one costs page faults."""
-    sizes = num_embeddings[0] if (num_embeddings == num_embeddings[0]).all() else num_embeddings
-    hashed = raw_ids // sizes
-    hashed *= sizes
-    np.subtract(raw_ids, hashed, out=hashed)
-    hashed |= raw_ids >> 63  # all bits set (-1) where the raw id is negative
-    return hashed
 
 
 class CriteoTSVSource:

@@ -9,8 +9,9 @@ For each ``prefix`` (e.g. ``/data/criteo/day_0``, torchrec's file naming):
 
   - **rows** (torchrec's layout): ``{prefix}_sparse.npy`` ``[N, F]`` integer raw ids, a negative id marking a
     missing value (empty bag). Ids are folded into ``num_embeddings`` by modulo when read (torchrec's ``hashes``),
-    so one file serves any table size; a read chunk whose ids are all below the smallest table size skips the
-    modulo (it would change nothing);
+    so one file serves any table size: the Batcher folds a batch's present ids after putting them key-major (the
+    missing ones are never divided), and skips the modulo when every id of the batch is below the smallest table
+    size (it would change nothing);
   - **key-major, hashed** (:mod:`tritonrec.data.key_major`): ids already folded into the ``num_embeddings`` given
     to :func:`criteo_tsv_to_npy`, stored the KJT's way, so a batch's values are one copy. Read with those table
     sizes, or with sizes that divide them (the ids are then folded again, which gives the ids the raw file would
@@ -33,13 +34,17 @@ from pathlib import Path
 
 import numpy as np
 
-from tritonrec.data.criteo import CriteoTSVSource, hash_id_matrix, resolve_num_embeddings
+from tritonrec.data.criteo import CriteoTSVSource, resolve_num_embeddings
 from tritonrec.data.element_chunk import ElementChunk
 from tritonrec.data.elements import ElementSpec, RecElement, check_position
+from tritonrec.data.id_folding import hash_id_matrix
 from tritonrec.data.key_major import KeyMajorStore, key_major_paths, write_key_major
 from tritonrec.data.sharding import Shard, block_shuffled, check_seed, check_shuffle_buffer, elements_of
 
-_READ_ROWS = 4096  # rows converted per vectorised read
+_READ_ROWS = 4096  # rows converted per vectorised read (key-major ids folded again)
+# rows-layout rows per chunk: views of the maps (only the labels are converted), so the Batcher slices a batch out of
+# one chunk instead of concatenating (copying) several; a multiple of the usual batch sizes
+_VIEW_ROWS = 32768
 
 
 def npy_paths(prefix: str | Path) -> tuple[Path, Path, Path]:
@@ -193,7 +198,8 @@ class CriteoNPYSource:
 
     def _row_chunks(self, position: int) -> Iterator[ElementChunk]:
         """Global rows ``[first + position, last)`` of this shard, across days: a key-major day's rows as one chunk
-        of views (the Batcher copies each batch's slices), a rows-layout day ``_READ_ROWS`` at a time."""
+        of views (the Batcher copies each batch's slices), a rows-layout day ``_VIEW_ROWS`` at a time (views too),
+        a key-major day whose ids need folding ``_READ_ROWS`` at a time."""
         row, stop = self._rows[0] + position, self._rows[1]
         while row < stop:
             day_index = int(np.searchsorted(self._day_starts, row, side="right")) - 1
@@ -204,7 +210,8 @@ class CriteoNPYSource:
                 rows = day.store.rows(begin, end)
                 yield ElementChunk.from_key_major(day.dense[begin:end], rows, day.labels[begin:end])
             else:
-                end = min(begin + _READ_ROWS, day.labels.shape[0], stop - day_start)
+                step = _READ_ROWS if day.store is not None else _VIEW_ROWS
+                end = min(begin + step, day.labels.shape[0], stop - day_start)
                 yield self._read_rows(day, begin, end)
             row += end - begin
 
@@ -218,10 +225,9 @@ class CriteoNPYSource:
             keys = np.repeat(np.tile(np.arange(len(self._num_rows)), end - begin), stored.lengths.reshape(-1))
             return ElementChunk(dense, stored.ids % self._hash_sizes[keys], stored.lengths, labels)
         _check_labels(labels, begin, day.prefix)
+        # raw ids, a view of the map: the Batcher folds each batch's present ids (module docstring)
         ids = np.asarray(day.sparse[begin:end], dtype=np.int64)  # type: ignore[index]
-        if ids.size and ids.max() >= self._hash_sizes.min():  # else every id is already in its table
-            ids = hash_id_matrix(ids, self._hash_sizes)
-        return ElementChunk.from_id_matrix(dense, ids, labels)
+        return ElementChunk.from_id_matrix(dense, ids, labels, fold=self._hash_sizes)
 
 
 def criteo_tsv_to_npy(

@@ -4,7 +4,9 @@
   ``ids[offsets[i]:offsets[i + 1]]``) with ``lengths [n, F]``;
 * **id matrix** (each bag empty or one id, as in Criteo): ``id_matrix [n, F]`` int64 with -1 for an empty bag. The
   Batcher builds a KJT from it with a transpose and one mask instead of a gather over jagged offsets, and no
-  sample-major copy of the ids ever exists;
+  sample-major copy of the ids ever exists. The ids may still be raw (a negative id: missing), with the table sizes
+  ``fold [F]`` they are to be folded into by modulo when read: the Batcher then folds only a batch's present ids,
+  after the transpose (an id matrix straight from a memory map is never copied before that);
 * **key-major** (any bag lengths, ids stored the KJT's way): ``key_major``, rows of a
   :class:`~tritonrec.data.key_major.KeyMajorStore` (memory-mapped views; slicing copies nothing). The Batcher's KJT
   values are one concatenation of per-feature slices.
@@ -23,6 +25,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from tritonrec.data.elements import ElementSource, RecElement
+from tritonrec.data.id_folding import hash_id_matrix
 from tritonrec.data.key_major import KeyMajorRows
 
 
@@ -30,7 +33,7 @@ class ElementChunk:
     """``n`` samples stacked (see module docstring); ``ElementChunk(dense, ids, lengths, labels)`` is the jagged
     layout, :meth:`from_id_matrix` and :meth:`from_key_major` the others."""
 
-    __slots__ = ("_ids", "_lengths", "_offsets", "dense", "id_matrix", "key_major", "labels")
+    __slots__ = ("_ids", "_lengths", "_offsets", "dense", "fold", "id_matrix", "key_major", "labels")
 
     def __init__(
         self, dense: np.ndarray, ids: np.ndarray | None, lengths: np.ndarray | None, labels: np.ndarray
@@ -38,15 +41,25 @@ class ElementChunk:
         self.dense, self.labels = dense, labels
         self._ids, self._lengths = ids, lengths
         self.id_matrix: np.ndarray | None = None
+        self.fold: np.ndarray | None = None  # table sizes the id matrix's raw ids are still to be folded into
         self.key_major: KeyMajorRows | None = None
         self._offsets: np.ndarray | None = None
 
     @classmethod
-    def from_id_matrix(cls, dense: np.ndarray, id_matrix: np.ndarray, labels: np.ndarray) -> ElementChunk:
-        """Samples whose every bag is empty (-1) or holds the one id in ``id_matrix [n, F]``."""
+    def from_id_matrix(
+        cls, dense: np.ndarray, id_matrix: np.ndarray, labels: np.ndarray, fold: np.ndarray | None = None
+    ) -> ElementChunk:
+        """Samples whose every bag is empty (negative) or holds the one id in ``id_matrix [n, F]``; with ``fold``
+        (int64 ``[F]``) those ids are raw, and bag ``(i, f)`` holds ``id_matrix[i, f] % fold[f]``."""
         chunk = cls(dense, None, None, labels)
-        chunk.id_matrix = id_matrix
+        chunk.id_matrix, chunk.fold = id_matrix, fold
         return chunk
+
+    def folded_id_matrix(self) -> np.ndarray:
+        """The id matrix with its ids folded into their tables (-1 where missing): itself when already folded."""
+        if self.fold is None:
+            return self.id_matrix  # type: ignore[return-value]
+        return hash_id_matrix(self.id_matrix, self.fold)  # type: ignore[arg-type]
 
     @classmethod
     def from_key_major(cls, dense: np.ndarray, key_major: KeyMajorRows, labels: np.ndarray) -> ElementChunk:
@@ -76,7 +89,8 @@ class ElementChunk:
                 values, lengths, _ = self.key_major.arrays()
                 self._ids = values[_sample_major_order(lengths)]
             else:
-                self._ids = self.id_matrix[self.id_matrix >= 0]  # type: ignore[index, operator]
+                matrix = self.folded_id_matrix()
+                self._ids = matrix[matrix >= 0]
         return self._ids
 
     @property
@@ -92,7 +106,7 @@ class ElementChunk:
         """Samples ``[start, stop)`` (views, no copy)."""
         if self.id_matrix is not None:
             return ElementChunk.from_id_matrix(
-                self.dense[start:stop], self.id_matrix[start:stop], self.labels[start:stop]
+                self.dense[start:stop], self.id_matrix[start:stop], self.labels[start:stop], self.fold
             )
         if self.key_major is not None:
             return ElementChunk.from_key_major(
@@ -107,7 +121,7 @@ class ElementChunk:
     def take(self, rows: np.ndarray) -> ElementChunk:
         """Samples ``rows`` in that order: one gather per array (the jagged ids by their per-sample ranges)."""
         if self.id_matrix is not None:
-            return ElementChunk.from_id_matrix(self.dense[rows], self.id_matrix[rows], self.labels[rows])
+            return ElementChunk.from_id_matrix(self.dense[rows], self.id_matrix[rows], self.labels[rows], self.fold)
         offsets = self.offsets
         counts = offsets[1:][rows] - offsets[:-1][rows]
         out_starts = np.cumsum(counts) - counts
@@ -121,7 +135,10 @@ class ElementChunk:
         dense = np.concatenate([c.dense for c in chunks])
         labels = np.concatenate([c.labels for c in chunks])
         if all(c.id_matrix is not None for c in chunks):
-            return ElementChunk.from_id_matrix(dense, np.concatenate([c.id_matrix for c in chunks]), labels)
+            fold = chunks[0].fold
+            if all(_same_fold(c.fold, fold) for c in chunks):
+                return ElementChunk.from_id_matrix(dense, np.concatenate([c.id_matrix for c in chunks]), labels, fold)
+            return ElementChunk.from_id_matrix(dense, np.concatenate([c.folded_id_matrix() for c in chunks]), labels)
         joined = _adjacent_rows([c.key_major for c in chunks])
         if joined is not None:
             return ElementChunk.from_key_major(dense, joined, labels)
@@ -132,6 +149,10 @@ class ElementChunk:
         offsets, ids, lengths = self.offsets, self.ids, self.lengths
         for i in range(len(self)):
             yield RecElement(self.dense[i], ids[offsets[i] : offsets[i + 1]], lengths[i], float(self.labels[i]))
+
+
+def _same_fold(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    return a is b or (a is not None and b is not None and np.array_equal(a, b))
 
 
 def _sample_major_order(lengths: np.ndarray) -> np.ndarray:
