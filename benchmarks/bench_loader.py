@@ -126,6 +126,12 @@ def bench_batch_size(
     if wanted("npy_rows"):
         rows_loader = make_rank_loader(CriteoNPYSource(rows_prefix, HASH), B)
         cases.append(("tritonrec CriteoNPYSource (rows layout, raw ids) -> Batch", "npy_rows", 0, lambda: rows_loader))
+    torchrec_files = root / "torchrec" / "day_0"
+    if wanted("npy_rows_torchrec") and torchrec_files.with_name("day_0_sparse.npy").exists():
+        # the anchor's own files (a missing id is 0, labels [N, 1]): both readers do exactly the same work
+        theirs_loader = make_rank_loader(CriteoNPYSource(torchrec_files, HASH), B)
+        cases.append(("tritonrec CriteoNPYSource on torchrec's own npy files (rows, missing id = 0) -> Batch",
+                      "npy_rows_torchrec", 0, lambda: theirs_loader))  # fmt: skip
     kjt_cache = root / f"cache_kjt_{B}"
     caches: list[tuple[str, str, Callable[[], DataGroup]]] = [
         ("tritonrec batch cache (defaults: copies, row-major ids) -> Batch", "cache",
@@ -188,7 +194,7 @@ def bench_batch_size(
             "cpu_samples_per_s": samples / min(cpus) if workers == 0 else None, "load_1min": load,
         })  # fmt: skip
     anchors = {(r["format"], r["workers"]): r for r in rows_out if r["impl"].startswith("anchor")}
-    anchor_of = {"npy_rows": "npy", "npy_bare": "npy", "npy_mem_bare": "npy_mem"}
+    anchor_of = {"npy_rows": "npy", "npy_rows_torchrec": "npy", "npy_bare": "npy", "npy_mem_bare": "npy_mem"}
     anchor_of |= {
         cached: "npy_mem"
         for cached in ("cache", "cache_key_major", "cache_one_id", "cache_kjt", "cache_kjt_views", "cache_kjt32")
@@ -217,8 +223,8 @@ def main() -> None:
     parser.add_argument("--plot", action="store_true")
     parser.add_argument(
         "--cases", nargs="+", default=None, metavar="FORMAT",
-        help="run only these formats (ours and anchors): tsv npy npy_rows npy_hashed npy_bare npy_mem npy_mem_bare "
-        "cache (all cache_*) or one cache_* format, step (the train-step bar); default: all",
+        help="run only these formats (ours and anchors): tsv npy npy_rows npy_rows_torchrec npy_hashed npy_bare "
+        "npy_mem npy_mem_bare cache (all cache_*) or one cache_* format, step (the train-step bar); default: all",
     )  # fmt: skip
     parser.add_argument("--workers", type=int, nargs="+", default=None, help="only these loader worker counts")
     args = parser.parse_args()
