@@ -3,7 +3,8 @@ place into the same structure built from the objects being restored.
 
     {"model": model.state_dict(),                       # sharded tables as ShardedTensors (any plan, or unsharded)
      "fused_optimizer": {module path: {table: {"momentum1": ..., "momentum2": ..., "step": ...}}},
-     "fused_hyperparameters": {module path: JSON of the fused optimizer's param_groups[0]},
+     "fused_hyperparameters": {module path: JSON of the fused optimizer's param_groups[0] (a list of all its
+                               groups when it has several: tables with different optimizers)},
      "optimizers": {name: {"state": {parameter name: {state name: tensor}}, "param_groups": JSON}},
      "extra": {name: torch.save bytes of the object's state}}
 
@@ -60,20 +61,22 @@ def _unsharded_fused_state(module: nn.Module) -> dict[str, dict[str, torch.Tenso
     return {name.split(".")[-2]: dict(optimizer.state[param]) for name, param in optimizer.params.items()}
 
 
-def _hyperparameters(module: nn.Module) -> dict[str, Any]:
-    return module.fused_optimizer.param_groups[0]  # type: ignore[attr-defined,no-any-return]
+def _hyperparameters(module: nn.Module) -> list[dict[str, Any]]:
+    """The live param groups of ``module``'s fused optimizer."""
+    return list(module.fused_optimizer.param_groups)  # type: ignore[attr-defined]
 
 
 def _fused_entries(model: nn.Module) -> tuple[dict[str, Any], dict[str, str]]:
     states, hyper = {}, {}
     for path, module in fused_modules(model).items():
         if isinstance(module, ShardedTablesMixin):
-            if module.lookup_options.fused is None:
+            if not module.lookup_options.has_fused:
                 continue  # dense kernel: no fused optimizer state
             states[path] = fused_optimizer_state_dict(module)
         else:
             states[path] = _unsharded_fused_state(module)
-        hyper[path] = _to_json(_without_params(_hyperparameters(module)), f"fused optimizer of {path!r}")
+        groups = [_without_params(group) for group in _hyperparameters(module)]
+        hyper[path] = _to_json(groups[0] if len(groups) == 1 else groups, f"fused optimizer of {path!r}")
     return states, hyper
 
 
@@ -289,11 +292,19 @@ def apply_loaded_state(
         if isinstance(modules[path], ShardedTablesMixin):
             load_fused_optimizer_state_dict(modules[path], entry)
     for path, saved in state["fused_hyperparameters"].items():
-        hyper = json.loads(saved)
-        check_hyperparameters(hyper, f"fused optimizer of {path!r} in the checkpoint: ")
-        live = _hyperparameters(modules[path])
-        for key, value in hyper.items():
-            live[key] = tuple(value) if key == "betas" else value
+        loaded = json.loads(saved)
+        groups = loaded if isinstance(loaded, list) else [loaded]
+        live_groups = _hyperparameters(modules[path])
+        if len(groups) != len(live_groups):
+            raise ValueError(
+                f"fused optimizer of {path!r}: the checkpoint has {len(groups)} param groups, the model "
+                f"{len(live_groups)} (its tables' fused optimizers differ)"
+            )
+        for i, hyper in enumerate(groups):
+            check_hyperparameters(hyper, f"fused optimizer of {path!r} in the checkpoint, param_groups[{i}]: ")
+        for hyper, live in zip(groups, live_groups, strict=True):
+            for key, value in hyper.items():
+                live[key] = tuple(value) if key == "betas" else value
     dense = dense_optimizers(optimizers)
     tables = dense_kernel_tables(get_unwrapped_module(model))
     for name, entry in state["optimizers"].items():

@@ -1,8 +1,9 @@
-"""Grouped local lookups: the shards one rank holds for one sharding, table-batched by storage dtype.
+"""Grouped local lookups: the shards one rank holds for one sharding, table-batched by storage dtype and fused
+optimizer (tables with different optimizers, from ``apply_optimizer_in_backward``, get groups of their own).
 
 A :class:`GroupedEmbeddingLookup` receives the KJT its sharding's input dist delivers (keys = its feature list, in
 order; a key may repeat when several local shards read one feature) and returns the pooled ``[B, sum(D)]`` or
-sequence ``[N, D]`` rows of its shards, one kernel launch per dtype group. The kernels never see ranks: each shard is
+sequence ``[N, D]`` rows of its shards, one kernel launch per group. The kernels never see ranks: each shard is
 a ``rows x cols`` table whose indices the input dist already made local.
 
 Compute kernels: ``dense`` (gradients reach the shard parameters), ``fused`` (the optimizer runs inside the
@@ -12,7 +13,7 @@ sums of squares there (:mod:`tritonrec.dist.grad_sync`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -46,8 +47,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class FusedConfig:
-    """The fused optimizer of a sharded module: rule, hyperparameters (one live dict shared by every group of every
-    lookup, exposed as ``fused_optimizer.param_groups[0]``) and stochastic rounding of fp16/bf16 tables."""
+    """A fused optimizer of a sharded module's tables: rule, hyperparameters (one live dict shared by every group of
+    every lookup with this config, exposed as one of ``fused_optimizer.param_groups``) and stochastic rounding of
+    fp16/bf16 tables."""
 
     optim: OptimType
     kwargs: dict[str, Any] = field(default_factory=dict)
@@ -70,9 +72,19 @@ class ShardWeight(nn.Module):
         self.weight = weight
 
 
+FusedConfigs = FusedConfig | Mapping[str, FusedConfig | None] | None
+"""The fused optimizer of a lookup's tables: one for all, or per table name (None: the table has none)."""
+
+
+def fused_of(fused: FusedConfigs, table: str) -> FusedConfig | None:
+    """Table ``table``'s config in ``fused``."""
+    return fused.get(table) if isinstance(fused, Mapping) else fused
+
+
 @dataclass
 class LookupGroup:
-    """Local shards of one storage dtype: a :class:`TableGroup` plus the span of the lookup's features it reads."""
+    """Local shards of one storage dtype and fused config: a :class:`TableGroup` plus the span of the lookup's
+    features it reads."""
 
     table_group: TableGroup
     shards: list[LocalShard]
@@ -88,10 +100,11 @@ class GroupedEmbeddingLookup(nn.Module):
     """This rank's shards of one sharding (see module docstring).
 
     Args:
-        shards: the local shards, dtype groups contiguous (:func:`~tritonrec.dist.sharding.common.order_for_lookup`).
+        shards: the local shards, each (dtype, fused config) contiguous
+            (:func:`~tritonrec.dist.sharding.common.order_for_lookup`).
         compute_kernel: ``"dense"`` or ``"fused"``.
         device: where the shards live.
-        fused: the fused optimizer (``compute_kernel="fused"``).
+        fused: the fused optimizer, of all tables or per table name (``compute_kernel="fused"``).
         seed_base: stochastic-rounding seed of the first group (groups count up from it).
         bounds_check / backend: as for the unsharded modules.
     """
@@ -101,7 +114,7 @@ class GroupedEmbeddingLookup(nn.Module):
         shards: list[LocalShard],
         compute_kernel: str,
         device: torch.device,
-        fused: FusedConfig | None,
+        fused: FusedConfigs,
         seed_base: int = 0,
         bounds_check: BoundsCheckMode = BoundsCheckMode.FATAL,
         backend: Backend = "auto",
@@ -109,18 +122,24 @@ class GroupedEmbeddingLookup(nn.Module):
         super().__init__()
         if compute_kernel not in (EmbeddingComputeKernel.DENSE.value, EmbeddingComputeKernel.FUSED.value):
             raise ValueError(f"compute_kernel must be 'dense' or 'fused' for a float lookup, got {compute_kernel!r}")
-        if compute_kernel == EmbeddingComputeKernel.FUSED.value and fused is None:
-            raise ValueError("the fused compute kernel needs fused_params with an optimizer, got none")
+        if compute_kernel == EmbeddingComputeKernel.FUSED.value:
+            missing = sorted({s.table.name for s in shards if fused_of(fused, s.table.name) is None})
+            if fused is None or missing:
+                raise ValueError(
+                    f"the fused compute kernel needs fused_params with an optimizer, tables {missing} have none"
+                )
         self.compute_kernel = compute_kernel
         self.bounds_check = bounds_check
         self.backend: Backend = backend
         self.shards = list(shards)
         self.features = [f for s in self.shards for f in s.features]
         self.groups: list[LookupGroup] = []
+        self._fused = fused
         self._handler: Callable[[Any], None] | None = None
+        self._handled: list[int] = []  # the groups whose gradients go to ``_handler``
         self._dp_group: dist.ProcessGroup | None = None
         start_feature = 0
-        for k, run in enumerate(_dtype_runs(self.shards)):
+        for k, run in enumerate(_lookup_runs(self.shards, fused)):
             specs = [TableSpec(s.spec.rows, s.spec.cols, s.pooling, s.table.name) for s in run]
             feature_tables = [t for t, s in enumerate(run) for _ in s.features]
             names = [n for s in run for n in s.embedding_names]  # slot labels (errors); routing is positional
@@ -132,9 +151,10 @@ class GroupedEmbeddingLookup(nn.Module):
                 for t in range(len(run))
             ]
             group = TableGroup(list(range(len(run))), layout, flat, modules)
-            state = (
-                fused.create_state(layout, device, seed_base + k) if fused is not None and not requires_grad else None
-            )
+            config = fused_of(fused, run[0].table.name)
+            state = None
+            if config is not None and not requires_grad:
+                state = config.create_state(layout, device, seed_base + k)
             self.groups.append(LookupGroup(group, list(run), (start_feature, start_feature + len(names)), state))
             start_feature += len(names)
 
@@ -142,6 +162,7 @@ class GroupedEmbeddingLookup(nn.Module):
     def all_reduce_gradients(self, pg: dist.ProcessGroup) -> None:
         """Data parallel: all-reduce every gradient over ``pg`` inside the backward (see grad_sync)."""
         if self.compute_kernel == EmbeddingComputeKernel.FUSED.value:
+            self._handled = list(range(len(self.groups)))
             self._handler = DataParallelFusedUpdate(pg, self._fused_tables()) if self.groups else None
         else:
             self._dp_group = pg
@@ -149,14 +170,27 @@ class GroupedEmbeddingLookup(nn.Module):
     def exchange_column_squares(
         self, pg: dist.ProcessGroup, shards_per_rank: list[list[ColumnShardKey]], full_dims: dict[str, int]
     ) -> None:
-        """Rowwise Adagrad on column shards: exchange row sums of squares inside the backward (see grad_sync)."""
-        if self.compute_kernel == EmbeddingComputeKernel.FUSED.value and self.groups:
-            optim = self.groups[0].state.optim  # type: ignore[union-attr]
-            if optim == OptimType.EXACT_ROWWISE_ADAGRAD:
-                self._handler = ColumnShardAdagradUpdate(pg, self._fused_tables(), shards_per_rank, full_dims)
+        """Rowwise Adagrad on column shards: exchange row sums of squares inside the backward (see grad_sync). Only
+        the rowwise Adagrad groups take part (``shards_per_rank`` is filtered to their tables, which keeps each
+        rank's lookup order); the other groups' tables update in the kernels' backward."""
+        if self.compute_kernel != EmbeddingComputeKernel.FUSED.value:
+            return
+        states = [g.state for g in self.groups]
+        handled = [i for i, s in enumerate(states) if s is not None and s.optim == OptimType.EXACT_ROWWISE_ADAGRAD]
+        if handled:
+
+            def rowwise(key: ColumnShardKey) -> bool:
+                config = fused_of(self._fused, key.table)
+                return config is not None and config.optim == OptimType.EXACT_ROWWISE_ADAGRAD
+
+            keys = [[key for key in shards if rowwise(key)] for shards in shards_per_rank]
+            self._handled = handled
+            self._handler = ColumnShardAdagradUpdate(pg, self._fused_tables(), keys, full_dims)
 
     def _fused_tables(self) -> list[FusedTables]:
-        return [FusedTables(g.layout, g.table_group.weights, g.state) for g in self.groups]  # type: ignore[arg-type]
+        """The fused tables of the groups in ``_handled``."""
+        groups = [self.groups[i] for i in self._handled]
+        return [FusedTables(g.layout, g.table_group.weights, g.state) for g in groups]  # type: ignore[arg-type]
 
     # ---------------------------------------------------------------------------------------------- parameters
     def shard_modules(self) -> list[tuple[LocalShard, ShardWeight]]:
@@ -181,14 +215,17 @@ class GroupedEmbeddingLookup(nn.Module):
                         setattr(state, name, tensor.to(device))
 
     # ------------------------------------------------------------------------------------------------- forward
-    def _table_weights(self) -> tuple[list[list[torch.Tensor]] | None, bool]:
+    def _table_weights(self) -> tuple[list[list[torch.Tensor] | None], bool]:
         """Per group, what to pass as ``table_weights`` (None: fused in the kernel), and whether sparse."""
+        out_groups: list[list[torch.Tensor] | None] = [None] * len(self.groups)
         if self._handler is not None:
-            layouts = [g.layout for g in self.groups]
-            flats = [g.table_group.weights for g in self.groups]
-            return sink_views(self._handler, layouts, flats), True
+            layouts = [self.groups[i].layout for i in self._handled]
+            flats = [self.groups[i].table_group.weights for i in self._handled]
+            for i, views in zip(self._handled, sink_views(self._handler, layouts, flats), strict=True):
+                out_groups[i] = views
+            return out_groups, True
         if self.compute_kernel == EmbeddingComputeKernel.FUSED.value:
-            return None, False
+            return out_groups, False
         params = [p for g in self.groups for p in g.table_group.params]
         if self._dp_group is not None:
             params = all_reduced_params(params, self._dp_group)
@@ -229,9 +266,9 @@ class GroupedEmbeddingLookup(nn.Module):
                     group_offsets,
                     None if psw is None else psw[v0:v1],
                     None if bag_divisors is None else bag_divisors[a * batch : b * batch],
-                    table_weights=None if weights_per_group is None else weights_per_group[i],
-                    sparse_grad=sparse,
-                    fused=group.state if weights_per_group is None else None,
+                    table_weights=weights_per_group[i],
+                    sparse_grad=sparse and weights_per_group[i] is not None,
+                    fused=group.state if weights_per_group[i] is None else None,
                     bounds_check=self.bounds_check,
                     backend=self.backend,
                 )
@@ -254,9 +291,9 @@ class GroupedEmbeddingLookup(nn.Module):
                 group.layout,
                 values[value_offsets[a] : value_offsets[b]],
                 starts,
-                table_weights=None if weights_per_group is None else weights_per_group[i],
-                sparse_grad=sparse,
-                fused=group.state if weights_per_group is None else None,
+                table_weights=weights_per_group[i],
+                sparse_grad=sparse and weights_per_group[i] is not None,
+                fused=group.state if weights_per_group[i] is None else None,
                 bounds_check=self.bounds_check,
                 backend=self.backend,
             )
@@ -266,15 +303,19 @@ class GroupedEmbeddingLookup(nn.Module):
         return out
 
 
-def _dtype_runs(shards: list[LocalShard]) -> list[list[LocalShard]]:
-    """Consecutive shards of one dtype (the caller ordered them so each dtype is one run)."""
+def _lookup_runs(shards: list[LocalShard], fused: FusedConfigs) -> list[list[LocalShard]]:
+    """Consecutive shards of one dtype and fused config (the caller ordered them so each pair is one run)."""
+
+    def key(shard: LocalShard) -> tuple[torch.dtype, int]:
+        return shard.dtype, id(fused_of(fused, shard.table.name))
+
     runs: list[list[LocalShard]] = []
     for shard in shards:
-        if runs and runs[-1][0].dtype == shard.dtype:
+        if runs and key(runs[-1][0]) == key(shard):
             runs[-1].append(shard)
         else:
-            if any(r[0].dtype == shard.dtype for r in runs):
-                raise ValueError("local shards must be grouped by dtype (order_for_lookup)")
+            if any(key(r[0]) == key(shard) for r in runs):
+                raise ValueError("local shards must be grouped by dtype and fused config (order_for_lookup)")
             runs.append([shard])
     return runs
 
@@ -297,4 +338,12 @@ def pad_variable_batch(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
     )
 
 
-__all__ = ["FusedConfig", "GroupedEmbeddingLookup", "LookupGroup", "ShardWeight", "pad_variable_batch"]
+__all__ = [
+    "FusedConfig",
+    "FusedConfigs",
+    "GroupedEmbeddingLookup",
+    "LookupGroup",
+    "ShardWeight",
+    "fused_of",
+    "pad_variable_batch",
+]

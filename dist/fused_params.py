@@ -7,12 +7,15 @@ state starts), ``stochastic_rounding``, ``bounds_check_mode`` (a ``BoundsCheckMo
 unknown key raises ``ValueError`` naming it.
 
 A ``FusedEmbeddingBagCollection`` / ``FusedEmbeddingCollection`` carries its own optimizer; ``fused_params`` may
-override its hyperparameters.
+override its hyperparameters. Tables may also carry their own (``apply_optimizer_in_backward``,
+:mod:`tritonrec.dist.in_backward`): :func:`table_fused_configs` gives each distinct one its :class:`FusedConfig`, and
+the lookups group tables by (dtype, config), one fused state and one live hyperparameter dict per config.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from tritonrec.dist.embedding_lookup import FusedConfig
@@ -42,12 +45,32 @@ _KNOWN = {
 
 @dataclass
 class LookupOptions:
-    """What the local lookups of one sharded module share."""
+    """What the local lookups of one sharded module share. ``fused``: the module's fused optimizer (the sharder's
+    ``fused_params``, else the module's own); ``table_fused``: tables with an optimizer of their own -> its config."""
 
     fused: FusedConfig | None
     bounds_check: BoundsCheckMode
     backend: str
     weights_precision: DataType | None
+    table_fused: dict[str, FusedConfig] = field(default_factory=dict)
+
+    def fused_of(self, table: str) -> FusedConfig | None:
+        """The fused optimizer of table ``table``: its own, else the module's."""
+        return self.table_fused.get(table, self.fused)
+
+    @property
+    def has_fused(self) -> bool:
+        """Whether any table of the module has a fused optimizer."""
+        return self.fused is not None or bool(self.table_fused)
+
+    def fused_configs(self, tables: Iterable[str]) -> list[FusedConfig]:
+        """The distinct fused optimizers of ``tables``, in order of first appearance (every rank lists the same)."""
+        out: list[FusedConfig] = []
+        for table in tables:
+            config = self.fused_of(table)
+            if config is not None and not any(config is c for c in out):
+                out.append(config)
+        return out
 
 
 def parse_fused_params(fused_params: dict[str, Any] | None, module: object = None) -> LookupOptions:
@@ -102,4 +125,29 @@ def parse_fused_params(fused_params: dict[str, Any] | None, module: object = Non
     return LookupOptions(fused, bounds, backend, precision)
 
 
-__all__ = ["LookupOptions", "parse_fused_params"]
+def _rule_key(config: FusedConfig) -> tuple[Any, ...]:
+    return config.optim, config.stochastic_rounding, sorted(config.kwargs.items())
+
+
+def table_fused_configs(
+    per_table: dict[str, dict[str, Any]], module: object = None, default: FusedConfig | None = None
+) -> dict[str, FusedConfig]:
+    """Table -> the :class:`FusedConfig` of its own ``fused_params`` (``per_table``: what
+    :func:`~tritonrec.dist.in_backward.in_backward_fused_params` gives). Tables whose rule, hyperparameters and
+    rounding are equal share one config (one fused group, one param group); one equal to ``default`` (the module's)
+    shares that, so a module whose tables all agree trains exactly as with one ``fused_params``."""
+    distinct: list[FusedConfig] = [] if default is None else [default]
+    out: dict[str, FusedConfig] = {}
+    for table, params in per_table.items():
+        config = parse_fused_params(params, module).fused
+        if config is None:
+            raise ValueError(f"table {table!r}: its fused_params {params!r} name no optimizer")
+        same = next((c for c in distinct if _rule_key(c) == _rule_key(config)), None)
+        if same is None:
+            distinct.append(config)
+            same = config
+        out[table] = same
+    return out
+
+
+__all__ = ["LookupOptions", "parse_fused_params", "table_fused_configs"]

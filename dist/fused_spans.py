@@ -63,7 +63,8 @@ class WidthSpan:
 
 def width_spans(groups: Sequence[FusedTables], max_rows: int | None = None) -> list[WidthSpan]:
     """Every group's tables as maximal runs of one width (of at most ``max_rows`` rows, where a single table does
-    not exceed it), groups in order, tables in order."""
+    not exceed it), groups in order, tables in order. A span never crosses groups: each group has its own state and
+    rule (tables with different fused optimizers are in different groups)."""
     spans = []
     for group in groups:
         tables, rows = group.layout.tables, group.layout.table_row_offsets

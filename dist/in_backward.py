@@ -9,8 +9,9 @@ the sharded tables would silently lose the optimizer the user chose.
 A table's own optimizer overrides the sharder's ``fused_params`` (torchrec's ``merge_fused_params`` order).
 Hyperparameters the user left out take the torch class's defaults (``torch.optim.SGD``'s lr 1e-3, ``Adagrad``'s eps
 1e-10), so the sharded tables train as the same tables did in eager before sharding; torchrec passes only the given
-keys and FBGEMM fills in its own defaults. One sharded module applies one optimizer to its tables: tables of one
-module with different in-backward optimizers are refused by name (shard them in separate modules).
+keys and FBGEMM fills in its own defaults. Each table keeps its own optimizer: tables of one module with different
+in-backward optimizers (or hyperparameters) get one fused group each per distinct optimizer, as torchrec's per-table
+``fused_params`` do; a table without one takes the sharder's ``fused_params`` (or the module's own fused optimizer).
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from tritonrec.kernels.embedding.optim_state import hyperparameter_names
 from tritonrec.modules.fused_embedding_modules import resolve_optimizer_type
 from tritonrec.modules.torch_optimizer_args import torch_optimizer_kwargs
 
-
-def _describe(optimizer: type, kwargs: dict[str, Any]) -> str:
-    args = ", ".join(f"{k}={v!r}" for k, v in sorted(kwargs.items()))
-    return f"{getattr(optimizer, '__name__', optimizer)}({args})"
+# the keys of fused_params that name the rule and its hyperparameters: a table's own optimizer replaces all of them
+_RULE_KEYS = frozenset(
+    {"optimizer", "learning_rate", "lr", "eps", "beta1", "beta2", "weight_decay", "initial_accumulator_value"}
+)
 
 
 def torch_optimizer_fused_params(optimizer: type, kwargs: dict[str, Any], where: str) -> dict[str, Any]:
@@ -58,10 +59,13 @@ def torch_optimizer_fused_params(optimizer: type, kwargs: dict[str, Any], where:
 
 def in_backward_fused_params(
     fused_params: dict[str, Any] | None, weights: dict[str, torch.Tensor]
-) -> dict[str, Any] | None:
-    """``fused_params`` merged with the optimizer ``apply_optimizer_in_backward`` put on the tables ``weights``
-    (table name -> its unsharded parameter); ``fused_params`` itself when no table carries one."""
-    found: dict[str, tuple[type, dict[str, Any]]] = {}
+) -> dict[str, dict[str, Any]]:
+    """Per table that ``apply_optimizer_in_backward`` gave an optimizer (``weights``: table name -> its unsharded
+    parameter), ``fused_params`` merged with that optimizer: the table's rule and hyperparameters replace the
+    sharder's (``optimizer``, ``lr`` / ``learning_rate``, ``eps``, ...), the other keys (``backend``, ...) are kept.
+    Tables without one are left out (they take ``fused_params`` as given). A table with several optimizers is a
+    ``ValueError`` naming it."""
+    out: dict[str, dict[str, Any]] = {}
     for name, weight in weights.items():
         classes = getattr(weight, "_optimizer_classes", None)
         if classes is None:
@@ -72,23 +76,10 @@ def in_backward_fused_params(
                 f"table {name!r} has {len(classes)} optimizers applied in backward; a fused table takes exactly one "
                 "(call apply_optimizer_in_backward once per parameter)"
             )
-        found[name] = (classes[0], dict(all_kwargs[0]))
-    if not found:
-        return fused_params
-    by_optimizer: dict[str, list[str]] = {}
-    for name, (optimizer, kwargs) in found.items():
-        by_optimizer.setdefault(_describe(optimizer, kwargs), []).append(name)
-    if len(by_optimizer) > 1:
-        listed = "; ".join(f"{opt} on tables {names}" for opt, names in by_optimizer.items())
-        raise ValueError(
-            f"one sharded module applies one optimizer to its tables, but apply_optimizer_in_backward gave {listed}: "
-            "apply the same optimizer to all of them, or put the tables in separate modules"
-        )
-    name = next(iter(found))
-    optimizer, kwargs = found[name]
-    merged = dict(fused_params or {})
-    merged.update(torch_optimizer_fused_params(optimizer, kwargs, f"table {name!r}"))
-    return merged
+        merged = {k: v for k, v in (fused_params or {}).items() if k not in _RULE_KEYS}
+        merged.update(torch_optimizer_fused_params(classes[0], dict(all_kwargs[0]), f"table {name!r}"))
+        out[name] = merged
+    return out
 
 
 __all__ = ["in_backward_fused_params", "torch_optimizer_fused_params"]

@@ -5,7 +5,12 @@ Its live ``state`` / ``params`` are this rank's shards (``<container>.<table>.we
 kernels update). Its ``state_dict()`` is keyed by table, the same on every rank, as torchrec's::
 
     {"state": {"<container>.<table>.weight": {"momentum1": ShardedTensor, "momentum2": ..., "step": Tensor}},
-     "param_groups": [{hyperparameters, "params": every table's name}]}
+     "param_groups": [{hyperparameters, "params": the names of its tables}, ...]}
+
+One param group per distinct fused optimizer of the module's fused tables (one, unless ``apply_optimizer_in_backward``
+gave tables different optimizers or hyperparameters), each the live hyperparameter dict of its tables' fused state:
+an LR scheduler or a ``param_groups[i]["lr"]`` edit reaches exactly those tables. Every rank has every group (empty
+where it holds none of its tables), so the groups and their order are the same on every rank.
 
 * per-element state (Adam's moments, ``EXACT_ADAGRAD``'s ``momentum1``) ``[rows, dim]``, sharded like the table's
   weight (same shard metadata: a column-split table's blocks each hold their own columns' state);
@@ -47,8 +52,12 @@ from tritonrec.dist.sharded_state import (
     syncs_column_row_state,
 )
 from tritonrec.dist.sharding.common import ShardedTable
+from tritonrec.kernels.embedding import FusedOptimizerState
+from tritonrec.kernels.embedding.optim_state import check_hyperparameters
 from tritonrec.modules.fused_embedding_modules import EmbeddingFusedOptimizer
+from tritonrec.modules.table_batched import TableGroup
 from tritonrec.optim.keyed import KeyedOptimizer
+from tritonrec.optim.keyed_state import check_param_groups
 
 
 def _clone(value: Any) -> Any:
@@ -94,8 +103,13 @@ class ShardedFusedState:
         return {self._key(t.name) for t in fused_tables(self._sharded_module)}
 
     def keyed_group_params(self, group: Mapping[str, Any]) -> list[str]:
-        """Every fused table's name, the same on every rank (DCP saves one rank's param groups)."""
-        return sorted(self._key(t.name) for t in fused_tables(self._sharded_module))
+        """The names of the fused tables whose hyperparameters ``group`` is, the same on every rank (DCP saves one
+        rank's param groups); every fused table's when the module has one group."""
+        module = self._sharded_module
+        tables = fused_tables(module)
+        if len(self.param_groups) > 1:  # type: ignore[attr-defined]
+            tables = [t for t in tables if module.lookup_options.fused_of(t.name).hyperparams is group]
+        return sorted(self._key(t.name) for t in tables)
 
     def state_dict(self) -> dict[str, Any]:
         """The sharded state dict (see module docstring), as copies."""
@@ -127,7 +141,7 @@ class ShardedFusedState:
     def _check_entry(self, name: str, table: ShardedTable, live: dict[str, Any], got: Any) -> None:
         if not isinstance(got, Mapping):
             raise ValueError(f"state {name} must be a dict of state name -> tensor, got {type(got).__name__}")
-        known = set(fused_state_keys(self._sharded_module)) | {"step"}
+        known = set(fused_state_keys(self._sharded_module, table.name)) | {"step"}
         if not set(live) <= set(got) <= known:  # more than this rank's: a full state dict, or another rank's
             raise ValueError(f"state {name} has keys {sorted(got)}, expected {sorted(live)}")
         module = self._sharded_module
@@ -171,21 +185,56 @@ class ShardedFusedState:
 
 class ShardedEmbeddingFusedOptimizer(ShardedFusedState, EmbeddingFusedOptimizer):
     """:class:`~tritonrec.modules.EmbeddingFusedOptimizer` over this rank's shards of ``module``'s tables, with the
-    sharded state dict (see module docstring)."""
+    sharded state dict and one param group per fused optimizer (see module docstring).
 
-    def __init__(self, module: Any, *args: Any) -> None:
+    Args:
+        module: the sharded collection.
+        slots / states / groups: as for the unsharded optimizer (every state's ``hyperparams`` is one of
+            ``hyperparams``).
+        hyperparams: the live hyperparameter dict of each distinct fused optimizer, the param groups in order.
+    """
+
+    def __init__(
+        self,
+        module: Any,
+        slots: list[tuple[str, TableGroup, int]],
+        states: list[FusedOptimizerState],
+        groups: list[TableGroup],
+        hyperparams: list[dict[str, Any]],
+    ) -> None:
         self._sharded_module = module
-        super().__init__(*args)
+        self._group_hyperparams = list(hyperparams)
+        super().__init__(slots, states, groups, hyperparams[0])
+        check_param_groups(self.param_groups, self._label())
+
+    def rebuild_state_views(self) -> None:
+        """As the unsharded optimizer's, then each param group gets the parameters of its tables."""
+        EmbeddingFusedOptimizer.rebuild_state_views(self)
+        self.param_groups = list(self._group_hyperparams)
+        for group in self.param_groups:
+            group["params"] = []
+        for _, group, t in self._slots:
+            hyperparams = self._fused_states[self._table_groups.index(group)].hyperparams
+            owner = next((g for g in self.param_groups if g is hyperparams), None)
+            if owner is None:
+                raise RuntimeError(f"the fused state of table slot {t} has hyperparameters of no param group")
+            owner["params"].append(group.params[t])
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        """No update (it already happened in the backward); checks every group's hyperparameters."""
+        for i, group in enumerate(self.param_groups):
+            check_hyperparameters(group, f"fused optimizer param_groups[{i}]: ")
 
 
 class NoLocalShardsOptimizer(ShardedFusedState, KeyedOptimizer):
-    """The fused optimizer of a rank that holds no shard: no live state, the module's hyperparameters (the live dict:
-    an LR schedule on it reaches the other ranks' the same way), and the same state dict keys as the other ranks."""
+    """The fused optimizer of a rank that holds no shard: no live state, the module's param groups (the live dicts:
+    an LR schedule on them reaches the other ranks' the same way), and the same state dict keys as the other ranks."""
 
-    def __init__(self, module: Any, hyperparams: dict[str, Any]) -> None:
+    def __init__(self, module: Any, hyperparams: list[dict[str, Any]]) -> None:
         self._sharded_module = module
-        hyperparams.setdefault("params", [])
-        super().__init__({}, {}, [hyperparams])
+        for group in hyperparams:
+            group.setdefault("params", [])
+        super().__init__({}, {}, list(hyperparams))
         self.save_param_groups(True)
 
     def __call__(self) -> NoLocalShardsOptimizer:

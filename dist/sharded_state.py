@@ -209,12 +209,12 @@ def fused_optimizer_state_dict(module: Any) -> dict[str, dict[str, Any]]:
     for table in fused_tables(module):
         local = views.get(table.name, [])
         entry: dict[str, Any] = {}
-        for key in fused_state_keys(module):
+        for key in fused_state_keys(module, table.name):
             pairs = [(spec, state[key]) for spec, state in local]
             if is_data_parallel(table):
                 entry[key] = pairs[0][1]
             else:
-                rowwise = key == "momentum1" and _rowwise(module)
+                rowwise = key == "momentum1" and _rowwise(module, table.name)
                 entry[key] = sharded_tensor(table, pairs, module.process_group, module.state_device, rowwise=rowwise)
         if local:
             entry["step"] = local[0][1]["step"]
@@ -224,26 +224,37 @@ def fused_optimizer_state_dict(module: Any) -> dict[str, dict[str, Any]]:
 
 def fused_tables(module: Any) -> list[ShardedTable]:
     """The tables of ``module`` with fused optimizer state (compute kernel ``fused``), the same on every rank."""
-    if module.lookup_options.fused is None:
-        return []
-    return [t for t in module.sharded_tables() if t.sharding.compute_kernel == EmbeddingComputeKernel.FUSED.value]
+    options = module.lookup_options
+    return [
+        t
+        for t in module.sharded_tables()
+        if t.sharding.compute_kernel == EmbeddingComputeKernel.FUSED.value and options.fused_of(t.name) is not None
+    ]
 
 
-def _rowwise(module: Any) -> bool:
-    fused = module.lookup_options.fused
+def _rowwise(module: Any, table: str) -> bool:
+    """Whether table ``table``'s fused rule keeps per-row state (rowwise Adagrad)."""
+    fused = module.lookup_options.fused_of(table)
     return fused is not None and fused.optim.name == "EXACT_ROWWISE_ADAGRAD"
+
+
+def _column_split_rowwise(module: Any) -> list[ShardedTable]:
+    """The fused tables whose per-row state several column blocks share."""
+    return [
+        t
+        for t in fused_tables(module)
+        if _rowwise(module, t.name) and not is_data_parallel(t) and len({s.col_offset for s in t.shards}) > 1
+    ]
 
 
 def syncs_column_row_state(module: Any) -> bool:
     """Whether :func:`load_fused_optimizer_state_dict` sends per-row state between column blocks (a collective)."""
-    return _rowwise(module) and any(
-        not is_data_parallel(t) and len({s.col_offset for s in t.shards}) > 1 for t in fused_tables(module)
-    )
+    return bool(_column_split_rowwise(module))
 
 
-def fused_state_keys(module: Any) -> list[str]:
-    """The per-row / per-element state names of ``module``'s fused rule (``step`` aside)."""
-    fused = module.lookup_options.fused
+def fused_state_keys(module: Any, table: str) -> list[str]:
+    """The per-row / per-element state names of table ``table``'s fused rule (``step`` aside)."""
+    fused = module.lookup_options.fused_of(table)
     if fused is None:
         return []
     return {
@@ -262,10 +273,10 @@ def load_fused_optimizer_state_dict(module: Any, state_dict: Mapping[str, Mappin
         entry = state_dict.get(table.name)
         if entry is None:
             raise ValueError(f"the fused optimizer state dict has no entry for table {table.name!r}")
-        for key in fused_state_keys(module):
+        for key in fused_state_keys(module, table.name):
             pairs = [(spec, state[key]) for spec, state in views.get(table.name, []) if state[key].numel()]
             first_block = min(s.col_offset for s in table.shards)
-            rowwise = key == "momentum1" and _rowwise(module)
+            rowwise = key == "momentum1" and _rowwise(module, table.name)
             own = [(s, t) for s, t in pairs if not rowwise or s.col_offset == first_block or is_data_parallel(table)]
             if key in entry:  # on every rank given it (a rank holding none of the table may get no entry)
                 check_full_shape(f"{table.name}.{key}", entry[key], table_shape(table, rowwise))
@@ -279,14 +290,10 @@ def load_fused_optimizer_state_dict(module: Any, state_dict: Mapping[str, Mappin
 
 def _sync_column_row_state(module: Any, views: dict[str, list[tuple[ShardSpec, dict[str, torch.Tensor]]]]) -> None:
     """Per-row state is saved by the first column block of each row range: send it to the other column blocks."""
-    if not _rowwise(module):
-        return
     pg = module.process_group
     me = pg.rank()
     ops, copies = [], []
-    for table in fused_tables(module):
-        if is_data_parallel(table):
-            continue
+    for table in _column_split_rowwise(module):
         first_block = min(s.col_offset for s in table.shards)
         mine = {s: state["momentum1"] for s, state in views.get(table.name, [])}
         for source in table.shards:

@@ -25,13 +25,14 @@ from torch import nn
 from tritonrec.data import KeyedJaggedTensor
 from tritonrec.dist.awaitable import Awaitable
 from tritonrec.dist.embedding_lookup import ShardWeight
-from tritonrec.dist.fused_params import LookupOptions, parse_fused_params
+from tritonrec.dist.fused_params import LookupOptions, parse_fused_params, table_fused_configs
 from tritonrec.dist.in_backward import in_backward_fused_params
 from tritonrec.dist.qcomm_protocol import QuantizedCommCodecs
 from tritonrec.dist.sharded_fused_optimizer import NoLocalShardsOptimizer, ShardedEmbeddingFusedOptimizer
 from tritonrec.dist.sharded_state import (
     copy_into_shards,
     drop_internal_keys,
+    fused_tables,
     ignore_internal_keys,
     save_table,
     table_shape,
@@ -122,15 +123,17 @@ class ShardedTablesMixin:
     ) -> None:
         env = _check_env(env)
         self._env = env
-        # a table's optimizer set by torch's apply_optimizer_in_backward (torchrec's recipe) joins fused_params
-        self._options = parse_fused_params(in_backward_fused_params(fused_params, source_weights), module)
+        self._options = parse_fused_params(fused_params, module)
+        # a table's optimizer set by torch's apply_optimizer_in_backward (torchrec's recipe) replaces fused_params' rule
+        per_table = in_backward_fused_params(fused_params, source_weights)
+        self._options.table_fused = table_fused_configs(per_table, module, self._options.fused)
         if self._options.weights_precision is not None:
             configs = [dataclasses.replace(c, data_type=self._options.weights_precision) for c in configs]
         self._configs = configs
         tables = sharded_tables(configs, plan, env.world_size)
         for table in tables:
             kernel = table.sharding.compute_kernel
-            if kernel == EmbeddingComputeKernel.FUSED.value and self._options.fused is None:
+            if kernel == EmbeddingComputeKernel.FUSED.value and self._options.fused_of(table.name) is None:
                 raise ValueError(
                     f"table {table.name!r}: the fused compute kernel needs an optimizer: pass "
                     "fused_params={'optimizer': ...} to the sharder (or shard a Fused* module)"
@@ -203,7 +206,11 @@ class ShardedTablesMixin:
                         slots.append(
                             (f"{self._container}.{name}.{shard_param_name(k)}", group, group.modules.index(weight))
                         )
-        hyperparams = self._options.fused.hyperparams if self._options.fused is not None else {}
+        # one param group per distinct fused optimizer of the fused tables (the same on every rank, shards or not)
+        configs = self._options.fused_configs(t.name for t in fused_tables(self))
+        hyperparams = [c.hyperparams for c in configs]
+        if not hyperparams:
+            hyperparams = [self._options.fused.hyperparams if self._options.fused is not None else {}]
         self._fused_optim: torch.optim.Optimizer
         if slots:  # both save whole tables as ShardedTensors (DCP re-shards them): see sharded_fused_optimizer
             self._fused_optim = ShardedEmbeddingFusedOptimizer(self, slots, states, groups, hyperparams)
@@ -212,8 +219,9 @@ class ShardedTablesMixin:
 
     @property
     def fused_optimizer(self) -> torch.optim.Optimizer:
-        """The fused optimizer of this rank's shards (state per local shard, one live hyperparameter dict; its
-        ``state_dict`` holds whole tables as ShardedTensors)."""
+        """The fused optimizer of this rank's shards (state per local shard; one param group per distinct fused
+        optimizer of the tables, each the live hyperparameter dict of its tables; its ``state_dict`` holds whole
+        tables as ShardedTensors)."""
         return self._fused_optim
 
     def _after_apply(self) -> None:

@@ -3,8 +3,11 @@ pieces (KJTAllToAll, block bucketizing, the table-batched lookups, the pooled/se
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from tritonrec.dist.embedding_lookup import FusedConfigs
 from tritonrec.dist.qcomm_protocol import QuantizedCommCodecs
 from tritonrec.dist.sharding.base import EmbeddingSharding
 from tritonrec.dist.sharding.common import (
@@ -41,7 +44,8 @@ def build_shardings(
     pooled: bool,
 ) -> list[EmbeddingSharding]:
     """One sharding per (sharding type, compute kernel), in order of first appearance among the tables (every rank
-    derives the same list from the same plan). ``options``: the module's ``LookupOptions``."""
+    derives the same list from the same plan). ``options``: the module's ``LookupOptions``; tables with a fused
+    optimizer of their own (``options.table_fused``) pass it to their sharding per table."""
     by_key: dict[tuple[str, str], list[ShardedTable]] = {}
     for table in tables:
         by_key.setdefault((table.sharding_type, table.sharding.compute_kernel), []).append(table)
@@ -54,7 +58,7 @@ def build_shardings(
                 env,
                 device,
                 kernel,
-                options.fused,  # type: ignore[attr-defined]
+                _fused_configs(options, group),
                 codecs_registry,
                 pooled=pooled,
                 bounds_check=options.bounds_check,  # type: ignore[attr-defined]
@@ -63,6 +67,13 @@ def build_shardings(
             )
         )
     return shardings
+
+
+def _fused_configs(options: Any, tables: list[ShardedTable]) -> FusedConfigs:
+    """``options.fused`` (a ``LookupOptions``) when no table has its own, else table name -> its config."""
+    if not options.table_fused:
+        return options.fused  # type: ignore[no-any-return]
+    return {t.name: options.fused_of(t.name) for t in tables}
 
 
 __all__ = [

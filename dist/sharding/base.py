@@ -23,7 +23,7 @@ from tritonrec.dist.awaitable import Awaitable, NoWait
 from tritonrec.dist.column_adagrad import ColumnShardKey
 from tritonrec.dist.comm_consistency import MetadataCheck
 from tritonrec.dist.dist_data import KJTAllToAll, KJTAllToAllTensorsAwaitable
-from tritonrec.dist.embedding_lookup import FusedConfig, GroupedEmbeddingLookup
+from tritonrec.dist.embedding_lookup import FusedConfigs, GroupedEmbeddingLookup, fused_of
 from tritonrec.dist.qcomm_protocol import CommOp, QuantizedCommCodecs
 from tritonrec.dist.sharding.common import (
     COLUMN_SPLIT_TYPES,
@@ -48,7 +48,7 @@ class EmbeddingSharding(nn.Module, abc.ABC):
         env: the process group (``env.process_group`` must be set: training).
         device: where this rank's shards live.
         compute_kernel: ``"dense"`` or ``"fused"``.
-        fused: the fused optimizer config (fused kernel).
+        fused: the fused optimizer config (fused kernel), of all tables or per table name.
         codecs_registry: comm op name -> codecs for the output dist's wire.
         pooled: pooled (EBC) or sequence (EC) outputs.
         seed_base: stochastic-rounding seed of the lookup's first group.
@@ -63,7 +63,7 @@ class EmbeddingSharding(nn.Module, abc.ABC):
         env: ShardingEnv,
         device: torch.device,
         compute_kernel: str,
-        fused: FusedConfig | None,
+        fused: FusedConfigs,
         codecs_registry: dict[str, QuantizedCommCodecs] | None,
         pooled: bool = True,
         bounds_check: BoundsCheckMode = BoundsCheckMode.FATAL,
@@ -80,7 +80,16 @@ class EmbeddingSharding(nn.Module, abc.ABC):
         self.device = device
         self.pooled = pooled
         self.codecs_registry = dict(codecs_registry or {})
-        self.shards_per_rank = [order_for_lookup(self.local_shards(r)) for r in range(self.world_size)]
+        # tables with different fused configs get lookup groups of their own: a config's position among the
+        # sharding's tables (module order) orders them alike on every rank
+        configs: list[int] = []
+        config_rank = {}
+        for table in tables:
+            key = id(fused_of(fused, table.name))
+            if key not in configs:
+                configs.append(key)
+            config_rank[table.name] = configs.index(key)
+        self.shards_per_rank = [order_for_lookup(self.local_shards(r), config_rank) for r in range(self.world_size)]
         self.lookup = GroupedEmbeddingLookup(
             self.shards_per_rank[self.rank], compute_kernel, device, fused, seed_base, bounds_check, backend
         )

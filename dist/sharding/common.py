@@ -7,6 +7,7 @@ is handed to them as a table of ``rows x cols`` whose indices were already made 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -159,10 +160,12 @@ class LocalShard:
         return self.table.embedding_names
 
 
-def order_for_lookup(shards: list[LocalShard]) -> list[LocalShard]:
-    """Shards grouped by storage dtype (stable inside a dtype), so each dtype group's features are contiguous in the
-    lookup's input (one kernel launch per dtype group)."""
-    return sorted(shards, key=lambda s: _DTYPE_ORDER.index(s.dtype))
+def order_for_lookup(shards: list[LocalShard], config_rank: Mapping[str, int] | None = None) -> list[LocalShard]:
+    """Shards grouped by storage dtype, then by fused config (``config_rank``: table name -> its config's position,
+    the same on every rank; all one config when None), stable inside a group, so each group's features are
+    contiguous in the lookup's input (one kernel launch per group)."""
+    ranks = config_rank or {}
+    return sorted(shards, key=lambda s: (_DTYPE_ORDER.index(s.dtype), ranks.get(s.table.name, 0)))
 
 
 @dataclass(frozen=True)

@@ -57,16 +57,29 @@ def _wrap(model: nn.Module, kind: str, world: int) -> Any:
 
 
 STEPS = 5
-# case -> (plan kind, optimizer class, its kwargs)
-CASES: dict[str, tuple[str, type, dict[str, Any]]] = {
-    "adagrad-tw": ("tw", torch.optim.Adagrad, {"lr": 0.1, "eps": 1e-8}),
-    "adagrad-rw": ("rw", torch.optim.Adagrad, {"lr": 0.1, "eps": 1e-8}),
-    "adagrad-planner": ("planner", torch.optim.Adagrad, {"lr": 0.1}),
-    "sgd-cw": ("cw", torch.optim.SGD, {"lr": 0.2}),
-    "adam-tw": ("tw", torch.optim.Adam, {"lr": 0.02, "betas": (0.8, 0.99)}),
+# an optimizer applied in backward: (class, kwargs, the tables it goes on; None: all)
+Applied = tuple[type, dict[str, Any], list[str] | None]
+_ADAGRAD_01 = (torch.optim.Adagrad, {"lr": 0.1}, ["t0", "t1"])
+_MIXED = [_ADAGRAD_01, (torch.optim.SGD, {"lr": 0.2}, ["t2", "t3"])]
+_TWO_LR = [_ADAGRAD_01, (torch.optim.Adagrad, {"lr": 0.05}, ["t2", "t3"])]
+# case -> (plan kind, the optimizers applied in backward)
+CASES: dict[str, tuple[str, list[Applied]]] = {
+    "adagrad-tw": ("tw", [(torch.optim.Adagrad, {"lr": 0.1, "eps": 1e-8}, None)]),
+    "adagrad-rw": ("rw", [(torch.optim.Adagrad, {"lr": 0.1, "eps": 1e-8}, None)]),
+    "adagrad-planner": ("planner", [(torch.optim.Adagrad, {"lr": 0.1}, None)]),
+    "sgd-cw": ("cw", [(torch.optim.SGD, {"lr": 0.2}, None)]),
+    "adam-tw": ("tw", [(torch.optim.Adam, {"lr": 0.02, "betas": (0.8, 0.99)}, None)]),
     # data_parallel() without a kernel: fused for such tables (dense would hand them to the dense optimizer)
-    "adagrad-dp": ("dp-default", torch.optim.Adagrad, {"lr": 0.1, "initial_accumulator_value": 0.5}),
+    "adagrad-dp": ("dp-default", [(torch.optim.Adagrad, {"lr": 0.1, "initial_accumulator_value": 0.5}, None)]),
+    # tables of one module with different optimizers (torchrec's per-table fused_params): one fused group each
+    **{f"mixed-{kind}": (kind, _MIXED) for kind in ("tw", "rw", "cw", "dp-default", "planner")},
+    **{f"two-lr-{kind}": (kind, _TWO_LR) for kind in ("tw", "cw", "dp-default")},
 }
+
+
+def expected_group_lrs(case: str) -> list[float]:
+    """The lr of each fused param group of ``case``, in order (one group per distinct optimizer)."""
+    return [kwargs["lr"] for _, kwargs, _ in CASES[case][1]]
 
 
 def _plain_dlrm(seed: int = 5) -> nn.Module:
@@ -102,14 +115,16 @@ def _fused_reference(model: nn.Module, optimizer: type, kwargs: dict[str, Any]) 
 def run_case(name: str, rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    kind, optimizer, kwargs = CASES[name]
+    kind, applied = CASES[name]
     model = _plain_dlrm()
-    if optimizer is torch.optim.Adam:
-        reference = _fused_reference(model, optimizer, kwargs)
+    if applied[0][0] is torch.optim.Adam:
+        reference = _fused_reference(model, applied[0][0], applied[0][1])
     else:
         reference = copy.deepcopy(model)
-        _apply(reference, optimizer, kwargs)
-    _apply(model, optimizer, kwargs)
+        for optimizer, kwargs, tables in applied:
+            _apply(reference, optimizer, kwargs, tables)
+    for optimizer, kwargs, tables in applied:
+        _apply(model, optimizer, kwargs, tables)
     dmp = _wrap(model, kind, world)
     dmp_dense, ref_dense = dense_optimizer(dmp.named_parameters()), dense_optimizer(reference.named_parameters())
     total, lo = BATCH_PER_RANK * world, BATCH_PER_RANK * rank
@@ -131,8 +146,9 @@ def run_case(name: str, rank: int, world: int) -> dict[str, Any]:
     for table, param, (r0, nr, c0, nc) in local_shards(dmp, rank):
         ref_weight = ref_params[f"{SHARDED_PATH}.embedding_bags.{table}.weight"]
         out["tables"] = max(out["tables"], max_diff(param, ref_weight[r0 : r0 + nr, c0 : c0 + nc]))
-        if optimizer is torch.optim.Adagrad:  # torch's accumulator ("sum") against the fused momentum
-            torch_state = ref_weight._in_backward_optimizers[0].state[ref_weight]
+        ref_optimizer = getattr(ref_weight, "_in_backward_optimizers", [None])[0]
+        if isinstance(ref_optimizer, torch.optim.Adagrad):  # torch's accumulator ("sum") against the fused momentum
+            torch_state = ref_optimizer.state[ref_weight]
             mine = dmp.fused_optimizer.state[param]["momentum1"]
             out["state"] = max(out["state"], max_diff(mine, torch_state["sum"][r0 : r0 + nr, c0 : c0 + nc]))
     kernels = {p.compute_kernel for p in dmp.plan.get_plan_for_module(SHARDED_PATH).values()}
@@ -140,6 +156,12 @@ def run_case(name: str, rank: int, world: int) -> dict[str, Any]:
     out["fused_groups"] = [
         {k: v for k, v in group.items() if k in ("lr", "eps", "betas")} for group in dmp.fused_optimizer.param_groups
     ]
+    # each param group holds exactly this rank's shards of its tables
+    names = {id(p): n for n, p in dmp.fused_optimizer.params.items()}
+    out["group_tables"] = [
+        sorted({names[id(p)].split(".")[-2] for p in g["params"]}) for g in dmp.fused_optimizer.param_groups
+    ]
+    out["local_tables"] = sorted({table for table, _, _ in local_shards(dmp, rank)})
     out["dense_names"] = sorted(n for n, _ in dmp_dense.params.items() if "embedding_bags" in n)
     return out
 
@@ -153,9 +175,6 @@ def _raises(fn: Any) -> str:
 
 
 def error_cases(rank: int, world: int) -> dict[str, str]:
-    mixed = _plain_dlrm()
-    _apply(mixed, torch.optim.Adagrad, {"lr": 0.1}, ["t0", "t1"])
-    _apply(mixed, torch.optim.SGD, {"lr": 0.1}, ["t2", "t3"])
     two = _plain_dlrm()
     _apply(two, torch.optim.SGD, {"lr": 0.1})
     _apply(two, torch.optim.SGD, {"lr": 0.2})
@@ -165,13 +184,119 @@ def error_cases(rank: int, world: int) -> dict[str, str]:
     _apply(dense, torch.optim.SGD, {"lr": 0.1})
     return {
         "dense_kernel": _raises(lambda: _wrap(dense, "tw-dense", world)),
-        "mixed": _raises(lambda: wrap(mixed, "tw", world)),
         "two_optimizers": _raises(lambda: wrap(two, "tw", world)),
         "momentum": _raises(lambda: wrap(momentum, "tw", world)),
+    }
+
+
+# ------------------------------------------------------------------------------------ per-table optimizers: extras
+def _mixed_dmp(kind: str, world: int, seed: int = 5, applied: list[Applied] = _MIXED, **kwargs: Any) -> Any:
+    model = _plain_dlrm(seed)
+    for optimizer, opt_kwargs, tables in applied:
+        _apply(model, optimizer, opt_kwargs, tables)
+    return wrap(model, kind, world, **kwargs) if kwargs else _wrap(model, kind, world)
+
+
+def _train(dmp: Any, dense: Any, steps: range, rank: int, world: int) -> list[float]:
+    """Train ``dmp`` on this rank's part of the global batches of ``steps``; this rank's losses."""
+    total, lo = BATCH_PER_RANK * world, BATCH_PER_RANK * rank
+    losses = []
+    for step in steps:
+        dense.zero_grad()
+        loss = loss_of(dmp, *batch_slice(global_batch(step, total), lo, lo + BATCH_PER_RANK))
+        loss.backward()
+        dense.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def lr_edit_case(rank: int, world: int) -> dict[str, Any]:
+    """Mixed optimizers, table-wise: the SGD group's lr set to 0 stops exactly t2 and t3."""
+    dmp = _mixed_dmp("tw", world)
+    dense = dense_optimizer(dmp.named_parameters())
+    dmp.fused_optimizer.param_groups[1]["lr"] = 0.0
+    before = {table: param.detach().clone() for table, param, _ in local_shards(dmp, rank)}
+    _train(dmp, dense, range(STEPS), rank, world)
+    moved = {
+        table: bool((param.detach() - before[table]).abs().max() > 0) for table, param, _ in local_shards(dmp, rank)
+    }
+    return {"moved": moved, "lrs": [group["lr"] for group in dmp.fused_optimizer.param_groups]}
+
+
+def _fused_state(dmp: Any, rank: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for table, param, _ in local_shards(dmp, rank):
+        out[table] = param.detach().clone()
+        for key, value in dmp.fused_optimizer.state[param].items():
+            out[f"{table}.{key}"] = value.detach().clone()
+    return out
+
+
+def checkpoint_case(rank: int, world: int) -> dict[str, Any]:
+    """Mixed optimizers: a DCP checkpoint (with an edited lr) restores identical training, table-wise into a model
+    built from other weights (this rank's tables and fused state bit-identical), and row-wise (re-sharded: the whole
+    tables, gathered, within float tolerance)."""
+    from tests.model_parallel.checkpoint_cases import root
+    from tritonrec.dist.checkpoint import CheckpointManager
+    from tritonrec.dist.sharded_state import gather_unsharded_state_dict
+
+    dmp = _mixed_dmp("tw", world)
+    dense = dense_optimizer(dmp.named_parameters())
+    _train(dmp, dense, range(2), rank, world)
+    dmp.fused_optimizer.param_groups[1]["lr"] = 0.3  # what a scheduler would have set: the checkpoint carries it
+    manager = CheckpointManager(root() / "in_backward_mixed")
+    manager.save(2, dmp, {"dense": dense})
+    losses = _train(dmp, dense, range(2, 2 + STEPS), rank, world)
+    expected, expected_whole = _fused_state(dmp, rank), gather_unsharded_state_dict(dmp)
+    out: dict[str, Any] = {}
+    for kind in ("tw", "rw"):
+        fresh = _mixed_dmp(kind, world, seed=9)
+        fresh_dense = dense_optimizer(fresh.named_parameters())
+        manager.load(fresh, {"dense": fresh_dense})
+        lrs = [group["lr"] for group in fresh.fused_optimizer.param_groups]
+        resumed = _train(fresh, fresh_dense, range(2, 2 + STEPS), rank, world)
+        got, whole = _fused_state(fresh, rank), gather_unsharded_state_dict(fresh)
+        out[kind] = {
+            "lrs": lrs,
+            "loss": max(abs(a - b) for a, b in zip(losses, resumed, strict=True)),
+            "whole": 0.0 if whole is None else max(max_diff(whole[k], v) for k, v in expected_whole.items()),
+        }
+        if kind == "tw":
+            out[kind]["keys"] = sorted(got) == sorted(expected)
+            out[kind]["state"] = max(max_diff(got[k], expected[k]) if k in expected else float("inf") for k in got)
+    return out
+
+
+def rowwise_column_case(rank: int, world: int) -> dict[str, Any]:
+    """Rowwise Adagrad from the sharder's fused_params on t0, t1 beside SGD applied in backward on t2, t3: column-wise
+    (whose rowwise tables exchange row sums of squares, the SGD ones not) trains as table-wise (exact tables)."""
+    from tritonrec.dist import EmbeddingBagCollectionSharder
+    from tritonrec.dist.sharded_state import gather_unsharded_state_dict
+    from tritonrec.kernels.embedding import OptimType
+
+    fused_params = {"optimizer": OptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1}
+    applied: list[Applied] = [(torch.optim.SGD, {"lr": 0.2}, ["t2", "t3"])]
+    runs = {}
+    for kind in ("tw", "cw"):
+        sharder = EmbeddingBagCollectionSharder(fused_params=fused_params)
+        dmp = _mixed_dmp(kind, world, applied=applied, sharders=[sharder])
+        dense = dense_optimizer(dmp.named_parameters())
+        losses = _train(dmp, dense, range(STEPS), rank, world)
+        optims = [g.state.optim.name for s in dmp.module.get_submodule(SHARDED_PATH).shardings for g in s.lookup.groups]
+        runs[kind] = (losses, gather_unsharded_state_dict(dmp), sorted(set(optims)))
+    (tw_losses, tw_tables, _), (cw_losses, cw_tables, cw_optims) = runs["tw"], runs["cw"]
+    tables = 0.0 if tw_tables is None else max(max_diff(cw_tables[k], v) for k, v in tw_tables.items())
+    return {
+        "loss": max(abs(a - b) for a, b in zip(tw_losses, cw_losses, strict=True)),
+        "tables": tables,
+        "optims": cw_optims,
     }
 
 
 def run_suite(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {name: run_case(name, rank, world) for name in CASES}
     out["errors"] = error_cases(rank, world)
+    out["lr_edit"] = lr_edit_case(rank, world)
+    out["checkpoint"] = checkpoint_case(rank, world)
+    out["rowwise_column"] = rowwise_column_case(rank, world)
     return out

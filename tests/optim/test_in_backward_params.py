@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.distributed.optim import _apply_optimizer_in_backward
 
+from tritonrec.dist.fused_params import parse_fused_params, table_fused_configs
 from tritonrec.dist.in_backward import in_backward_fused_params, torch_optimizer_fused_params
 from tritonrec.kernels.embedding import OptimType
 
@@ -68,15 +69,55 @@ def test_unknown_keywords_and_classes_are_refused() -> None:
 
 def test_the_tables_optimizer_overrides_the_sharders_fused_params() -> None:
     weights = {"a": _marked(torch.optim.Adagrad, {"lr": 0.3}), "b": _marked(torch.optim.Adagrad, {"lr": 0.3})}
-    merged = in_backward_fused_params({"optimizer": OptimType.EXACT_SGD, "lr": 9.0, "backend": "torch"}, weights)
-    assert merged["optimizer"] == OptimType.EXACT_ADAGRAD and merged["lr"] == 0.3 and merged["backend"] == "torch"
-    untouched = {"backend": "torch"}
-    assert in_backward_fused_params(untouched, {"a": torch.nn.Parameter(torch.zeros(1, 1))}) is untouched
+    sharder = {"optimizer": OptimType.EXACT_SGD, "learning_rate": 9.0, "weight_decay": 0.5, "backend": "torch"}
+    merged = in_backward_fused_params(sharder, weights)
+    assert sorted(merged) == ["a", "b"] and merged["a"] == merged["b"]
+    # the table's rule replaces every rule key of the sharder's (its learning_rate would shadow nothing, but an
+    # Adagrad table must not inherit SGD's weight decay); the other keys stay
+    assert merged["a"]["optimizer"] == OptimType.EXACT_ADAGRAD and merged["a"]["lr"] == 0.3
+    assert "learning_rate" not in merged["a"] and merged["a"]["weight_decay"] == 0 and merged["a"]["backend"] == "torch"
+    assert in_backward_fused_params({"backend": "torch"}, {"a": torch.nn.Parameter(torch.zeros(1, 1))}) == {}
 
 
-def test_tables_that_disagree_or_carry_two_optimizers_are_refused() -> None:
-    weights = {"a": _marked(torch.optim.Adagrad, {"lr": 0.3}), "b": _marked(torch.optim.Adagrad, {"lr": 0.2})}
-    with pytest.raises(ValueError, match=r"Adagrad\(lr=0.3\) on tables \['a'\]; Adagrad\(lr=0.2\) on tables \['b'\]"):
-        in_backward_fused_params(None, weights)
+def test_each_table_keeps_its_own_optimizer() -> None:
+    weights = {
+        "a": _marked(torch.optim.Adagrad, {"lr": 0.3}),
+        "b": _marked(torch.optim.SGD, {"lr": 0.2}),
+        "c": _marked(torch.optim.Adagrad, {"lr": 0.1}),
+        "plain": torch.nn.Parameter(torch.zeros(3, 2)),
+    }
+    merged = in_backward_fused_params({"backend": "torch"}, weights)
+    assert sorted(merged) == ["a", "b", "c"]  # "plain" takes the sharder's fused_params as given
+    assert [(merged[t]["optimizer"], merged[t]["lr"]) for t in "abc"] == [
+        (OptimType.EXACT_ADAGRAD, 0.3), (OptimType.EXACT_SGD, 0.2), (OptimType.EXACT_ADAGRAD, 0.1)
+    ]  # fmt: skip
+
+
+def test_tables_with_equal_optimizers_share_one_config_and_others_get_their_own() -> None:
+    weights = {
+        "a": _marked(torch.optim.Adagrad, {"lr": 0.3}),
+        "b": _marked(torch.optim.Adagrad, {"lr": 0.3}),
+        "c": _marked(torch.optim.Adagrad, {"lr": 0.1}),
+        "d": _marked(torch.optim.SGD, {"lr": 0.3}),
+    }
+    options = parse_fused_params({"optimizer": OptimType.EXACT_ROWWISE_ADAGRAD, "lr": 0.5})
+    options.table_fused = table_fused_configs(in_backward_fused_params(None, weights), None, options.fused)
+    configs = options.fused_configs(["plain", "a", "b", "c", "d"])
+    assert [(c.optim, c.hyperparams["lr"]) for c in configs] == [
+        (OptimType.EXACT_ROWWISE_ADAGRAD, 0.5), (OptimType.EXACT_ADAGRAD, 0.3), (OptimType.EXACT_ADAGRAD, 0.1),
+        (OptimType.EXACT_SGD, 0.3),
+    ]  # fmt: skip
+    assert options.fused_of("a") is options.fused_of("b") and options.fused_of("plain") is options.fused
+    assert len({id(c.hyperparams) for c in configs}) == 4  # one live hyperparameter dict (param group) each
+
+
+def test_a_tables_optimizer_equal_to_the_modules_shares_its_config() -> None:
+    weights = {"a": _marked(torch.optim.SGD, {"lr": 0.3})}
+    options = parse_fused_params({"optimizer": OptimType.EXACT_SGD, "lr": 0.3, "weight_decay": 0})
+    options.table_fused = table_fused_configs(in_backward_fused_params(None, weights), None, options.fused)
+    assert options.fused_of("a") is options.fused and options.fused_configs(["a", "b"]) == [options.fused]
+
+
+def test_a_table_carrying_two_optimizers_is_refused() -> None:
     with pytest.raises(ValueError, match="table 'c' has 2 optimizers applied in backward"):
         in_backward_fused_params(None, {"c": _marked(torch.optim.SGD, {"lr": 0.1}, times=2)})
