@@ -167,9 +167,10 @@ class DistributedModelParallel(nn.Module, FusedOptimizerModule):
     def _default_plan(self, module: nn.Module) -> ShardingPlan:
         from tritonrec.dist.planner import EmbeddingShardingPlanner, Topology
 
-        world = self._env.world_size
-        topology = Topology(world, compute_device=self.device.type, local_world_size=get_local_size(world))
-        planner = EmbeddingShardingPlanner(topology, constraints=dense_only_constraints(module, self._sharder_map))
+        world, device = self._env.world_size, self.device.type
+        topology = Topology(world, compute_device=device, local_world_size=get_local_size(world))
+        constraints = dense_only_constraints(module, self._sharder_map, device)
+        planner = EmbeddingShardingPlanner(topology, constraints=constraints)
         if self._env.process_group is not None:
             return planner.collective_plan(module, self.sharders, self._env.process_group)
         return planner.plan(module, self.sharders)

@@ -42,12 +42,23 @@ def sharder_for(module: nn.Module, sharders: Mapping[type, ModuleSharder[Any]]) 
     return next((s for t, s in sharders.items() if isinstance(module, t)), None)
 
 
-def dense_only_constraints(module: nn.Module, sharders: Mapping[type, ModuleSharder[Any]]) -> dict[str, Any]:
+def _offers_dense(sharder: ModuleSharder[Any], compute_device: str) -> bool:
+    from tritonrec.dist.types import EmbeddingComputeKernel
+
+    dense = EmbeddingComputeKernel.DENSE.value
+    return any(dense in sharder.compute_kernels(t, compute_device) for t in sharder.sharding_types(compute_device))
+
+
+def dense_only_constraints(
+    module: nn.Module, sharders: Mapping[type, ModuleSharder[Any]], compute_device: str
+) -> dict[str, Any]:
     """Planner constraints for DistributedModelParallel's default plan: the dense compute kernel only, for every table
     of a sharded module that has no optimizer to fuse (a plain module, no ``optimizer`` in its sharder's
     ``fused_params``, and no optimizer applied in backward to the table). Its tables then train with the caller's
     optimizer, as the unsharded module's would; the planner would otherwise pick the fused kernel, which has no update
-    to apply (torchrec's falls back to FBGEMM's SGD at lr 0.01, silently; ours raised)."""
+    to apply (torchrec's falls back to FBGEMM's SGD at lr 0.01, silently; ours raised). A module whose sharder offers
+    no dense kernel on ``compute_device`` (the quantized collections: inference tables, nothing to update) is left
+    unconstrained."""
     from tritonrec.dist.planner.enumerators import fused_optimizer_type
     from tritonrec.dist.planner.types import ParameterConstraints
     from tritonrec.dist.types import EmbeddingComputeKernel
@@ -56,6 +67,8 @@ def dense_only_constraints(module: nn.Module, sharders: Mapping[type, ModuleShar
     for child in module.modules():
         sharder = sharder_for(child, sharders)
         if sharder is None or fused_optimizer_type(sharder, child) is not None:
+            continue
+        if not _offers_dense(sharder, compute_device):
             continue
         for table, param in sharder.shardable_parameters(child).items():
             if fused_optimizer_type(sharder, child, param) is None:  # no optimizer applied in backward either

@@ -165,12 +165,14 @@ def _sharding(
 
 def data_parallel(compute_kernel: str | None = None) -> ParameterShardingGenerator:
     """Replicate the table on every rank (gradients all-reduced). The default kernel is dense (torchrec's), or fused
-    for a table that ``apply_optimizer_in_backward`` gave an optimizer (the dense kernel would drop it)."""
+    for a table updated inside the backward: one that ``apply_optimizer_in_backward`` gave an optimizer, or a table of
+    a fused collection (both carry ``_in_backward_optimizers``; the dense kernel would silently drop their optimizer
+    and hand the table to the dense one)."""
 
     def generate(param, local_size, world_size, device_type, sharder):  # type: ignore[no-untyped-def]
         ranks = list(range(world_size))
         kernel = compute_kernel or EmbeddingComputeKernel.DENSE.value
-        if compute_kernel is None and hasattr(param, "_optimizer_classes"):
+        if compute_kernel is None and hasattr(param, "_in_backward_optimizers"):
             kernel = _default_kernel(sharder, ShardingType.DATA_PARALLEL.value, device_type)
         return _sharding(param, ShardingType.DATA_PARALLEL, ranks, local_size, world_size, device_type, sharder, kernel)
 

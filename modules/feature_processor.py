@@ -52,6 +52,8 @@ class PositionWeightedModule(nn.Module):
             self.position_weight.fill_(1.0)
 
     def forward(self, features: JaggedTensor) -> JaggedTensor:
+        if (leaf := fx_leaf_call(self, features)) is not None:  # plain fx: one call_module node (torchrec traces)
+            return leaf  # type: ignore[return-value]
         return self.weighted(features, "<jagged tensor>")
 
     def weighted(self, features: JaggedTensor, name: str) -> JaggedTensor:
@@ -88,6 +90,8 @@ class PositionWeightedModuleCollection(nn.Module):
                 weight.fill_(1.0)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        if (leaf := fx_leaf_call(self, features)) is not None:  # plain fx: one call_module node (torchrec traces)
+            return leaf  # type: ignore[return-value]
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
         positions = _positions_in_bags(features.offsets(), features.values().numel())

@@ -6,9 +6,9 @@ The enumerator relies only on the :class:`~tritonrec.dist.types.ModuleSharder` i
 ``shardable_parameters``, ``sharding_types``, ``compute_kernels``, ``storage_usage``), plus two things a module may
 tell: its table configs (``embedding_bag_configs()`` -> pooled, ``embedding_configs()`` -> sequence; for each table's
 feature count and output dim) and ``is_weighted()``. The fused optimizer whose state a ``fused`` shard carries comes
-from the optimizer ``apply_optimizer_in_backward`` put on the table (torchrec's recipe; such a table is offered no
-dense kernel, which would drop it), the sharder's ``fused_params["optimizer"]`` (torchrec's key) or the module's own
-``fused_optimizer``.
+from the optimizer ``apply_optimizer_in_backward`` put on the table (torchrec's recipe), the sharder's
+``fused_params["optimizer"]`` (torchrec's key) or the module's own ``fused_optimizer``. A table updated inside the
+backward (such an optimizer, or a fused collection's table) is offered no dense kernel, which would drop its optimizer.
 """
 
 from __future__ import annotations
@@ -181,8 +181,9 @@ class EmbeddingEnumerator:
         poolings = _per_feature(name, "num_poolings", c.num_poolings if c else None, features, 1.0)
         batches = _per_feature(name, "batch sizes", c.batch_sizes if c else None, features, self._batch_size)
         optimizer = fused_optimizer_type(sharder, module, param)
-        # the dense kernel would drop an optimizer applied in backward (the sharded module refuses that plan)
-        in_backward = hasattr(param, "_optimizer_classes")
+        # the dense kernel would drop an optimizer applied in backward (the sharded module refuses that plan) or a
+        # fused collection's own; both mark the table with _in_backward_optimizers
+        in_backward = hasattr(param, "_in_backward_optimizers")
         device = topo.compute_device
         for sharding_type in sharder.sharding_types(device):
             if c is not None and c.sharding_types is not None and sharding_type not in c.sharding_types:

@@ -11,6 +11,10 @@ Where torchrec's flush at the end of the data steps the remaining micro-batches'
 when the last of them ran under ``no_sync`` (each rank then steps its own gradients and the replicas drift apart),
 this one all-reduces them first, as DDP would have. The first step and ``num_warmup_steps`` steps always sync (DDP's
 reducer must see a synced backward first; torchrec's rule).
+
+Around a pipeline that does not train (:class:`EvalPipelineSparseDist`, which may hold no optimizer) the wrapper
+passes every call through: it neither swaps nor steps the optimizer, so an evaluation between training windows
+cannot step (or clear) the open window's gradients.
 """
 
 from __future__ import annotations
@@ -93,17 +97,26 @@ def _ddp_modules(model: nn.Module) -> list[DistributedDataParallel]:
 
 
 def _all_reduce_mean(ddp: DistributedDataParallel) -> None:
-    """Average the gradients of ``ddp``'s parameters over its process group, as its reducer does."""
+    """Average the gradients of the parameters ``ddp`` synchronises over its process group, as its reducer does: not
+    those it was told to ignore (DistributedModelParallel's table shards, which differ per rank). A parameter without
+    a gradient on some rank (unused there, ``find_unused_parameters``) counts as zeros, and gets the average wherever
+    any rank used it; one no rank used keeps no gradient. One all-reduce: the gradients and the used-flags."""
     group = ddp.process_group
     size = dist.get_world_size(group)
-    grads = [p.grad for p in ddp.module.parameters() if p.requires_grad and p.grad is not None]
-    if size == 1 or not grads:
+    ignored = ddp.parameters_to_ignore
+    params = [p for name, p in ddp.module.named_parameters() if name not in ignored and p.requires_grad]
+    if size == 1 or not params:
         return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    used = torch.tensor([float(p.grad is not None) for p in params], device=grads[0].device)
     flat = torch.cat([g.reshape(-1) for g in grads]).div_(size)
+    flat = torch.cat([flat, used.to(flat.dtype)])
     dist.all_reduce(flat, group=group)
     offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+    for p, g, anywhere in zip(params, grads, flat[-len(params) :].tolist(), strict=True):
+        if anywhere > 0:
+            p.grad = g if p.grad is None else p.grad
+            p.grad.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
 
 
@@ -129,7 +142,8 @@ class GradientAccumulationWrapper(Generic[In, Out]):
             raise TypeError(f"config must be a GradientAccumulationConfig, got {type(config).__name__}")
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        if config.is_enabled and getattr(pipeline, "_optimizer", None) is not optimizer:
+        self._accumulates = config.is_enabled and getattr(pipeline, "_trains", True)
+        if self._accumulates and getattr(pipeline, "_optimizer", None) is not optimizer:
             raise ValueError(
                 "optimizer must be the optimizer the pipeline steps (a StagedTrainPipeline leaves the step to its "
                 "caller: accumulate there)"
@@ -140,7 +154,7 @@ class GradientAccumulationWrapper(Generic[In, Out]):
         self._optimizer_wrapper = _GAOptimizerWrapper(optimizer, config)
         self._ddp: list[DistributedDataParallel] | None = None
         self._unsynced = False  # a micro-batch of the open window ran under no_sync
-        if config.is_enabled:
+        if self._accumulates:
             pipeline._optimizer = self._optimizer_wrapper  # type: ignore[attr-defined]
 
     def _ddp_modules(self) -> list[DistributedDataParallel]:
@@ -177,7 +191,7 @@ class GradientAccumulationWrapper(Generic[In, Out]):
 
     def progress(self, dataloader_iter: Iterator[In], is_last_batch: bool | None = None) -> Out:
         """One micro-batch through the pipeline; ``is_last_batch=True`` syncs it and steps a partial window."""
-        if not self._config.is_enabled:
+        if not self._accumulates:
             return self._pipeline.progress(dataloader_iter)
         sync = self._should_sync_grad(bool(is_last_batch))
         try:

@@ -150,3 +150,37 @@ def test_traced_dlrm_train_takes_a_batch():
 def test_a_collection_as_the_traced_root_is_refused_clearly():
     with pytest.raises(TypeError, match="root module"):
         torch.fx.symbolic_trace(EmbeddingBagCollection(_bag_tables(), backend="torch"))
+
+
+def test_a_standalone_position_weighted_module_traces_as_one_call_module():
+    """torchrec's PositionWeightedModuleCollection traces under plain fx in front of a weighted EBC (ours checked
+    its input's type against the proxy and raised); the single-feature module does too."""
+    from tritonrec.data import JaggedTensor
+    from tritonrec.modules import PositionWeightedModule
+
+    class WeightedHead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pw = PositionWeightedModuleCollection({"f0": 3, "f1": 3})
+            self.one = PositionWeightedModule(3)
+            self.ebc = EmbeddingBagCollection(_bag_tables(), is_weighted=True, backend="torch")
+
+        def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+            weights = self.one(features["f0"]).weights()
+            return self.ebc(self.pw(features)).values().sum(1) + weights.sum()
+
+    torch.manual_seed(2)
+    model = WeightedHead()
+    with torch.no_grad():
+        model.pw.position_weights["f0"].copy_(torch.tensor([0.5, 2.0, 3.0]))
+        model.one.position_weight.copy_(torch.tensor([1.5, 0.25, 4.0]))
+    traced = torch.fx.symbolic_trace(copy.deepcopy(model))
+    modules = [str(n.target) for n in traced.graph.nodes if n.op == "call_module"]
+    assert modules == ["one", "pw", "ebc"]
+    eager_out, traced_out = model(_kjt()), traced(_kjt())
+    assert torch.equal(eager_out, traced_out)
+    eager_out.sum().backward()
+    traced_out.sum().backward()
+    for name, grad in _grads(model).items():
+        assert torch.equal(grad.to_dense(), _grads(traced)[name].to_dense()), name
+    assert isinstance(traced.one(JaggedTensor(torch.tensor([1, 2]), lengths=torch.tensor([2]))), JaggedTensor)

@@ -108,6 +108,18 @@ def test_copy_calls_the_copy_of_modules_that_define_one() -> None:
         assert torch.equal(twin(kjt["s"], kjt["u"]), dmp(kjt["s"], kjt["u"]))
 
 
+def test_default_plan_of_a_quantized_collection_uses_its_quant_kernel() -> None:
+    """DMP without a plan: a quantized collection has no optimizer to fuse, but its sharder offers no dense kernel
+    either (its tables are not trained), so the default plan must not restrict it to the dense kernel (it raised
+    "no sharding option left")."""
+    torch.manual_seed(0)
+    model, sharder = _QuantModel(), QuantEmbeddingBagCollectionSharder()
+    dmp = DistributedModelParallel(model, env=ShardingEnv.from_local(2, 0), device=torch.device("cpu"),
+                                   sharders=[sharder], init_data_parallel=False)  # fmt: skip
+    kernels = {p.compute_kernel for m in dmp.plan.plan.values() for p in m.values()}
+    assert kernels == {"quant"}
+
+
 @pytest.mark.dist
 def test_sparse_grad_names_and_meta_build() -> None:
     for rank, got in enumerate(_api("sparse_meta")):

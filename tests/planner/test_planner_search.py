@@ -74,6 +74,19 @@ def test_enumerator_lists_every_type_kernel_and_column_split() -> None:
     assert {o.num_column_shards for o in tiny if o.sharding_type == "column_wise"} == {1}  # too narrow to split
 
 
+def test_a_fused_collections_tables_are_offered_the_fused_kernel_only() -> None:
+    """The dense kernel would silently drop a fused collection's own optimizer (its tables carry
+    ``_in_backward_optimizers``, as tables given one by apply_optimizer_in_backward do): not an option for them."""
+    from tritonrec.modules import EmbeddingBagConfig, FusedEmbeddingBagCollection
+
+    tables = [EmbeddingBagConfig(num_embeddings=100, embedding_dim=64, name="t0", feature_names=["f0"])]
+    fused = FusedEmbeddingBagCollection(tables, "EXACT_ROWWISE_ADAGRAD", {"lr": 0.1}, device="meta")
+    space = _space(fused, topology(world_size=4, local_world_size=2))
+    assert {o.compute_kernel for o in space} == {FUSED}
+    assert {o.sharding_type for o in space} == set(ALL_TYPES)
+    assert {o.compute_kernel for o in _space(ebc([(100, 64)]), topology())} == {DENSE, FUSED}  # a plain one: both
+
+
 def test_proposers_candidates() -> None:
     constraints = {
         "t0": ParameterConstraints(sharding_types=["table_wise", "row_wise", "data_parallel"], compute_kernels=[FUSED]),

@@ -112,6 +112,24 @@ def test_construct_plan_every_type_and_str() -> None:
     assert "module: sparse.ebc" in text and "table_wise" in text and "rank:3/cpu" in text
 
 
+def test_data_parallel_defaults_to_the_fused_kernel_for_a_fused_collections_tables() -> None:
+    """A fused collection's tables update inside the backward: the dense kernel would silently drop their optimizer
+    (the table then trained by the dense optimizer, or not at all), so data_parallel() picks fused for them, as for
+    tables given an optimizer by apply_optimizer_in_backward; a plain collection's tables stay dense (torchrec's)."""
+    from tritonrec.modules import FusedEmbeddingBagCollection
+
+    tables = [EmbeddingBagConfig(num_embeddings=10, embedding_dim=4, name="t0", feature_names=["f0"])]
+    fused = FusedEmbeddingBagCollection(tables, "EXACT_ROWWISE_ADAGRAD", {"lr": 0.1}, backend="torch")
+    sharder = _PlanOnlySharder()
+    plan = construct_module_sharding_plan(fused, {"t0": data_parallel()}, sharder, 2, 2, "cpu")
+    assert plan["t0"].compute_kernel == "fused"
+    plan = construct_module_sharding_plan(fused, {"t0": data_parallel(compute_kernel="dense")}, sharder, 2, 2, "cpu")
+    assert plan["t0"].compute_kernel == "dense"  # named explicitly: left to the sharded module to judge
+    plain = EmbeddingBagCollection(tables, backend="torch")
+    plan = construct_module_sharding_plan(plain, {"t0": data_parallel()}, sharder, 2, 2, "cpu")
+    assert plan["t0"].compute_kernel == "dense"
+
+
 @pytest.mark.parametrize(
     ("generators", "message"),
     [

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.train_pipeline.pipeline_cases import CPU, batches, build_model, run_to_end, snapshot
+from tests.train_pipeline.pipeline_cases import CPU, batches, build_model, make_batch, run_to_end, snapshot
 
 
 def _reference(rank: int, world: int, batch_list: list[Any], window: int) -> dict[str, Any]:
@@ -77,6 +77,101 @@ def _max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> fl
     return max(float((got[k] - want[k]).abs().max()) if got[k].numel() else 0.0 for k in want)
 
 
+def _dense_table_model(world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """DistributedModelParallel over a DLRMTrain whose tables are table-wise on the dense kernel: their shards (of
+    different shapes per rank) are trained by the dense optimizer but are no DDP parameters (DDP ignores them)."""
+    from tests.train_pipeline.pipeline_cases import DENSE, DIM, FEATURES, ROWS
+    from tritonrec.dist import ShardingPlan, construct_module_sharding_plan, table_wise
+    from tritonrec.dist.embeddingbag import EmbeddingBagCollectionSharder
+    from tritonrec.dist.model_parallel import DistributedModelParallel
+    from tritonrec.modules import EmbeddingBagCollection, EmbeddingBagConfig
+    from tritonrec.modules.dlrm import DLRM, DLRMTrain
+
+    torch.manual_seed(3)
+    tables = [EmbeddingBagConfig(num_embeddings=r, embedding_dim=DIM, name=f"t_{f}", feature_names=[f])
+              for f, r in zip(FEATURES, ROWS, strict=True)]  # fmt: skip
+    ebc, sharder = EmbeddingBagCollection(tables, backend="torch"), EmbeddingBagCollectionSharder()
+    plan = {f"t_{f}": table_wise(rank=i % world, compute_kernel="dense") for i, f in enumerate(FEATURES)}
+    module_plan = construct_module_sharding_plan(ebc, plan, sharder, world, world, "cpu")
+    plan = ShardingPlan({"model.sparse_arch.embedding_bag_collection": module_plan})
+    model = DLRMTrain(DLRM(ebc, DENSE, [16, DIM], [16, 1]))
+    dmp = DistributedModelParallel(model, device=CPU, plan=plan, sharders=[sharder])
+    return dmp, torch.optim.SGD(dmp.parameters(), lr=0.05)
+
+
+def _dense_tables_case(rank: int, world: int) -> dict[str, Any]:
+    """7 micro-batches in windows of 3: the flush of the last, unsynced window all-reduces the DDP parameters only
+    (averaging the table shards too mixed different tables' gradients, or hung on their different sizes)."""
+    from tritonrec.dist.train_pipeline import (
+        GradientAccumulationConfig,
+        GradientAccumulationWrapper,
+        TrainPipelineSparseDist,
+    )
+
+    model, optimizer = _dense_table_model(world)
+    config = GradientAccumulationConfig(num_steps=3)
+    pipeline = GradientAccumulationWrapper(TrainPipelineSparseDist(model, optimizer, CPU), optimizer, model, config)
+    losses = run_to_end(pipeline, batches(rank, 7))
+    reference, ref_optimizer = _dense_table_model(world)
+    ref_losses, batch_list = [], list(batches(rank, 7))
+    for start in range(0, len(batch_list), 3):
+        ref_optimizer.zero_grad()
+        for batch in batch_list[start : start + 3]:
+            loss = reference(batch)[0]
+            loss.backward()
+            ref_losses.append(loss.item())
+        ref_optimizer.step()
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    want = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    return {
+        "loss": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
+        "weights": _max_diff(weights, want),
+        "replicas_equal": _dense_equal_across_ranks(weights),
+    }
+
+
+class _Branchy(torch.nn.Module):
+    """Two heads; ``batch.labels.sum() > 2`` picks whether the second one runs (data-dependent, so ranks may differ)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.first, self.second = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
+
+    def forward(self, batch: Any) -> tuple:
+        out = self.first(batch.dense_features).sum()
+        if batch.labels.sum() > 2:
+            out = out + self.second(batch.dense_features).sum()
+        return out, (out.detach(),)
+
+
+def _unused_on_one_rank_case(rank: int, world: int) -> dict[str, Any]:
+    """4 micro-batches in windows of 3 (``find_unused_parameters``): in the last, unsynced one only rank 1 runs the
+    second head, so rank 0 holds no gradient for it at the flush (it all-reduced lists of different lengths)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tritonrec.data.batch import Batch
+    from tritonrec.dist.train_pipeline import GradientAccumulationConfig, GradientAccumulationWrapper, TrainPipelineBase
+
+    def batch(step: int) -> Batch:
+        base = make_batch(rank, step)
+        labels = torch.ones_like(base.labels) if step < 3 or rank == 1 else torch.zeros_like(base.labels)
+        return Batch(base.dense_features[:, :3], base.sparse_features, labels, base.valid_mask)
+
+    model = DistributedDataParallel(_Branchy(), find_unused_parameters=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = GradientAccumulationConfig(num_steps=3)
+    pipeline = GradientAccumulationWrapper(TrainPipelineBase(model, optimizer, CPU), optimizer, model, config)
+    data = iter([batch(step) for step in range(4)])
+    while True:
+        try:
+            pipeline.progress(data)
+        except StopIteration:
+            break
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"replicas_equal": _dense_equal_across_ranks(weights)}
+
+
 def accumulation_cases(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for label, count, window, warmup in (("partial_window", 7, 3, 1), ("warmup", 8, 4, 3)):
@@ -97,4 +192,6 @@ def accumulation_cases(rank: int, world: int) -> dict[str, Any]:
         "steps": got["steps"],
         "count": len(got["losses"]),
     }
+    out["dense_tables"] = _dense_tables_case(rank, world)
+    out["unused_on_one_rank"] = _unused_on_one_rank_case(rank, world)
     return out

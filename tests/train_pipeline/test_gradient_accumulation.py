@@ -12,6 +12,7 @@ import torch
 
 from tests.train_pipeline.toy import ToyModel, progress_losses, toy_batches
 from tritonrec.dist.train_pipeline import (
+    EvalPipelineSparseDist,
     GradientAccumulationConfig,
     GradientAccumulationWrapper,
     PipelineStage,
@@ -138,3 +139,23 @@ def test_an_optimizer_the_pipeline_does_not_step_is_refused() -> None:
         GradientAccumulationWrapper(StagedTrainPipeline([PipelineStage("copy", lambda b: b)]), optimizer, model, config)
     with pytest.raises(TypeError, match="config"):
         GradientAccumulationWrapper(TrainPipelineBase(model, optimizer, CPU), optimizer, model, {"num_steps": 2})
+
+
+@pytest.mark.parametrize("eval_optimizer", ["none", "training"])
+def test_an_eval_pipeline_passes_through_without_touching_the_open_window(eval_optimizer: str) -> None:
+    model = ToyModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = GradientAccumulationConfig(num_steps=3)
+    train = GradientAccumulationWrapper(TrainPipelineBase(model, optimizer, CPU), optimizer, model, config)
+    data = toy_batches(2)
+    train.progress(data)
+    train.progress(data)  # a window of 3 left open: 2 micro-batches' gradients wait for the step
+    weights = [p.detach().clone() for p in model.parameters()]
+    grads = [p.grad.clone() for p in model.parameters()]
+    optim = None if eval_optimizer == "none" else optimizer
+    evaluation = EvalPipelineSparseDist(model, optim, CPU)
+    wrapped = GradientAccumulationWrapper(evaluation, optim, model, config)
+    assert len(progress_losses(wrapped, toy_batches(4))) == 4  # StopIteration steps nothing (no optimizer to step)
+    assert evaluation._optimizer is optim and wrapped.current_step == 0
+    for param, weight, grad in zip(model.parameters(), weights, grads, strict=True):
+        assert torch.equal(param, weight) and torch.equal(param.grad, grad)

@@ -30,3 +30,18 @@ def test_uneven_ends_step_the_partial_window_on_synced_gradients() -> None:
         got = results["uneven"]
         assert got["count"] == 5 and got["steps"] == [2], f"rank {rank}: {got}"
         assert got["replicas_equal"], f"rank {rank}: the dense replicas drifted apart"
+
+
+@pytest.mark.dist
+def test_the_flush_all_reduces_only_what_ddp_synchronises() -> None:
+    """Table-wise shards on the dense kernel are no DDP parameters: the partial window's flush leaves them alone."""
+    for rank, results in enumerate(suite_results("accumulation")):
+        got = results["dense_tables"]
+        assert got["loss"] < 1e-6 and got["weights"] < 1e-6, f"rank {rank}: {got}"
+        assert got["replicas_equal"], f"rank {rank}: the dense replicas drifted apart"
+
+
+@pytest.mark.dist
+def test_the_flush_all_reduces_a_parameter_one_rank_did_not_use() -> None:
+    for rank, results in enumerate(suite_results("accumulation")):
+        assert results["unused_on_one_rank"]["replicas_equal"], f"rank {rank}: the replicas drifted apart"
