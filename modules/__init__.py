@@ -1,8 +1,10 @@
 """nn.Modules with torchrec's names: embedding configs, (fused) embedding bag / sequence collections, feature
-processors, quantized inference collections, the DLRM family, the cross nets and DeepFM. Modules hold parameters and
-route KJTs; the lookups are :mod:`tritonrec.kernels.embedding` ops."""
+processors, quantized inference collections, the DLRM family, the cross nets, DeepFM, embedding towers, the
+KeyedTensor regrouping module and SwishLayerNorm. Modules hold parameters and route KJTs; the lookups are
+:mod:`tritonrec.kernels.embedding` ops."""
 
 from tritonrec.kernels.embedding import OptimType
+from tritonrec.modules.activation import SwishLayerNorm
 from tritonrec.modules.crossnet import CrossNet, LowRankMixtureCrossNet, VectorCrossNet
 from tritonrec.modules.deepfm import DeepFM, FactorizationMachine
 from tritonrec.modules.dlrm import DLRM, DLRM_DCN, DLRMTrain
@@ -26,6 +28,7 @@ from tritonrec.modules.embedding_configs import (
     data_type_to_dtype,
 )
 from tritonrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from tritonrec.modules.embedding_tower import EmbeddingTower, EmbeddingTowerCollection
 from tritonrec.modules.feature_processor import (
     FeatureProcessedEmbeddingBagCollection,
     PositionWeightedModule,
@@ -37,6 +40,7 @@ from tritonrec.modules.fused_embedding_modules import (
     FusedEmbeddingCollection,
 )
 from tritonrec.modules.quant_embedding_modules import QuantEmbeddingBagCollection
+from tritonrec.modules.regroup import KTRegroupAsDict
 from tritonrec.modules.simple_deepfm import FMInteractionArch, SimpleDeepFMNN
 
 __all__ = [
@@ -56,6 +60,8 @@ __all__ = [
     "EmbeddingCollection",
     "EmbeddingConfig",
     "EmbeddingFusedOptimizer",
+    "EmbeddingTower",
+    "EmbeddingTowerCollection",
     "FMInteractionArch",
     "FactorizationMachine",
     "FeatureProcessedEmbeddingBagCollection",
@@ -64,6 +70,7 @@ __all__ = [
     "InteractionArch",
     "InteractionDCNArch",
     "InteractionProjectionArch",
+    "KTRegroupAsDict",
     "LowRankCrossNet",
     "LowRankMixtureCrossNet",
     "OptimType",
@@ -74,6 +81,7 @@ __all__ = [
     "QuantEmbeddingBagCollection",
     "SimpleDeepFMNN",
     "SparseArch",
+    "SwishLayerNorm",
     "VectorCrossNet",
     "data_type_to_dtype",
 ]
