@@ -91,6 +91,11 @@ class RandomRecDataset(IterableDataset[Batch]):
         self.num_dense = check_int(num_dense, "num_dense", 0)
         self.num_batches = check_optional_int(num_batches, "num_batches", 0)
         self.num_generated_batches = check_int(num_generated_batches, "num_generated_batches")
+        if self.num_generated_batches == 0:  # nothing to cycle (torchrec divides by zero on the first batch)
+            raise ValueError(
+                "num_generated_batches must be positive (batches drawn up front and cycled) or negative (drawn on "
+                "the fly), got num_generated_batches=0"
+            )
         self.generator = None
         if manual_seed is not None:
             self.generator = torch.Generator().manual_seed(check_int(manual_seed, "manual_seed"))
@@ -109,9 +114,7 @@ class RandomRecDataset(IterableDataset[Batch]):
         return Batch(dense, sparse, labels, torch.ones(self.batch_size, dtype=torch.bool))
 
     def _stream(self) -> Iterator[Batch]:
-        if self.num_generated_batches >= 0:
-            if not self._generated:  # torchrec's cycle over nothing: no batch at all
-                return iter(())
+        if self.num_generated_batches > 0:
             return itertools.cycle(self._generated)
         return (self._generate() for _ in itertools.count())
 

@@ -34,14 +34,15 @@ from tritonrec.dist.dense_table_state import (
     shards_of_saved_tables,
     table_state,
 )
-from tritonrec.dist.model_parallel import _KeyedFusedOptimizer, get_unwrapped_module
+from tritonrec.dist.model_parallel import get_unwrapped_module
+from tritonrec.dist.sharded_fused_optimizer import HyperparamsOnlyOptimizer
 from tritonrec.dist.sharded_state import fused_optimizer_state_dict, load_fused_optimizer_state_dict
 from tritonrec.dist.sharded_tables import NoLocalShardsOptimizer, ShardedTablesMixin
 from tritonrec.kernels.embedding.optim_state import check_hyperparameters
 from tritonrec.modules.fused_embedding_modules import EmbeddingFusedOptimizer, _FusedMixin
 from tritonrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, check_param_groups
 
-_FUSED_OPTIMIZERS = (EmbeddingFusedOptimizer, _KeyedFusedOptimizer, NoLocalShardsOptimizer)
+_FUSED_OPTIMIZERS = (EmbeddingFusedOptimizer, HyperparamsOnlyOptimizer, NoLocalShardsOptimizer)
 _SHARDED_TABLES = "sharded_tables"  # in a saved param group: the keys of the dense-kernel sharded tables
 
 

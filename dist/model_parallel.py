@@ -47,6 +47,7 @@ from tritonrec.dist.module_tree import (
     process_groups_not_copied,
     self_copying_modules,
 )
+from tritonrec.dist.sharded_fused_optimizer import HyperparamsOnlyOptimizer
 from tritonrec.dist.sharding_plan import get_default_sharders
 from tritonrec.dist.types import (
     EmbeddingModuleShardingPlan,
@@ -81,19 +82,6 @@ def get_module(module: nn.Module) -> nn.Module:
     while isinstance(module, DistributedModelParallel):
         module = module._dmp_wrapped_module
     return module
-
-
-class _KeyedFusedOptimizer(KeyedOptimizer):
-    """A rank holding no shard of a module still shares its hyperparameters (so an LR schedule sees them)."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        super().__init__({}, {}, optimizer.param_groups)
-
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        return None
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        return None
 
 
 class DistributedModelParallel(nn.Module, FusedOptimizerModule):
@@ -230,7 +218,7 @@ class DistributedModelParallel(nn.Module, FusedOptimizerModule):
                     seen.add(id(child))
                     optimizer = child.fused_optimizer
                     if not isinstance(optimizer, KeyedOptimizer):
-                        optimizer = _KeyedFusedOptimizer(optimizer)
+                        optimizer = HyperparamsOnlyOptimizer(optimizer)
                     optims.append((path, optimizer))
                 return
             for name, grandchild in child.named_children():

@@ -247,4 +247,19 @@ class NoLocalShardsOptimizer(ShardedFusedState, KeyedOptimizer):
         """No-op (no shards)."""
 
 
-__all__ = ["NoLocalShardsOptimizer", "ShardedEmbeddingFusedOptimizer", "ShardedFusedState"]
+class HyperparamsOnlyOptimizer(KeyedOptimizer):
+    """A module's fused optimizer seen from DistributedModelParallel's combined one where it holds no keyed state:
+    its param groups are shared (so an LR schedule sees them), its step and zero_grad do nothing (the update runs in
+    the backward)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__({}, {}, optimizer.param_groups)
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+
+__all__ = ["HyperparamsOnlyOptimizer", "NoLocalShardsOptimizer", "ShardedEmbeddingFusedOptimizer", "ShardedFusedState"]

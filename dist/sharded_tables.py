@@ -138,12 +138,15 @@ class ShardedTablesMixin:
                     f"table {table.name!r}: the fused compute kernel needs an optimizer: pass "
                     "fused_params={'optimizer': ...} to the sharder (or shard a Fused* module)"
                 )
+            # a fused collection's table, or one apply_optimizer_in_backward gave an optimizer: the dense kernel
+            # would drop that optimizer silently and hand the shards to the dense one
             if kernel == EmbeddingComputeKernel.DENSE.value and hasattr(
-                source_weights.get(table.name), "_optimizer_classes"
+                source_weights.get(table.name), "_in_backward_optimizers"
             ):
                 raise ValueError(
-                    f"table {table.name!r} has an optimizer applied in backward, which the dense compute kernel would "
-                    "drop (its shards would train with the dense optimizer instead): use compute_kernel='fused'"
+                    f"table {table.name!r} is updated inside the backward (an optimizer applied in backward, or a "
+                    "fused collection's own), which the dense compute kernel would drop (its shards would train with "
+                    "the dense optimizer instead): use compute_kernel='fused'"
                 )
             if kernel == EmbeddingComputeKernel.QUANT.value:
                 raise ValueError(f"table {table.name!r}: the quant compute kernel is for QuantEmbeddingBagCollection")

@@ -23,6 +23,7 @@ from tests.model_parallel.dlrm_cases import (
     SHARDED_PATH,
     TABLES,
     batch_slice,
+    build_dlrm,
     dense_optimizer,
     global_batch,
     local_shards,
@@ -182,8 +183,10 @@ def error_cases(rank: int, world: int) -> dict[str, str]:
     _apply(momentum, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
     dense = _plain_dlrm()
     _apply(dense, torch.optim.SGD, {"lr": 0.1})
+    fused = build_dlrm()  # a fused collection's tables carry its optimizer the same way
     return {
         "dense_kernel": _raises(lambda: _wrap(dense, "tw-dense", world)),
+        "fused_dense_kernel": _raises(lambda: _wrap(fused, "tw-dense", world)),
         "two_optimizers": _raises(lambda: wrap(two, "tw", world)),
         "momentum": _raises(lambda: wrap(momentum, "tw", world)),
     }

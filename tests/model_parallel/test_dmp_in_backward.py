@@ -74,3 +74,5 @@ def test_what_one_fused_table_cannot_honour_is_refused() -> None:
         assert got["two_optimizers"].startswith("ValueError") and "2 optimizers" in got["two_optimizers"], rank
         assert got["momentum"].startswith("ValueError") and "momentum=0.9" in got["momentum"], got["momentum"]
         assert got["dense_kernel"].startswith("ValueError") and "compute_kernel='fused'" in got["dense_kernel"], rank
+        fused = got["fused_dense_kernel"]
+        assert fused.startswith("ValueError") and "fused collection's own" in fused and "'t0'" in fused, fused
