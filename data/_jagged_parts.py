@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import torch
 
+from tritonrec.data._fx import SparseTypeMeta
 from tritonrec.kernels import lengths_to_offsets, offsets_to_lengths
 
 
-class JaggedParts:
+class JaggedParts(metaclass=SparseTypeMeta):
+    """Base of the jagged types; its metaclass makes their construction traceable by plain fx (see
+    :mod:`tritonrec.data._fx`)."""
+
     _values: torch.Tensor
     _weights: torch.Tensor | None
     _lengths: torch.Tensor | None

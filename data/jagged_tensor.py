@@ -77,18 +77,7 @@ class JaggedTensor(JaggedParts):
         values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None = None
     ) -> JaggedTensor:
         """``values [B, N, *]`` padded, ``lengths [B]``: keep the first ``lengths[b]`` entries of row ``b``."""
-        if values.dim() < 2:
-            raise ValueError(f"values must be [B, N, *] (at least 2-D), got shape {tuple(values.shape)}")
-        lengths = normalise_index_tensor(lengths, "lengths")
-        if lengths.shape != values.shape[:1]:
-            raise ValueError(f"lengths must have shape [{values.shape[0]}], got {tuple(lengths.shape)}")
-        if weights is not None and weights.shape != values.shape[:2]:
-            raise ValueError(f"weights must have shape {tuple(values.shape[:2])} ([B, N]), got {tuple(weights.shape)}")
-        keep = torch.arange(values.shape[1], device=values.device) < lengths[:, None]
-        if bool((lengths > values.shape[1]).any()):
-            bad = int(lengths.max().item())
-            raise ValueError(f"lengths may not exceed the padded length {values.shape[1]}, got {bad}")
-        return JaggedTensor(values=values[keep], weights=None if weights is None else weights[keep], lengths=lengths)
+        return _from_dense_lengths(values, lengths, weights)
 
     # ------------------------------------------------------------------------------------------------ conversions
     def to_dense(self) -> list[torch.Tensor]:
@@ -144,6 +133,29 @@ class JaggedTensor(JaggedParts):
 
 def jt_is_equal(a: JaggedTensor, b: JaggedTensor) -> bool:
     """Same bags, same values and weights (exact)."""
+    return _jt_is_equal(a, b)
+
+
+# Module-level and registered with ``torch.fx.wrap``: under a symbolic trace each is one ``call_function`` node whose
+# checks run when the graph runs (tracing through them would branch on Proxies).
+@torch.fx.wrap
+def _from_dense_lengths(values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None) -> JaggedTensor:
+    if values.dim() < 2:
+        raise ValueError(f"values must be [B, N, *] (at least 2-D), got shape {tuple(values.shape)}")
+    lengths = normalise_index_tensor(lengths, "lengths")
+    if lengths.shape != values.shape[:1]:
+        raise ValueError(f"lengths must have shape [{values.shape[0]}], got {tuple(lengths.shape)}")
+    if weights is not None and weights.shape != values.shape[:2]:
+        raise ValueError(f"weights must have shape {tuple(values.shape[:2])} ([B, N]), got {tuple(weights.shape)}")
+    keep = torch.arange(values.shape[1], device=values.device) < lengths[:, None]
+    if bool((lengths > values.shape[1]).any()):
+        bad = int(lengths.max().item())
+        raise ValueError(f"lengths may not exceed the padded length {values.shape[1]}, got {bad}")
+    return JaggedTensor(values=values[keep], weights=None if weights is None else weights[keep], lengths=lengths)
+
+
+@torch.fx.wrap
+def _jt_is_equal(a: JaggedTensor, b: JaggedTensor) -> bool:
     if (a.weights_or_none() is None) != (b.weights_or_none() is None):
         return False
     same = torch.equal(a.lengths().to(torch.int64), b.lengths().to(torch.int64)) and torch.equal(a.values(), b.values())

@@ -187,25 +187,7 @@ class KeyedJaggedTensor(JaggedParts):
     @staticmethod
     def from_jt_dict(jt_dict: dict[str, JaggedTensor]) -> KeyedJaggedTensor:
         """One key per entry. Equal batch sizes give a plain KJT, different ones a VBE KJT (one rank per key)."""
-        jts = check_members(jt_dict, "jt_dict", JaggedTensor, dict)
-        weighted = {jt.weights_or_none() is not None for jt in jts}
-        if len(weighted) > 1:
-            raise ValueError("jt_dict mixes weighted and unweighted JaggedTensors")
-        if not jts:
-            return KeyedJaggedTensor.empty()
-        strides = [jt.lengths().numel() for jt in jts]
-        uniform = all(s == strides[0] for s in strides)
-        used = [int(jt.offsets()[-1].item()) if jt.offsets().numel() else 0 for jt in jts]  # drop slack tails
-        return KeyedJaggedTensor(
-            keys=list(jt_dict.keys()),
-            values=torch.cat([jt.values()[:n] for jt, n in zip(jts, used, strict=True)]),
-            weights=(
-                torch.cat([jt.weights()[:n] for jt, n in zip(jts, used, strict=True)]) if weighted == {True} else None
-            ),
-            lengths=torch.cat([jt.lengths() for jt in jts]),
-            stride=strides[0] if uniform else None,
-            stride_per_key_per_rank=None if uniform else [[s] for s in strides],
-        ).sync()
+        return _from_jt_dict(jt_dict)
 
     @staticmethod
     def empty(
@@ -228,48 +210,12 @@ class KeyedJaggedTensor(JaggedParts):
     @staticmethod
     def empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """No keys, with ``kjt``'s device, dtypes and stride (torchrec keeps the stride: the batch size)."""
-        weights = kjt.weights_or_none()
-        empty = KeyedJaggedTensor.empty(
-            is_weighted=weights is not None,
-            device=kjt.device(),
-            values_dtype=kjt.values().dtype,
-            weights_dtype=None if weights is None else weights.dtype,
-            lengths_dtype=kjt.lengths().dtype,
-        )
-        empty._stride = kjt.stride()
-        return empty
+        return _empty_like(kjt)
 
     @staticmethod
     def concat(kjt_list: list[KeyedJaggedTensor]) -> KeyedJaggedTensor:
         """Keys of all inputs, in order. Inputs share the stride (or are all VBE) and all or none are weighted."""
-        kjt_list = check_members(kjt_list, "kjt_list", KeyedJaggedTensor)
-        if not kjt_list:
-            raise ValueError("kjt_list must hold at least one KeyedJaggedTensor, got an empty list")
-        weighted = {k.weights_or_none() is not None for k in kjt_list}
-        if len(weighted) > 1:
-            raise ValueError("kjt_list mixes weighted and unweighted KeyedJaggedTensors")
-        vbe = {k.variable_stride_per_key() for k in kjt_list}
-        if len(vbe) > 1:
-            raise ValueError("kjt_list mixes variable-stride (VBE) and fixed-stride KeyedJaggedTensors")
-        strides = {k.stride() for k in kjt_list if k.keys()}
-        if vbe == {False} and len(strides) > 1:
-            raise ValueError(f"kjt_list members must share one stride, got strides {sorted(strides)}")
-        used = [k.offset_per_key()[-1] if k.keys() else 0 for k in kjt_list]  # drop any slack tail of values
-        return KeyedJaggedTensor._trusted(
-            keys=[key for k in kjt_list for key in k.keys()],
-            values=torch.cat([k.values()[:n] for k, n in zip(kjt_list, used, strict=True)]),
-            weights=(
-                torch.cat([k.weights()[:n] for k, n in zip(kjt_list, used, strict=True)])
-                if weighted == {True}
-                else None
-            ),
-            lengths=torch.cat([k.lengths() for k in kjt_list]),
-            stride=max(k.stride() for k in kjt_list)
-            if vbe == {True}
-            else (strides.pop() if strides else kjt_list[0].stride()),
-            strides=[row for k in kjt_list for row in k.stride_per_key_per_rank()] if vbe == {True} else None,
-            length_per_key=[n for k in kjt_list for n in k.length_per_key()],
-        )
+        return _concat(kjt_list)
 
     # -------------------------------------------------------------------------------------------------- accessors
     def keys(self) -> list[str]:
@@ -393,4 +339,78 @@ class KeyedJaggedTensor(JaggedParts):
 
 def kjt_is_equal(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> bool:
     """Same keys, strides, lengths, values and weights (exact)."""
+    return _kjt_is_equal(a, b)
+
+
+# Module-level and registered with ``torch.fx.wrap`` (a function registered elsewhere than where it is called is not
+# patched): under a symbolic trace each is one ``call_function`` node whose checks run when the graph runs.
+@torch.fx.wrap
+def _from_jt_dict(jt_dict: dict[str, JaggedTensor]) -> KeyedJaggedTensor:
+    jts = check_members(jt_dict, "jt_dict", JaggedTensor, dict)
+    weighted = {jt.weights_or_none() is not None for jt in jts}
+    if len(weighted) > 1:
+        raise ValueError("jt_dict mixes weighted and unweighted JaggedTensors")
+    if not jts:
+        return KeyedJaggedTensor.empty()
+    strides = [jt.lengths().numel() for jt in jts]
+    uniform = all(s == strides[0] for s in strides)
+    used = [int(jt.offsets()[-1].item()) if jt.offsets().numel() else 0 for jt in jts]  # drop slack tails
+    return KeyedJaggedTensor(
+        keys=list(jt_dict.keys()),
+        values=torch.cat([jt.values()[:n] for jt, n in zip(jts, used, strict=True)]),
+        weights=(
+            torch.cat([jt.weights()[:n] for jt, n in zip(jts, used, strict=True)]) if weighted == {True} else None
+        ),
+        lengths=torch.cat([jt.lengths() for jt in jts]),
+        stride=strides[0] if uniform else None,
+        stride_per_key_per_rank=None if uniform else [[s] for s in strides],
+    ).sync()
+
+
+@torch.fx.wrap
+def _empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    weights = kjt.weights_or_none()
+    empty = KeyedJaggedTensor.empty(
+        is_weighted=weights is not None,
+        device=kjt.device(),
+        values_dtype=kjt.values().dtype,
+        weights_dtype=None if weights is None else weights.dtype,
+        lengths_dtype=kjt.lengths().dtype,
+    )
+    empty._stride = kjt.stride()
+    return empty
+
+
+@torch.fx.wrap
+def _concat(kjt_list: list[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+    kjt_list = check_members(kjt_list, "kjt_list", KeyedJaggedTensor)
+    if not kjt_list:
+        raise ValueError("kjt_list must hold at least one KeyedJaggedTensor, got an empty list")
+    weighted = {k.weights_or_none() is not None for k in kjt_list}
+    if len(weighted) > 1:
+        raise ValueError("kjt_list mixes weighted and unweighted KeyedJaggedTensors")
+    vbe = {k.variable_stride_per_key() for k in kjt_list}
+    if len(vbe) > 1:
+        raise ValueError("kjt_list mixes variable-stride (VBE) and fixed-stride KeyedJaggedTensors")
+    strides = {k.stride() for k in kjt_list if k.keys()}
+    if vbe == {False} and len(strides) > 1:
+        raise ValueError(f"kjt_list members must share one stride, got strides {sorted(strides)}")
+    used = [k.offset_per_key()[-1] if k.keys() else 0 for k in kjt_list]  # drop any slack tail of values
+    return KeyedJaggedTensor._trusted(
+        keys=[key for k in kjt_list for key in k.keys()],
+        values=torch.cat([k.values()[:n] for k, n in zip(kjt_list, used, strict=True)]),
+        weights=(
+            torch.cat([k.weights()[:n] for k, n in zip(kjt_list, used, strict=True)]) if weighted == {True} else None
+        ),
+        lengths=torch.cat([k.lengths() for k in kjt_list]),
+        stride=max(k.stride() for k in kjt_list)
+        if vbe == {True}
+        else (strides.pop() if strides else kjt_list[0].stride()),
+        strides=[row for k in kjt_list for row in k.stride_per_key_per_rank()] if vbe == {True} else None,
+        length_per_key=[n for k in kjt_list for n in k.length_per_key()],
+    )
+
+
+@torch.fx.wrap
+def _kjt_is_equal(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> bool:
     return _kjt_ops.is_equal(a, b)

@@ -15,6 +15,7 @@ from itertools import accumulate
 
 import torch
 
+from tritonrec.data._fx import SparseTypeMeta
 from tritonrec.data._validation import UnknownKeyError
 from tritonrec.kernels.checks import check_int
 
@@ -30,7 +31,7 @@ def _check_same_batch(g: int, keys: list[str], blocks: list[torch.Tensor], key_d
         raise ValueError(f"groups[{g}] mixes batch sizes: {sizes}; keys of one group must share the batch")
 
 
-class KeyedTensor:
+class KeyedTensor(metaclass=SparseTypeMeta):
     """``values`` holds ``len(keys)`` blocks along ``key_dim``; block ``i`` is ``length_per_key[i]`` wide."""
 
     def __init__(
@@ -77,16 +78,7 @@ class KeyedTensor:
         keys: list[str], tensors: list[torch.Tensor], key_dim: int = 1, cat_dim: int = 1
     ) -> KeyedTensor:
         """Concatenate ``tensors`` along ``cat_dim``; key ``i`` spans ``tensors[i].shape[key_dim]``."""
-        if len(keys) != len(tensors):
-            raise ValueError(f"tensors must have one tensor per key ({len(keys)}), got {len(tensors)}")
-        if not tensors:
-            raise ValueError("tensors must hold at least one tensor, got an empty list")
-        return KeyedTensor(
-            keys=keys,
-            length_per_key=[t.shape[key_dim] for t in tensors],
-            values=torch.cat(tensors, dim=cat_dim),
-            key_dim=key_dim,
-        )
+        return _from_tensor_list(keys, tensors, key_dim, cat_dim)
 
     def keys(self) -> list[str]:
         return self._keys
@@ -132,34 +124,7 @@ class KeyedTensor:
     def regroup(keyed_tensors: list[KeyedTensor], groups: list[list[str]]) -> list[torch.Tensor]:
         """One tensor per group: the blocks of the group's keys concatenated along the key dim, in group order.
         Keys may come from any input and appear in several groups. Differentiable (narrow + cat)."""
-        if not keyed_tensors:
-            raise ValueError("keyed_tensors must hold at least one KeyedTensor, got an empty list")
-        key_dim = keyed_tensors[0].key_dim()
-        if any(kt.key_dim() != key_dim for kt in keyed_tensors):
-            raise ValueError(f"keyed_tensors must share key_dim, got {[kt.key_dim() for kt in keyed_tensors]}")
-        owner: dict[str, KeyedTensor] = {}
-        for i, kt in enumerate(keyed_tensors):
-            for key in kt.keys():
-                if owner.setdefault(key, kt) is not kt:
-                    first = keyed_tensors.index(owner[key])
-                    raise ValueError(
-                        f"key {key!r} is held by keyed_tensors[{first}] and keyed_tensors[{i}]; regroup needs each key "
-                        "in one input"
-                    )
-        if not isinstance(groups, (list, tuple)) or not all(isinstance(group, (list, tuple)) for group in groups):
-            raise TypeError(f"groups must be a list of lists of keys, got {groups!r}")
-        out = []
-        for g, group in enumerate(groups):
-            blocks = []
-            for key in group:
-                if key not in owner:
-                    raise UnknownKeyError(f"groups[{g}] names key {key!r}, held by none of the keyed_tensors")
-                blocks.append(owner[key][key])
-            if not blocks:
-                raise ValueError(f"groups[{g}] is empty; every group needs at least one key")
-            _check_same_batch(g, group, blocks, key_dim)
-            out.append(blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=key_dim))
-        return out
+        return _regroup(keyed_tensors, groups)
 
     @staticmethod
     def regroup_as_dict(
@@ -168,7 +133,8 @@ class KeyedTensor:
         """:meth:`regroup`, with the output of group ``i`` stored under ``keys[i]``."""
         if len(groups) != len(keys) or len(set(keys)) != len(keys):
             raise ValueError(f"keys must name each group once: {len(groups)} groups, got keys {list(keys)}")
-        return dict(zip(keys, KeyedTensor.regroup(keyed_tensors, groups), strict=True))
+        out = KeyedTensor.regroup(keyed_tensors, groups)
+        return {key: out[i] for i, key in enumerate(keys)}  # indexing, not zip: ``out`` is a Proxy under fx
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedTensor:
         return KeyedTensor(
@@ -188,3 +154,51 @@ class KeyedTensor:
             return "KeyedTensor()"
         lines = [f'    "{key}": {self[key].tolist()}' for key in self._keys]
         return "KeyedTensor({\n" + ",\n".join(lines) + "\n})"
+
+
+# Module-level and registered with ``torch.fx.wrap``: under a symbolic trace each is one ``call_function`` node (its
+# checks and key lookups run when the graph runs); otherwise a plain call.
+@torch.fx.wrap
+def _from_tensor_list(keys: list[str], tensors: list[torch.Tensor], key_dim: int, cat_dim: int) -> KeyedTensor:
+    if len(keys) != len(tensors):
+        raise ValueError(f"tensors must have one tensor per key ({len(keys)}), got {len(tensors)}")
+    if not tensors:
+        raise ValueError("tensors must hold at least one tensor, got an empty list")
+    return KeyedTensor(
+        keys=keys,
+        length_per_key=[t.shape[key_dim] for t in tensors],
+        values=torch.cat(tensors, dim=cat_dim),
+        key_dim=key_dim,
+    )
+
+
+@torch.fx.wrap
+def _regroup(keyed_tensors: list[KeyedTensor], groups: list[list[str]]) -> list[torch.Tensor]:
+    if not keyed_tensors:
+        raise ValueError("keyed_tensors must hold at least one KeyedTensor, got an empty list")
+    key_dim = keyed_tensors[0].key_dim()
+    if any(kt.key_dim() != key_dim for kt in keyed_tensors):
+        raise ValueError(f"keyed_tensors must share key_dim, got {[kt.key_dim() for kt in keyed_tensors]}")
+    owner: dict[str, KeyedTensor] = {}
+    for i, kt in enumerate(keyed_tensors):
+        for key in kt.keys():
+            if owner.setdefault(key, kt) is not kt:
+                first = keyed_tensors.index(owner[key])
+                raise ValueError(
+                    f"key {key!r} is held by keyed_tensors[{first}] and keyed_tensors[{i}]; regroup needs each key "
+                    "in one input"
+                )
+    if not isinstance(groups, (list, tuple)) or not all(isinstance(group, (list, tuple)) for group in groups):
+        raise TypeError(f"groups must be a list of lists of keys, got {groups!r}")
+    out = []
+    for g, group in enumerate(groups):
+        blocks = []
+        for key in group:
+            if key not in owner:
+                raise UnknownKeyError(f"groups[{g}] names key {key!r}, held by none of the keyed_tensors")
+            blocks.append(owner[key][key])
+        if not blocks:
+            raise ValueError(f"groups[{g}] is empty; every group needs at least one key")
+        _check_same_batch(g, group, blocks, key_dim)
+        out.append(blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=key_dim))
+    return out
