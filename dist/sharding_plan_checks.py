@@ -11,6 +11,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from tritonrec.dist.types import EmbeddingComputeKernel, ModuleSharder, ParameterSharding
@@ -125,6 +126,14 @@ def check_device_types(device_types: Sequence[str] | None, name: str, single: bo
     if isinstance(device_types, str) or not all(isinstance(d, str) and d and d not in kernels for d in device_types):
         hint = " (a compute kernel name: pass compute_kernel=)" if set(map(str, device_types)) & kernels else ""
         raise ValueError(f"{name} must name device types such as 'cpu' or 'cuda', got {name}={given!r}{hint}")
+    for device in device_types:
+        try:
+            torch.device(device)
+        except RuntimeError:  # torch's own message lists its device types but names no argument
+            raise ValueError(
+                f"{name} must name device types such as 'cpu' or 'cuda', got {name}={given!r} ({device!r} is not a "
+                "torch device type)"
+            ) from None
     return list(device_types)
 
 
