@@ -100,23 +100,29 @@ def _all_reduce_mean(ddp: DistributedDataParallel) -> None:
     """Average the gradients of the parameters ``ddp`` synchronises over its process group, as its reducer does: not
     those it was told to ignore (DistributedModelParallel's table shards, which differ per rank). A parameter without
     a gradient on some rank (unused there, ``find_unused_parameters``) counts as zeros, and gets the average wherever
-    any rank used it; one no rank used keeps no gradient. One all-reduce: the gradients and the used-flags."""
+    any rank used it; one no rank used keeps no gradient. A sparse gradient is averaged dense and stays sparse. One
+    all-reduce: the gradients and the used-flags."""
     group = ddp.process_group
     size = dist.get_world_size(group)
     ignored = ddp.parameters_to_ignore
     params = [p for name, p in ddp.module.named_parameters() if name not in ignored and p.requires_grad]
     if size == 1 or not params:
         return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    # a sparse gradient (an nn.Embedding(sparse=True) in the dense part) travels dense and comes back sparse
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad.to_dense() if p.grad.is_sparse else p.grad
+             for p in params]  # fmt: skip
     used = torch.tensor([float(p.grad is not None) for p in params], device=grads[0].device)
     flat = torch.cat([g.reshape(-1) for g in grads]).div_(size)
     flat = torch.cat([flat, used.to(flat.dtype)])
     dist.all_reduce(flat, group=group)
     offset = 0
     for p, g, anywhere in zip(params, grads, flat[-len(params) :].tolist(), strict=True):
-        if anywhere > 0:
+        mean = flat[offset : offset + g.numel()].view_as(g)
+        if anywhere > 0 and p.grad is not None and p.grad.is_sparse:
+            p.grad = mean.to_sparse(p.grad.sparse_dim())
+        elif anywhere > 0:
             p.grad = g if p.grad is None else p.grad
-            p.grad.copy_(flat[offset : offset + g.numel()].view_as(g))
+            p.grad.copy_(mean)
         offset += g.numel()
 
 

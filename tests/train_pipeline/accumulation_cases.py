@@ -172,6 +172,48 @@ def _unused_on_one_rank_case(rank: int, world: int) -> dict[str, Any]:
     return {"replicas_equal": _dense_equal_across_ranks(weights)}
 
 
+class _SparseBagModel(torch.nn.Module):
+    """A dense-part ``nn.EmbeddingBag(sparse=True)`` (sparse gradients under DDP) and a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(6)
+        self.bag = torch.nn.EmbeddingBag(64, 3, mode="sum", sparse=True)
+        self.head = torch.nn.Linear(3, 1)
+
+    def forward(self, batch: Any) -> tuple:
+        kjt = batch.sparse_features
+        out = self.head(self.bag(kjt.values() % 64, kjt.offsets()[:-1].long())).square().mean()
+        return out, (out.detach(), out.detach(), batch.labels)  # (loss, logits, labels), as run_to_end reads it
+
+
+def _sparse_gradient_case(rank: int, world: int) -> dict[str, Any]:
+    """4 micro-batches in windows of 3: the flush all-reduces the partial window's sparse embedding gradient (it
+    failed on a sparse tensor), against a loop that syncs every micro-batch."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tritonrec.dist.train_pipeline import GradientAccumulationConfig, GradientAccumulationWrapper, TrainPipelineBase
+
+    def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    model = DistributedDataParallel(_SparseBagModel())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = GradientAccumulationConfig(num_steps=3)
+    pipeline = GradientAccumulationWrapper(TrainPipelineBase(model, optimizer, CPU), optimizer, model, config)
+    run_to_end(pipeline, batches(rank, 4))
+    reference = DistributedDataParallel(_SparseBagModel())
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    data = list(batches(rank, 4))
+    for window in (data[:3], data[3:]):
+        ref_optimizer.zero_grad()
+        for batch in window:
+            reference(batch)[0].backward()
+        ref_optimizer.step()
+    got = weights(model)
+    return {"replicas_equal": _dense_equal_across_ranks(got), "weights": _max_diff(got, weights(reference))}
+
+
 def accumulation_cases(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for label, count, window, warmup in (("partial_window", 7, 3, 1), ("warmup", 8, 4, 3)):
@@ -194,4 +236,5 @@ def accumulation_cases(rank: int, world: int) -> dict[str, Any]:
     }
     out["dense_tables"] = _dense_tables_case(rank, world)
     out["unused_on_one_rank"] = _unused_on_one_rank_case(rank, world)
+    out["sparse_gradient"] = _sparse_gradient_case(rank, world)
     return out

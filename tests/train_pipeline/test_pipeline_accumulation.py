@@ -45,3 +45,10 @@ def test_the_flush_all_reduces_only_what_ddp_synchronises() -> None:
 def test_the_flush_all_reduces_a_parameter_one_rank_did_not_use() -> None:
     for rank, results in enumerate(suite_results("accumulation")):
         assert results["unused_on_one_rank"]["replicas_equal"], f"rank {rank}: the replicas drifted apart"
+
+
+@pytest.mark.dist
+def test_the_flush_all_reduces_a_sparse_gradient() -> None:
+    for rank, results in enumerate(suite_results("accumulation")):
+        got = results["sparse_gradient"]
+        assert got["replicas_equal"] and got["weights"] < 1e-6, f"rank {rank}: {got}"
