@@ -175,30 +175,48 @@ def compare_with_reference(dmp: Any, reference: nn.Module, dmp_dense: Any, ref_d
     return out
 
 
-def run_training_case(kind: str, rank: int, world: int) -> dict[str, Any]:
-    """10 steps of DMP (plan ``kind``; ``shared-<plan>``: with shared features) vs the single-process model on the
-    global batch."""
+def train_against_reference(
+    dmp: Any,
+    reference: nn.Module,
+    dmp_dense: Any,
+    ref_dense: Any,
+    rank: int,
+    world: int,
+    steps: int = STEPS,
+    loss_fn: Callable[..., torch.Tensor] = loss_of,
+) -> float:
+    """``steps`` steps: rank ``rank`` trains ``dmp`` on its equal slice of each global batch, ``reference`` (one
+    process) on all of it, each stepping its dense optimizer; the largest difference between the ranks' mean loss
+    and the reference's."""
     import torch.distributed as dist
 
-    model = build_dlrm(shared=kind.startswith("shared-"))
-    reference = copy.deepcopy(model)
-    dmp = wrap(model, kind.removeprefix("shared-"), world)
-    dmp_dense, ref_dense = dense_optimizer(dmp.named_parameters()), dense_optimizer(reference.named_parameters())
     total, lo = BATCH_PER_RANK * world, BATCH_PER_RANK * rank
     loss_diff = 0.0
-    for step in range(STEPS):
+    for step in range(steps):
         batch = global_batch(step, total)
         for optimizer in (dmp_dense, ref_dense):
             optimizer.zero_grad()
-        loss = loss_of(dmp, *batch_slice(batch, lo, lo + BATCH_PER_RANK))
+        loss = loss_fn(dmp, *batch_slice(batch, lo, lo + BATCH_PER_RANK))
         loss.backward()
         dmp_dense.step()
-        ref_loss = loss_of(reference, *batch_slice(batch, 0, total))
+        ref_loss = loss_fn(reference, *batch_slice(batch, 0, total))
         ref_loss.backward()
         ref_dense.step()
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
         loss_diff = max(loss_diff, abs(float(global_loss) / world - float(ref_loss.detach())))
+    return loss_diff
+
+
+def run_training_case(kind: str, rank: int, world: int) -> dict[str, Any]:
+    """10 steps of DMP (plan ``kind``; ``shared-<plan>``: with shared features) vs the single-process model on the
+    global batch."""
+
+    model = build_dlrm(shared=kind.startswith("shared-"))
+    reference = copy.deepcopy(model)
+    dmp = wrap(model, kind.removeprefix("shared-"), world)
+    dmp_dense, ref_dense = dense_optimizer(dmp.named_parameters()), dense_optimizer(reference.named_parameters())
+    loss_diff = train_against_reference(dmp, reference, dmp_dense, ref_dense, rank, world)
     result = compare_with_reference(dmp, reference, dmp_dense, ref_dense, rank)
     result["loss"] = loss_diff
     result["plan"] = str(dmp.plan)

@@ -29,6 +29,7 @@ from tests.model_parallel.dlrm_cases import (
     local_shards,
     loss_of,
     max_diff,
+    train_against_reference,
     wrap,
 )
 
@@ -114,7 +115,6 @@ def _fused_reference(model: nn.Module, optimizer: type, kwargs: dict[str, Any]) 
 
 
 def run_case(name: str, rank: int, world: int) -> dict[str, Any]:
-    import torch.distributed as dist
 
     kind, applied = CASES[name]
     model = _plain_dlrm()
@@ -128,21 +128,8 @@ def run_case(name: str, rank: int, world: int) -> dict[str, Any]:
         _apply(model, optimizer, kwargs, tables)
     dmp = _wrap(model, kind, world)
     dmp_dense, ref_dense = dense_optimizer(dmp.named_parameters()), dense_optimizer(reference.named_parameters())
-    total, lo = BATCH_PER_RANK * world, BATCH_PER_RANK * rank
-    out: dict[str, Any] = {"loss": 0.0, "tables": 0.0, "state": 0.0}
-    for step in range(STEPS):
-        batch = global_batch(step, total)
-        for opt in (dmp_dense, ref_dense):
-            opt.zero_grad()
-        loss = loss_of(dmp, *batch_slice(batch, lo, lo + BATCH_PER_RANK))
-        loss.backward()
-        dmp_dense.step()
-        ref_loss = loss_of(reference, *batch_slice(batch, 0, total))
-        ref_loss.backward()
-        ref_dense.step()
-        global_loss = loss.detach().clone()
-        dist.all_reduce(global_loss)
-        out["loss"] = max(out["loss"], abs(float(global_loss) / world - float(ref_loss.detach())))
+    out: dict[str, Any] = {"tables": 0.0, "state": 0.0}
+    out["loss"] = train_against_reference(dmp, reference, dmp_dense, ref_dense, rank, world, STEPS)
     ref_params = dict(reference.named_parameters())
     for table, param, (r0, nr, c0, nc) in local_shards(dmp, rank):
         ref_weight = ref_params[f"{SHARDED_PATH}.embedding_bags.{table}.weight"]

@@ -16,15 +16,13 @@ import torch
 from torch import nn
 
 from tests.model_parallel.dlrm_cases import (
-    BATCH_PER_RANK,
     DENSE_IN,
     DIM,
     SPARSE_LR,
     TABLES,
-    batch_slice,
     dense_optimizer,
-    global_batch,
     max_diff,
+    train_against_reference,
 )
 from tritonrec.data import KeyedJaggedTensor, KeyedTensor
 
@@ -97,7 +95,6 @@ def _loss(model: nn.Module, dense: torch.Tensor, kjt: KeyedJaggedTensor, labels:
 def run_suite(rank: int, world: int) -> dict[str, Any]:
     """``STEPS`` steps of DMP vs the single-process model: loss, which modules were sharded, and (rank 0) the
     gathered state dict against the reference's."""
-    import torch.distributed as dist
 
     from tritonrec.dist import DistributedModelParallel, ShardedModule
     from tritonrec.dist.sharded_state import gather_unsharded_state_dict
@@ -111,21 +108,7 @@ def run_suite(rank: int, world: int) -> dict[str, Any]:
         for sharding in dmp.module.get_submodule(path).shardings:
             sharding.lookup.backend = "torch"
     dmp_dense, ref_dense = dense_optimizer(dmp.named_parameters()), dense_optimizer(reference.named_parameters())
-    total, lo = BATCH_PER_RANK * world, BATCH_PER_RANK * rank
-    loss_diff = 0.0
-    for step in range(STEPS):
-        batch = global_batch(step, total)
-        for optimizer in (dmp_dense, ref_dense):
-            optimizer.zero_grad()
-        loss = _loss(dmp, *batch_slice(batch, lo, lo + BATCH_PER_RANK))
-        loss.backward()
-        dmp_dense.step()
-        ref_loss = _loss(reference, *batch_slice(batch, 0, total))
-        ref_loss.backward()
-        ref_dense.step()
-        global_loss = loss.detach().clone()
-        dist.all_reduce(global_loss)
-        loss_diff = max(loss_diff, abs(float(global_loss) / world - float(ref_loss.detach())))
+    loss_diff = train_against_reference(dmp, reference, dmp_dense, ref_dense, rank, world, STEPS, _loss)
     result: dict[str, Any] = {
         "loss": loss_diff,
         "sharded": [path for path in TOWER_PATHS if isinstance(dmp.module.get_submodule(path), ShardedModule)],

@@ -88,7 +88,7 @@ def test_disabled_accumulation_passes_through() -> None:
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     assert progress_losses(wrapped, toy_batches(4)) == _manual(reference, ref_optimizer, list(toy_batches(4)), 1)
     assert wrapped.current_step == 0  # torchrec's: a disabled wrapper counts nothing
-    assert wrapped.close is pipeline.close or callable(wrapped.close)  # other attributes reach the pipeline
+    assert wrapped.close == pipeline.close and wrapped._fetcher is pipeline._fetcher  # the rest is the pipeline's
 
 
 def test_reset_and_set_step_restart_the_windows() -> None:
