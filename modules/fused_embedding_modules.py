@@ -34,6 +34,29 @@ from tritonrec.optim.keyed import EmptyFusedOptimizer, KeyedOptimizer
 
 # the torchrec marker on fused tables' parameters (``in_backward_optimizer_filter`` reads it); one shared instance
 _IN_BACKWARD = EmptyFusedOptimizer()
+
+
+class _FusedInBackwardList(list):
+    """``param._in_backward_optimizers`` of a fused table: reads as torchrec's one-marker list, refuses additions.
+
+    torch's ``_apply_optimizer_in_backward`` appends a second optimizer to this list; a fused table has no ``.grad``
+    for it to step, and torch then failed on a missing ``_optimizer_classes`` with a bare ``AttributeError``. The
+    refusal names the parameter and the rule already in place.
+    """
+
+    def __init__(self, name: str, rule: str) -> None:
+        super().__init__([_IN_BACKWARD])
+        self.name, self.rule = name, rule
+
+    def append(self, optimizer: object) -> None:
+        raise ValueError(
+            f"apply_optimizer_in_backward: parameter {self.name!r} belongs to a fused collection and already updates "
+            f"in the backward with its {self.rule} rule; {type(optimizer).__name__} cannot be added. Choose the "
+            "rule with the collection's optimizer_type / optimizer_kwargs, or apply it to a plain "
+            "EmbeddingBagCollection / EmbeddingCollection (DistributedModelParallel fuses it when sharding)"
+        )
+
+
 # torchrec's mapping of torch optimizers to fused rules (``torch.optim.Adagrad`` is per-element Adagrad)
 _TORCH_RULES: dict[type, OptimType] = {
     torch.optim.SGD: OptimType.EXACT_SGD,
@@ -103,8 +126,9 @@ class EmbeddingFusedOptimizer(KeyedOptimizer):
             state = self._fused_states[self._table_groups.index(group)]
             self.state[group.params[t]] = _table_state_views(state, group, t)
         self.params = self._names
-        for param in self.params.values():
-            param._in_backward_optimizers = [_IN_BACKWARD]  # type: ignore[attr-defined]
+        for name, group, t in self._slots:
+            rule = self._fused_states[self._table_groups.index(group)].optim.name
+            group.params[t]._in_backward_optimizers = _FusedInBackwardList(name, rule)  # type: ignore[attr-defined]
         self.param_groups[0]["params"] = list(self.params.values())
 
     @property

@@ -3,6 +3,9 @@ dist/in_backward.py; the 2-rank training is tests/model_parallel/test_dmp_in_bac
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 from torch.distributed.optim import _apply_optimizer_in_backward
@@ -10,6 +13,8 @@ from torch.distributed.optim import _apply_optimizer_in_backward
 from tritonrec.dist.fused_params import parse_fused_params, table_fused_configs
 from tritonrec.dist.in_backward import in_backward_fused_params, torch_optimizer_fused_params
 from tritonrec.kernels.embedding import OptimType
+from tritonrec.modules import EmbeddingBagConfig, EmbeddingConfig, FusedEmbeddingBagCollection, FusedEmbeddingCollection
+from tritonrec.optim import in_backward_optimizer_filter
 
 
 def _marked(optimizer: type, kwargs: dict, times: int = 1) -> torch.nn.Parameter:
@@ -121,3 +126,28 @@ def test_a_tables_optimizer_equal_to_the_modules_shares_its_config() -> None:
 def test_a_table_carrying_two_optimizers_is_refused() -> None:
     with pytest.raises(ValueError, match="table 'c' has 2 optimizers applied in backward"):
         in_backward_fused_params(None, {"c": _marked(torch.optim.SGD, {"lr": 0.1}, times=2)})
+
+
+@pytest.mark.parametrize("collection", ["ebc", "ec"])
+def test_in_backward_optimizer_on_a_fused_collection_is_refused_by_name(collection: str) -> None:
+    """torch appends to the fused table's marker list; that used to end in a bare AttributeError inside torch."""
+    if collection == "ebc":
+        config = EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0"])
+        module = FusedEmbeddingBagCollection([config], OptimType.EXACT_ROWWISE_ADAGRAD, {"lr": 0.1})
+        name = "embedding_bags.t0.weight"
+    else:
+        config = EmbeddingConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0"])
+        module = FusedEmbeddingCollection([config], OptimType.EXACT_SGD, {"lr": 0.1})
+        name = "embeddings.t0.weight"
+    rule = "EXACT_ROWWISE_ADAGRAD" if collection == "ebc" else "EXACT_SGD"
+    with pytest.raises(ValueError, match=rf"'{name}'.*fused collection.*{rule}.*SGD cannot be added"):
+        _apply_optimizer_in_backward(torch.optim.SGD, module.parameters(), {"lr": 0.5})
+    param = dict(module.named_parameters())[name]
+    assert len(param._in_backward_optimizers) == 1  # nothing was added before the refusal
+    # the marker still reads as torchrec's, and survives the copies users make of modules
+    assert [n for n, _ in in_backward_optimizer_filter(module.named_parameters(), include=True)] == [name]
+    for copied in (copy.deepcopy(module), pickle.loads(pickle.dumps(module))):
+        marker = dict(copied.named_parameters())[name]._in_backward_optimizers
+        assert len(marker) == 1 and type(marker[0]).__name__ == "EmptyFusedOptimizer"
+        with pytest.raises(ValueError, match="fused collection"):
+            marker.append(object())
