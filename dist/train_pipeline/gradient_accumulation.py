@@ -213,6 +213,21 @@ class GradientAccumulationWrapper(Generic[In, Out]):
             self._flush(self.current_step)
         return result
 
+    def attach(self, model: nn.Module | None = None, *args: Any, **kwargs: Any) -> None:
+        """The pipeline's ``attach``; a new ``model`` is also the one whose DDP modules skip the sync from now on.
+
+        (torchrec's wrapper keeps skipping the old model's, so the new one all-reduces every micro-batch.)"""
+        if model is not None:
+            if not isinstance(model, nn.Module):
+                raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
+            if self._unsynced:
+                raise RuntimeError(
+                    "attach(model) inside an accumulation window: the open window's gradients were not all-reduced "
+                    "yet; attach a new model at a window boundary (after the optimizer step)"
+                )
+            self._model, self._ddp = model, None
+        self._pipeline.attach(model, *args, **kwargs)  # type: ignore[attr-defined]
+
     def reset(self) -> None:
         """Start counting windows again (and reset the pipeline when it can)."""
         self._optimizer_wrapper.reset()

@@ -5,10 +5,14 @@ skipped inside a window, the flush all-reducing a partial window) are in pipelin
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 
 import pytest
 import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from tests.train_pipeline.toy import ToyModel, progress_losses, toy_batches
 from tritonrec.dist.train_pipeline import (
@@ -159,3 +163,47 @@ def test_an_eval_pipeline_passes_through_without_touching_the_open_window(eval_o
     assert evaluation._optimizer is optim and wrapped.current_step == 0
     for param, weight, grad in zip(model.parameters(), weights, grads, strict=True):
         assert torch.equal(param, weight) and torch.equal(param.grad, grad)
+
+
+class _SyncLog(DistributedDataParallel):
+    """Stands in for a DDP module (no process group): records ``label`` each time its sync is skipped."""
+
+    def __init__(self, log: list[str], label: str) -> None:
+        nn.Module.__init__(self)
+        self.log, self.label = log, label
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.log.append(self.label)
+        yield
+
+
+class _Holder(nn.Module):
+    """A model object around ``toy`` with its own DDP module (what ``attach(model)`` may hand over)."""
+
+    def __init__(self, toy: ToyModel, log: list[str], label: str) -> None:
+        super().__init__()
+        self.toy, self.ddp = toy, _SyncLog(log, label)
+
+    def forward(self, batch: object) -> tuple:
+        return self.toy(batch)
+
+
+def test_attach_a_new_model_skips_its_sync_from_then_on() -> None:
+    """torchrec's wrapper keeps skipping the first model's DDP sync after attach(new model)."""
+    toy, log = ToyModel(), []
+    first, second = _Holder(toy, log, "first"), _Holder(toy, log, "second")
+    optimizer = torch.optim.SGD(toy.parameters(), lr=0.1)
+    config = GradientAccumulationConfig(num_steps=3)
+    wrapped = GradientAccumulationWrapper(TrainPipelineSparseDist(first, optimizer, CPU), optimizer, first, config)
+    batches = toy_batches(9)
+    for _ in range(3):  # micro-batch 0 syncs (the first), 1 skips, 2 closes the window
+        wrapped.progress(batches)
+    wrapped.attach(second)
+    for _ in range(2):  # 3 and 4 skip the sync: of the model now trained
+        wrapped.progress(batches)
+    assert log == ["first", "second", "second"]
+    with pytest.raises(RuntimeError, match="inside an accumulation window"):
+        wrapped.attach(first)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module or None, got str"):
+        wrapped.attach("model")
