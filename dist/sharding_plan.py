@@ -205,15 +205,16 @@ def row_wise(
     (one string, or one per rank; as for :func:`table_wise`'s ``device``, the shard lives on the module's device).
     The row-wise input dist then bucketizes ids by the blocks' row boundaries.
 
-    ``num_buckets`` (torchrec's managed-collision buckets, whole buckets per rank) is accepted where its layout is the
-    ceil one (``rows`` divisible by ``num_buckets``, ``num_buckets`` by ``world_size``) and refused otherwise.
+    ``num_buckets`` (torchrec's managed-collision buckets; it must divide the rows and be >= ``world_size``): whole
+    buckets per rank, ``num_buckets // world_size`` each and one more on the first ``num_buckets % world_size`` ranks,
+    as torchrec lays them out; where that is not the ceil layout the blocks are uneven, as with ``sizes_placement``.
     """
     rows, devices, num_buckets = check_row_wise_args(sizes_placement, num_buckets)
-    uneven_rows = {"devices": devices, "row_sizes": rows}
 
     def generate(param, local_size, world_size, device_type, sharder):  # type: ignore[no-untyped-def]
+        uneven_rows = {"devices": devices, "row_sizes": rows}
         if num_buckets is not None:
-            check_row_buckets(param.shape[0], world_size, num_buckets)
+            uneven_rows["row_sizes"] = check_row_buckets(param.shape[0], world_size, num_buckets)
         kind, ranks = ShardingType.ROW_WISE, list(range(world_size))
         return _sharding(
             param, kind, ranks, local_size, world_size, device_type, sharder, compute_kernel, **uneven_rows

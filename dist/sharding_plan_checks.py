@@ -137,9 +137,10 @@ def check_device_types(device_types: Sequence[str] | None, name: str, single: bo
     return list(device_types)
 
 
-def check_row_buckets(rows: int, world_size: int, num_buckets: int) -> None:
-    """torchrec's bucketed row layout (``num_buckets // W`` whole buckets per rank, the first ``num_buckets % W``
-    ranks one more) must be the ceil layout the input dist implements."""
+def check_row_buckets(rows: int, world_size: int, num_buckets: int) -> list[int] | None:
+    """torchrec's bucketed row layout: ``num_buckets // W`` whole buckets of ``rows // num_buckets`` rows per rank, the
+    first ``num_buckets % W`` ranks one more. Returns the rows per rank, or ``None`` where that is the ceil layout
+    (``ceil(rows / W)`` per rank, what a plain ``row_wise()`` sends)."""
     if num_buckets < world_size:
         raise ValueError(f"num_buckets={num_buckets} must be >= world_size {world_size}: a bucket cannot be split")
     if rows % num_buckets:
@@ -147,12 +148,7 @@ def check_row_buckets(rows: int, world_size: int, num_buckets: int) -> None:
     bucket = rows // num_buckets
     per_rank, extra = divmod(num_buckets, world_size)
     bucketed = [bucket * (per_rank + (r < extra)) for r in range(world_size)]
-    ceil_blocks = row_blocks(rows, world_size)
-    if bucketed != ceil_blocks:
-        raise ValueError(
-            f"num_buckets={num_buckets} places rows {bucketed} on the {world_size} ranks, but our row-wise input dist "
-            f"sends ceil(rows / world_size) blocks {ceil_blocks}; use a num_buckets that world_size divides"
-        )
+    return None if bucketed == row_blocks(rows, world_size) else bucketed
 
 
 def check_column_widths(ranks: list[int] | None, size_per_rank: Sequence[int] | None) -> list[int] | None:
