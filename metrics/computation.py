@@ -1,0 +1,186 @@
+"""States, windows and cross-rank reduction of one metric's formula: the ``RecMetricComputation`` half of
+``torchrec.metrics.rec_metric`` (see :mod:`tritonrec.metrics.rec_metric` for the semantics)."""
+
+from __future__ import annotations
+
+import abc
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tritonrec.metrics._sync import all_gather_cat, all_reduce_sums, group_world_size
+from tritonrec.metrics.metrics_namespace import MetricNameBase, MetricPrefix
+
+MAX_BUFFER_COUNT = 1000
+
+
+class RecMetricException(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class MetricComputationReport:
+    name: MetricNameBase
+    metric_prefix: MetricPrefix
+    value: torch.Tensor
+    description: str | None = None
+
+
+class WindowBuffer:
+    """The per-batch contributions currently inside a window state, oldest first, so they can be subtracted out."""
+
+    def __init__(self, max_size: int, max_buffer_count: int) -> None:
+        self._max_size = max_size
+        self._buffers: deque[torch.Tensor] = deque(maxlen=max_buffer_count)
+        self._used_sizes: deque[int] = deque(maxlen=max_buffer_count)
+        self._window_used_size = 0
+
+    def _remove_oldest(self, window_state: torch.Tensor) -> None:
+        window_state -= self._buffers.popleft()
+        self._window_used_size -= self._used_sizes.popleft()
+
+    def aggregate_state(self, window_state: torch.Tensor, curr_state: torch.Tensor, size: int) -> None:
+        """Add one batch (``size`` samples) to ``window_state`` in place, evicting the oldest batches that no longer
+        fit (by count, then by samples; the batch just added always stays, the window being >= a batch)."""
+        if len(self._buffers) == self._buffers.maxlen:
+            self._remove_oldest(window_state)
+        self._buffers.append(curr_state.clone())
+        self._used_sizes.append(size)
+        window_state += curr_state
+        self._window_used_size += size
+        while self._window_used_size > self._max_size:
+            self._remove_oldest(window_state)
+
+    @property
+    def buffers(self) -> deque[torch.Tensor]:
+        return self._buffers
+
+
+class RecMetricComputation(nn.Module, abc.ABC):
+    """States and formula of one metric for ``n_tasks`` tasks. Subclasses add states in ``__init__`` with
+    :meth:`_add_state`, accumulate them in ``update`` (inputs [n_tasks, B]) and turn them into reports in
+    ``_compute``, reading states as attributes (during ``compute`` those are the values reduced over ranks)."""
+
+    # metric-specific keyword arguments this computation accepts (RecMetric refuses others by name)
+    options: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(
+        self,
+        my_rank: int,
+        batch_size: int,
+        n_tasks: int,
+        window_size: int,
+        compute_on_all_ranks: bool = False,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        self._my_rank = my_rank
+        self._batch_size = batch_size
+        self._n_tasks = n_tasks
+        self._window_size = window_size
+        self._compute_on_all_ranks = compute_on_all_ranks
+        self._process_group = process_group
+        self._batch_window_buffers: dict[str, WindowBuffer] = {}
+        self._reductions: dict[str, str] = {}  # state name -> "sum" | "cat"
+        self._defaults: dict[str, torch.Tensor | list] = {}
+
+    @staticmethod
+    def get_window_state_name(state_name: str) -> str:
+        return f"window_{state_name}"
+
+    def get_window_state(self, state_name: str) -> torch.Tensor:
+        return getattr(self, self.get_window_state_name(state_name))
+
+    def _add_state(
+        self, name: str, default: torch.Tensor | list, add_window_state: bool, dist_reduce_fx: str, persistent: bool
+    ) -> None:
+        """A tensor state (reduced by "sum", kept as a buffer so ``.to()`` and ``state_dict`` see it) or a list state
+        (reduced by "cat": tensors [n_tasks, n] concatenated along samples; never persistent, as in torchrec)."""
+        self._reductions[name] = dist_reduce_fx
+        self._defaults[name] = default.detach().clone() if isinstance(default, torch.Tensor) else list(default)
+        if isinstance(default, torch.Tensor):
+            self.register_buffer(name, default.detach().clone(), persistent=persistent)
+        else:
+            setattr(self, name, list(default))
+        if add_window_state:
+            window_name = self.get_window_state_name(name)
+            assert isinstance(default, torch.Tensor), "only tensor states have window twins"
+            self._reductions[window_name] = dist_reduce_fx
+            self._defaults[window_name] = default.detach().clone()
+            self.register_buffer(window_name, default.detach().clone(), persistent=False)
+            self._batch_window_buffers[window_name] = WindowBuffer(self._window_size, MAX_BUFFER_COUNT)
+
+    def _aggregate_window_state(self, state_name: str, state: torch.Tensor, num_samples: int) -> None:
+        window_name = self.get_window_state_name(state_name)
+        self._batch_window_buffers[window_name].aggregate_state(getattr(self, window_name), state, num_samples)
+
+    def _accumulate(self, states: dict[str, torch.Tensor], num_samples: int) -> None:
+        """Add one batch's per-task sums to the lifetime states and their windows."""
+        for name, value in states.items():
+            state = getattr(self, name)
+            state += value
+            self._aggregate_window_state(name, value, num_samples)
+
+    @abc.abstractmethod
+    def update(self, *, predictions: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> None:
+        """``predictions``, ``labels``, ``weights``: [n_tasks, B]."""
+
+    @abc.abstractmethod
+    def _compute(self) -> list[MetricComputationReport]: ...
+
+    def _local_list_state(self, name: str) -> torch.Tensor:
+        parts = getattr(self, name)
+        if parts:
+            return torch.cat(parts, dim=-1)
+        return torch.zeros(self._n_tasks, 0, device=self._device())
+
+    def _device(self) -> torch.device:
+        buffer = next(self.buffers(), None)
+        return buffer.device if buffer is not None else torch.device("cpu")
+
+    @contextmanager
+    def _synced(self) -> Iterator[None]:
+        """Within this block the states read as their values reduced over the process group."""
+        if group_world_size(self._process_group) <= 1:
+            yield
+            return
+        sums = {n: getattr(self, n) for n, fx in self._reductions.items() if fx == "sum"}
+        cats = {n: self._local_list_state(n) for n, fx in self._reductions.items() if fx == "cat"}
+        saved = {name: getattr(self, name) for name in [*sums, *cats]}
+        reduced = all_reduce_sums(sums, self._process_group) if sums else {}
+        gathered = all_gather_cat(cats, self._process_group) if cats else {}
+        try:
+            for name, value in reduced.items():
+                setattr(self, name, value)
+            for name, value in gathered.items():
+                setattr(self, name, [value])
+            yield
+        finally:
+            for name, value in saved.items():
+                setattr(self, name, value)
+
+    def compute(self) -> list[MetricComputationReport]:
+        """The reports over all ranks' states (collective on every rank; [] on ranks that do not report)."""
+        with self._synced():
+            if self._my_rank == 0 or self._compute_on_all_ranks:
+                return self._compute()
+            return []
+
+    def local_compute(self) -> list[MetricComputationReport]:
+        return self._compute()
+
+    def reset(self) -> None:
+        for name, default in self._defaults.items():
+            if isinstance(default, torch.Tensor):
+                getattr(self, name).copy_(default)
+            else:
+                setattr(self, name, list(default))
+        self._batch_window_buffers = {
+            name: WindowBuffer(self._window_size, MAX_BUFFER_COUNT) for name in self._batch_window_buffers
+        }

@@ -1,0 +1,235 @@
+"""``RecMetricModule`` and ``generate_metric_module`` (``torchrec.metrics.metric_module``): the object a training
+loop holds. ``update(model_out)`` once per batch on every rank, ``compute()`` (a collective: every rank calls it;
+rank 0 gets the values unless ``compute_on_all_ranks``) when ``should_compute()``, ``state_dict`` in checkpoints."""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tritonrec.metrics._checks import check_int
+from tritonrec.metrics.accuracy import AccuracyMetric
+from tritonrec.metrics.auc import AUCMetric
+from tritonrec.metrics.calibration import CalibrationMetric
+from tritonrec.metrics.ctr import CTRMetric
+from tritonrec.metrics.mae import MAEMetric
+from tritonrec.metrics.metrics_config import MetricsConfig, RecMetricEnum, RecTaskInfo, StateMetricEnum
+from tritonrec.metrics.metrics_namespace import (
+    MetricNamespace,
+    compose_customized_metric_key,
+    compose_metric_namespace,
+)
+from tritonrec.metrics.model_utils import parse_task_model_outputs
+from tritonrec.metrics.mse import MSEMetric
+from tritonrec.metrics.ne import NEMetric
+from tritonrec.metrics.rec_metric import RecMetric, RecMetricList
+from tritonrec.metrics.throughput import ThroughputMetric
+
+REC_METRICS_MAPPING: dict[RecMetricEnum, type[RecMetric]] = {
+    RecMetricEnum.NE: NEMetric,
+    RecMetricEnum.CTR: CTRMetric,
+    RecMetricEnum.CALIBRATION: CalibrationMetric,
+    RecMetricEnum.AUC: AUCMetric,
+    RecMetricEnum.MSE: MSEMetric,
+    RecMetricEnum.MAE: MAEMetric,
+    RecMetricEnum.ACCURACY: AccuracyMetric,
+}
+
+STATE_METRICS_NAMESPACE_MAPPING: dict[StateMetricEnum, MetricNamespace] = {
+    StateMetricEnum.OPTIMIZERS: MetricNamespace.OPTIMIZERS,
+    StateMetricEnum.MODEL_CONFIGURATOR: MetricNamespace.MODEL_CONFIGURATOR,
+}
+
+
+class StateMetric(abc.ABC):
+    """A component (optimizer, ...) reporting its own numbers: ``get_metrics() -> {name: value}``."""
+
+    @abc.abstractmethod
+    def get_metrics(self) -> dict[str, torch.Tensor | float]: ...
+
+
+class RecMetricModule(nn.Module):
+    """Rec metrics (from model outputs), throughput (from step times) and state metrics (from components)."""
+
+    def __init__(
+        self,
+        batch_size: int,
+        world_size: int,
+        rec_tasks: list[RecTaskInfo] | None = None,
+        rec_metrics: RecMetricList | None = None,
+        throughput_metric: ThroughputMetric | None = None,
+        state_metrics: dict[str, StateMetric] | None = None,
+        compute_interval_steps: int = 100,
+        min_compute_interval: float = 0.0,
+        max_compute_interval: float = float("inf"),
+    ) -> None:
+        super().__init__()
+        self.batch_size = check_int(batch_size, "batch_size", 1)
+        self.world_size = check_int(world_size, "world_size", 1)
+        self.compute_interval_steps = check_int(compute_interval_steps, "compute_interval_steps", 1)
+        if min_compute_interval != 0.0 or max_compute_interval != float("inf"):
+            raise ValueError(
+                "min_compute_interval/max_compute_interval (time-adjusted compute intervals) are not supported, got "
+                f"{min_compute_interval}/{max_compute_interval}"
+            )
+        if rec_metrics is not None and not isinstance(rec_metrics, RecMetricList):
+            raise TypeError(f"rec_metrics must be a RecMetricList, got {type(rec_metrics).__name__}")
+        self.rec_tasks = list(rec_tasks) if rec_tasks else []
+        self.rec_metrics = rec_metrics if rec_metrics is not None else RecMetricList([])
+        self.throughput_metric = throughput_metric
+        self.state_metrics = dict(state_metrics) if state_metrics else {}
+        self.trained_batches = 0
+        self.compute_count = 0
+
+    def _update_rec_metrics(self, model_out: dict[str, torch.Tensor]) -> None:
+        if len(self.rec_metrics) and self.rec_tasks:
+            labels, predictions, weights = parse_task_model_outputs(self.rec_tasks, model_out)
+            self.rec_metrics.update(predictions=predictions, labels=labels, weights=weights)
+
+    def update(self, model_out: dict[str, torch.Tensor], **kwargs: Any) -> None:
+        """One batch: ``model_out`` holds each task's label, prediction and weight tensors ([B]) under the names its
+        RecTaskInfo gives."""
+        if kwargs:
+            raise ValueError(f"unknown update arguments {sorted(kwargs)}")
+        self._update_rec_metrics(model_out)
+        if self.throughput_metric is not None:
+            self.throughput_metric.update()
+        self.trained_batches += 1
+
+    def should_compute(self) -> bool:
+        return self.trained_batches % self.compute_interval_steps == 0
+
+    def compute(self) -> dict[str, torch.Tensor | float]:
+        """Every metric's {key: value}, over all ranks (collective)."""
+        self.compute_count += 1
+        ret: dict[str, torch.Tensor | float] = {}
+        if len(self.rec_metrics):
+            ret.update(self.rec_metrics.compute())
+        if self.throughput_metric is not None:
+            ret.update(self.throughput_metric.compute())
+        for namespace, component in self.state_metrics.items():
+            for name, value in component.get_metrics().items():
+                ret[compose_customized_metric_key(namespace, name)] = value
+        return ret
+
+    def local_compute(self) -> dict[str, torch.Tensor]:
+        """The rec metrics over this rank's data only (no collective)."""
+        return self.rec_metrics.local_compute() if len(self.rec_metrics) else {}
+
+    def reset(self) -> None:
+        self.rec_metrics.reset()
+
+    def get_required_inputs(self) -> list[str] | None:
+        return self.rec_metrics.get_required_inputs()
+
+
+def _rec_metric_class(metric_enum: object) -> type[RecMetric]:
+    try:
+        key = RecMetricEnum(metric_enum) if isinstance(metric_enum, str) else metric_enum
+    except ValueError:
+        key = None
+    if key not in REC_METRICS_MAPPING:
+        supported = sorted(str(m) for m in REC_METRICS_MAPPING)
+        raise ValueError(
+            f"metrics_config.rec_metrics: metric {metric_enum!r} is not supported (supported: {supported})"
+        )
+    return REC_METRICS_MAPPING[key]
+
+
+def _generate_rec_metrics(
+    metrics_config: MetricsConfig,
+    world_size: int,
+    my_rank: int,
+    batch_size: int,
+    process_group: dist.ProcessGroup | None = None,
+) -> RecMetricList:
+    rec_metrics = []
+    for metric_enum, metric_def in metrics_config.rec_metrics.items():
+        metric_class = _rec_metric_class(metric_enum)
+        if metric_def.rec_tasks and metric_def.rec_task_indices:
+            raise ValueError(f"metric {metric_enum}: give only one of RecMetricDef.rec_tasks and rec_task_indices")
+        if metric_def.rec_tasks:
+            tasks = list(metric_def.rec_tasks)
+        elif metric_def.rec_task_indices:
+            tasks = [metrics_config.rec_tasks[i] for i in metric_def.rec_task_indices]
+        else:
+            raise ValueError(f"metric {metric_enum}: RecMetricDef.rec_tasks or rec_task_indices must be non-empty")
+        rec_metrics.append(
+            metric_class(
+                world_size=world_size,
+                my_rank=my_rank,
+                batch_size=batch_size,
+                tasks=tasks,
+                compute_mode=metrics_config.rec_compute_mode,
+                window_size=metric_def.window_size,
+                fused_update_limit=metrics_config.fused_update_limit,
+                compute_on_all_ranks=metrics_config.compute_on_all_ranks,
+                should_validate_update=metrics_config.should_validate_update,
+                process_group=process_group,
+                enable_pt2_compile=metrics_config.enable_pt2_compile,
+                should_clone_update_inputs=metrics_config.should_clone_update_inputs,
+                **(metric_def.arguments or {}),
+            )
+        )
+    return RecMetricList(rec_metrics)
+
+
+def _generate_state_metrics(
+    metrics_config: MetricsConfig, state_metrics_mapping: dict[StateMetricEnum, StateMetric]
+) -> dict[str, StateMetric]:
+    state_metrics: dict[str, StateMetric] = {}
+    for metric_enum in metrics_config.state_metrics:
+        namespace = STATE_METRICS_NAMESPACE_MAPPING.get(metric_enum)
+        if namespace is None:
+            raise ValueError(f"metrics_config.state_metrics: unknown state metric {metric_enum!r}")
+        if metric_enum not in state_metrics_mapping:
+            raise ValueError(f"state_metrics_mapping has no component for {metric_enum}")
+        state_metrics[compose_metric_namespace(namespace, str(namespace))] = state_metrics_mapping[metric_enum]
+    return state_metrics
+
+
+def generate_metric_module(
+    metric_class: type[RecMetricModule],
+    metrics_config: MetricsConfig,
+    batch_size: int,
+    world_size: int,
+    my_rank: int,
+    state_metrics_mapping: dict[StateMetricEnum, StateMetric],
+    device: torch.device,
+    process_group: dist.ProcessGroup | None = None,
+    batch_size_stages: object = None,
+    module_kwargs: dict[str, Any] | None = None,
+) -> RecMetricModule:
+    """Build ``metric_class`` from ``metrics_config`` for this rank, on ``device``."""
+    if not isinstance(metrics_config, MetricsConfig):
+        raise TypeError(f"metrics_config must be a MetricsConfig, got {type(metrics_config).__name__}")
+    if batch_size_stages is not None:
+        raise ValueError("batch_size_stages is not supported")
+    if metrics_config.use_cpu_offloaded_rec_metric_module:
+        raise ValueError("metrics_config.use_cpu_offloaded_rec_metric_module is not supported")
+    rec_metrics = _generate_rec_metrics(metrics_config, world_size, my_rank, batch_size, process_group)
+    throughput_metric = None
+    if metrics_config.throughput_metric is not None:
+        throughput_metric = ThroughputMetric(
+            batch_size=batch_size,
+            world_size=world_size,
+            window_seconds=metrics_config.throughput_metric.window_size,
+            warmup_steps=metrics_config.throughput_metric.warmup_steps,
+        )
+    module = metric_class(
+        batch_size=batch_size,
+        world_size=world_size,
+        rec_tasks=metrics_config.rec_tasks,
+        rec_metrics=rec_metrics,
+        throughput_metric=throughput_metric,
+        state_metrics=_generate_state_metrics(metrics_config, state_metrics_mapping),
+        compute_interval_steps=metrics_config.compute_interval_steps,
+        min_compute_interval=metrics_config.min_compute_interval,
+        max_compute_interval=metrics_config.max_compute_interval,
+        **(module_kwargs or {}),
+    )
+    return module.to(device)
