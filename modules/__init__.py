@@ -39,7 +39,9 @@ from tritonrec.modules.fused_embedding_modules import (
     FusedEmbeddingBagCollection,
     FusedEmbeddingCollection,
 )
+from tritonrec.modules.quant_embedding_collection import QuantEmbeddingCollection
 from tritonrec.modules.quant_embedding_modules import QuantEmbeddingBagCollection
+from tritonrec.modules.quantize import QuantConfig, quantize_embeddings
 from tritonrec.modules.regroup import KTRegroupAsDict
 from tritonrec.modules.simple_deepfm import FMInteractionArch, SimpleDeepFMNN
 
@@ -78,10 +80,13 @@ __all__ = [
     "PoolingType",
     "PositionWeightedModule",
     "PositionWeightedModuleCollection",
+    "QuantConfig",
     "QuantEmbeddingBagCollection",
+    "QuantEmbeddingCollection",
     "SimpleDeepFMNN",
     "SparseArch",
     "SwishLayerNorm",
     "VectorCrossNet",
     "data_type_to_dtype",
+    "quantize_embeddings",
 ]

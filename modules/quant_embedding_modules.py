@@ -30,6 +30,7 @@ from tritonrec.kernels.embedding import (
 )
 from tritonrec.modules.embedding_configs import (
     QUANT_BITS,
+    BaseEmbeddingConfig,
     DataType,
     EmbeddingBagConfig,
     get_embedding_names,
@@ -50,6 +51,8 @@ _QCONFIG_DATA_TYPES = {
     torch.float32: DataType.FP32,
     torch.float16: DataType.FP16,
     torch.quint8: DataType.INT8,
+    torch.qint8: DataType.INT8,  # torchrec maps all three 8-bit dtypes to INT8 (its default is torch.int8)
+    torch.int8: DataType.INT8,
     torch.quint4x2: DataType.INT4,
     torch.quint2x4: DataType.INT2,
 }
@@ -130,14 +133,14 @@ def _qconfig_data_type(weight_dtype: object, where: str) -> DataType:
 
 
 def _types_from_qconfig(
-    module: EmbeddingBagCollection,
+    module: nn.Module,
+    names: list[str],
     data_type: DataType | Mapping[str, DataType] | None,
     output_dtype: torch.dtype | None,
 ) -> tuple[dict[str, DataType], torch.dtype]:
-    """Each table's data type and the output dtype: ``data_type`` (one for all tables, or per table name) /
-    ``output_dtype``, else (as torchrec) ``module.qconfig``'s weight dtype (``per_table_weight_dtype`` first, as
-    torchrec's ``QuantConfig``) / activation dtype, else INT8 / fp32."""
-    names = [c.name for c in module.embedding_bag_configs()]
+    """Each table (of ``names``)'s data type and the output dtype: ``data_type`` (one for all tables, or per table
+    name) / ``output_dtype``, else (as torchrec) ``module.qconfig``'s weight dtype (``per_table_weight_dtype`` first,
+    as torchrec's ``QuantConfig``) / activation dtype, else INT8 / fp32. Shared with the quantized EC."""
     qconfig = getattr(module, "qconfig", None)
     if output_dtype is None and qconfig is not None:
         output_dtype = qconfig.activation().dtype
@@ -160,6 +163,41 @@ def _types_from_qconfig(
                 f"data_type must be DataType {_DATA_TYPE_NAMES}, got data_type={table_type!r} for table {name!r}"
             )
     return types, torch.float32 if output_dtype is None else output_dtype
+
+
+def _build_quant_groups(
+    configs: list[BaseEmbeddingConfig],
+    container: nn.ModuleDict,
+    device: torch.device | str | None,
+    float_weights: list[torch.Tensor] | None,
+    pooled: bool,
+) -> list[_QuantGroup]:
+    """One :class:`_QuantGroup` per data type (first-appearance order) holding ``float_weights[i]`` (else each
+    config's ``init_fn`` draw) quantized, and one child module per table in ``container`` (shared with the EC)."""
+    by_bits: dict[int, list[int]] = {}
+    for i, config in enumerate(configs):
+        by_bits.setdefault(QUANT_BITS[config.data_type], []).append(i)
+    groups = []
+    for bits, positions in by_bits.items():
+        group_configs = [configs[i] for i in positions]
+        layout, sources = group_layout(configs, positions, pooled=pooled)
+        floats = []
+        for i, config in zip(positions, group_configs, strict=True):
+            if float_weights is not None:
+                floats.append(float_weights[i].detach().to(device=device, dtype=torch.float32))
+            else:
+                table = torch.empty(config.num_embeddings, config.embedding_dim, device=device)
+                with torch.no_grad():
+                    drawn = config.init_fn(table)
+                floats.append(table if drawn is None else drawn)
+        modules = []
+        for config in group_configs:
+            container[config.name] = nn.Module()
+            modules.append(container[config.name])
+        group = _QuantGroup(QuantizedTables.from_float(layout, floats, bits), modules, sources)
+        group.bind()
+        groups.append(group)
+    return groups
 
 
 class QuantEmbeddingBagCollection(TableBatchedCollection):
@@ -193,39 +231,15 @@ class QuantEmbeddingBagCollection(TableBatchedCollection):
                 )
         self._is_weighted = bool(is_weighted)
         self.embedding_bags = nn.ModuleDict()
-        self._quant_groups = self._build(device, _float_weights)
+        self._quant_groups = _build_quant_groups(
+            self._embedding_bag_configs, self.embedding_bags, device, _float_weights, pooled=True
+        )
         self._embedding_names = get_embedding_names(self._embedding_bag_configs)
         self._lengths_per_embedding = [c.embedding_dim for c in self._embedding_bag_configs for _ in c.feature_names]
         self._column_order = pooled_column_order(
             [(g.feature_names, g.tables.layout.feature_dims) for g in self._quant_groups], self._embedding_names
         )
         self.register_load_state_dict_pre_hook(_normalize_loaded_state)
-
-    def _build(self, device: torch.device | str | None, float_weights: list[torch.Tensor] | None) -> list[_QuantGroup]:
-        by_bits: dict[int, list[int]] = {}
-        for i, config in enumerate(self._embedding_bag_configs):
-            by_bits.setdefault(QUANT_BITS[config.data_type], []).append(i)
-        groups = []
-        for bits, positions in by_bits.items():
-            configs = [self._embedding_bag_configs[i] for i in positions]
-            layout, sources = group_layout(self._embedding_bag_configs, positions, pooled=True)
-            floats = []
-            for i, config in zip(positions, configs, strict=True):
-                if float_weights is not None:
-                    floats.append(float_weights[i].detach().to(device=device, dtype=torch.float32))
-                else:
-                    table = torch.empty(config.num_embeddings, config.embedding_dim, device=device)
-                    with torch.no_grad():
-                        drawn = config.init_fn(table)
-                    floats.append(table if drawn is None else drawn)
-            modules = []
-            for config in configs:
-                self.embedding_bags[config.name] = nn.Module()
-                modules.append(self.embedding_bags[config.name])
-            group = _QuantGroup(QuantizedTables.from_float(layout, floats, bits), modules, sources)
-            group.bind()
-            groups.append(group)
-        return groups
 
     @classmethod
     def from_float(
@@ -249,7 +263,8 @@ class QuantEmbeddingBagCollection(TableBatchedCollection):
         ``use_precomputed_fake_quant`` is accepted and ignored, as torchrec does."""
         if not isinstance(module, EmbeddingBagCollection):
             raise TypeError(f"module must be an EmbeddingBagCollection, got {type(module).__name__}")
-        data_types, output_dtype = _types_from_qconfig(module, data_type, output_dtype)
+        names = [c.name for c in module.embedding_bag_configs()]
+        data_types, output_dtype = _types_from_qconfig(module, names, data_type, output_dtype)
         configs = [dataclasses.replace(c, data_type=data_types[c.name]) for c in module.embedding_bag_configs()]
         weights = [module.embedding_bags[c.name].weight for c in configs]
         return cls(
