@@ -52,6 +52,12 @@ from tritonrec.dist.dist_data import (
     VariableBatchPooledEmbeddingsReduceScatter,
 )
 from tritonrec.dist.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
+from tritonrec.dist.embedding_tower_sharding import (
+    EmbeddingTowerCollectionSharder,
+    EmbeddingTowerSharder,
+    ShardedEmbeddingTower,
+    ShardedEmbeddingTowerCollection,
+)
 from tritonrec.dist.embeddingbag import (
     EmbeddingBagCollectionSharder,
     ShardedEmbeddingBagCollection,
@@ -118,6 +124,8 @@ __all__ = [
     "EmbeddingCollectionSharder",
     "EmbeddingComputeKernel",
     "EmbeddingModuleShardingPlan",
+    "EmbeddingTowerCollectionSharder",
+    "EmbeddingTowerSharder",
     "EmbeddingsAllToOne",
     "EmbeddingsAllToOneReduce",
     "ErrorFeedbackCodec",
@@ -150,6 +158,8 @@ __all__ = [
     "SequenceEmbeddingsAwaitable",
     "ShardedEmbeddingBagCollection",
     "ShardedEmbeddingCollection",
+    "ShardedEmbeddingTower",
+    "ShardedEmbeddingTowerCollection",
     "ShardedFeatureProcessedEmbeddingBagCollection",
     "ShardedModule",
     "ShardedQuantEmbeddingBagCollection",

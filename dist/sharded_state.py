@@ -54,9 +54,12 @@ def sharded_tensor(
     first_block = min(s.col_offset for s in table.shards)
 
     def meta(s: ShardSpec) -> ShardMetadata:
+        # placements name global ranks; a module sharded over a sub-group (a tower's host) numbers its shards by
+        # group rank
+        where = _placement(dist.get_global_rank(pg, s.rank) if pg is not None else s.rank, device)
         if rowwise:
-            return ShardMetadata([s.row_offset], [s.rows], _placement(s.rank, device))
-        return ShardMetadata([s.row_offset, s.col_offset], [s.rows, s.cols], _placement(s.rank, device))
+            return ShardMetadata([s.row_offset], [s.rows], where)
+        return ShardMetadata([s.row_offset, s.col_offset], [s.rows, s.cols], where)
 
     def kept(s: ShardSpec) -> bool:
         return s.rows > 0 and s.cols > 0 and (not rowwise or s.col_offset == first_block)

@@ -8,8 +8,9 @@ collection's is ``towers.{i}.`` before that (torchrec's keys), e.g.
 
 These are the unsharded modules. Under :class:`tritonrec.dist.DistributedModelParallel` the embedding collection
 inside a tower is sharded like any other (DMP shards the modules its sharders cover wherever they sit), and the
-interaction stays a data-parallel dense module. torchrec's ``EmbeddingTowerSharder`` / ``ShardedEmbeddingTower``,
-which place each whole tower (tables and interaction) on a subset of ranks, are not re-created here.
+interaction stays a data-parallel dense module. With ``EmbeddingTowerSharder`` / ``EmbeddingTowerCollectionSharder``
+(:mod:`tritonrec.dist.embedding_tower_sharding`, torchrec's) each whole tower (tables and interaction) is placed on
+one host instead, and its interaction's parameters live there only.
 """
 
 from __future__ import annotations
