@@ -85,6 +85,7 @@ from tritonrec.dist.qcomm_protocol import (
     QuantizedCommCodecs,
     RoundingMode,
 )
+from tritonrec.dist.quant_embedding import QuantEmbeddingCollectionSharder, ShardedQuantEmbeddingCollection
 from tritonrec.dist.quant_embeddingbag import QuantEmbeddingBagCollectionSharder, ShardedQuantEmbeddingBagCollection
 from tritonrec.dist.sharding_plan import (
     calculate_shard_sizes_and_offsets,
@@ -148,6 +149,7 @@ __all__ = [
     "PooledEmbeddingsReduceScatter",
     "QCommsConfig",
     "QuantEmbeddingBagCollectionSharder",
+    "QuantEmbeddingCollectionSharder",
     "QuantizationContext",
     "QuantizedCommCodec",
     "QuantizedCommCodecs",
@@ -163,6 +165,7 @@ __all__ = [
     "ShardedFeatureProcessedEmbeddingBagCollection",
     "ShardedModule",
     "ShardedQuantEmbeddingBagCollection",
+    "ShardedQuantEmbeddingCollection",
     "ShardingEnv",
     "ShardingPlan",
     "ShardingType",

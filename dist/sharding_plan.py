@@ -323,6 +323,7 @@ def get_default_sharders() -> list[ModuleSharder[Any]]:
     from tritonrec.dist.embedding import EmbeddingCollectionSharder
     from tritonrec.dist.embeddingbag import EmbeddingBagCollectionSharder
     from tritonrec.dist.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
+    from tritonrec.dist.quant_embedding import QuantEmbeddingCollectionSharder
     from tritonrec.dist.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
 
     return [
@@ -330,6 +331,7 @@ def get_default_sharders() -> list[ModuleSharder[Any]]:
         FeatureProcessedEmbeddingBagCollectionSharder(),
         EmbeddingCollectionSharder(),
         QuantEmbeddingBagCollectionSharder(),
+        QuantEmbeddingCollectionSharder(),
     ]
 
 

@@ -89,8 +89,8 @@ class EmbeddingSharding(nn.Module, abc.ABC):
             if key not in configs:
                 configs.append(key)
             config_rank[table.name] = configs.index(key)
-        self.shards_per_rank = [order_for_lookup(self.local_shards(r), config_rank) for r in range(self.world_size)]
-        self.lookup = GroupedEmbeddingLookup(
+        self.shards_per_rank = [self.order_shards(self.local_shards(r), config_rank) for r in range(self.world_size)]
+        self.lookup = self.build_lookup(
             self.shards_per_rank[self.rank], compute_kernel, device, fused, seed_base, bounds_check, backend
         )
         self._select_cache: dict[Any, list[int]] = {}
@@ -125,6 +125,24 @@ class EmbeddingSharding(nn.Module, abc.ABC):
     @abc.abstractmethod
     def local_shards(self, rank: int) -> list[LocalShard]:
         """The shards rank ``rank`` looks up (any order; the base orders them by dtype for the lookup)."""
+
+    def order_shards(self, shards: list[LocalShard], config_rank: dict[str, int]) -> list[LocalShard]:
+        """A rank's shards in its lookup's input order: by storage dtype, then fused config (a lookup of other
+        storage, the quantized one, orders its own)."""
+        return order_for_lookup(shards, config_rank)
+
+    def build_lookup(
+        self,
+        shards: list[LocalShard],
+        compute_kernel: str,
+        device: torch.device,
+        fused: FusedConfigs,
+        seed_base: int,
+        bounds_check: BoundsCheckMode,
+        backend: Backend,
+    ) -> GroupedEmbeddingLookup:
+        """This rank's lookup over ``shards`` (the float one; the quantized sequence shardings build theirs)."""
+        return GroupedEmbeddingLookup(shards, compute_kernel, device, fused, seed_base, bounds_check, backend)
 
     @property
     @abc.abstractmethod
