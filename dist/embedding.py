@@ -115,6 +115,29 @@ def dedup_indices(features: KeyedJaggedTensor, names: list[str]) -> tuple[KeyedJ
     return deduped, inverse
 
 
+def sequence_input_features(
+    module: nn.Module,
+    features: object,
+    feature_names: list[str],
+    limits: dict[str, int],
+    bounds_check: BoundsCheckMode,
+) -> dict[str, JaggedTensor]:
+    """A sharded EC's checks of its input KJT (a KJT with every key in ``feature_names``, one batch size for all keys,
+    ids within ``limits`` under ``FATAL``), then ``{feature: JaggedTensor}`` of those keys (what the output keeps
+    for the lengths and, with ``need_indices``, the ids)."""
+    if not isinstance(features, KeyedJaggedTensor):
+        raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
+    missing = [f for f in feature_names if f not in features.index_per_key()]
+    if missing:
+        raise ValueError(f"features is missing keys {missing} (it has {features.keys()})")
+    if features.variable_stride_per_key():
+        raise ValueError(f"{type(module).__name__} needs one batch size for all keys (no variable batch per feature)")
+    if bounds_check == BoundsCheckMode.FATAL:
+        check_index_bounds(features, limits)
+    per_feature = features.to_dict()
+    return {name: per_feature[name] for name in feature_names}
+
+
 class ShardedEmbeddingCollection(
     ShardedTablesMixin,
     ShardedModule[list[KeyedJaggedTensor], list[Any], dict[str, JaggedTensor], EmbeddingCollectionContext],
@@ -166,19 +189,9 @@ class ShardedEmbeddingCollection(
     ) -> Awaitable[Awaitable[list[KeyedJaggedTensor]]]:
         # a rank rejecting its batch joins the checks the others' all-to-alls run
         with input_dist_checks(list(self._shardings), f"{type(self).__name__}.input_dist"):
-            if not isinstance(features, KeyedJaggedTensor):
-                raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
-            missing = [f for f in self._features if f not in features.index_per_key()]
-            if missing:
-                raise ValueError(f"features is missing keys {missing} (it has {features.keys()})")
-            if features.variable_stride_per_key():
-                raise ValueError(
-                    f"{type(self).__name__} needs one batch size for all keys (no variable batch per feature)"
-                )
-            if self._options.bounds_check == BoundsCheckMode.FATAL:
-                check_index_bounds(features, self._limits)
-            per_feature = features.to_dict()
-            ctx.input_features = {name: per_feature[name] for name in self._features}
+            ctx.input_features = sequence_input_features(
+                self, features, self._features, self._limits, self._options.bounds_check
+            )
             if self._use_index_dedup:
                 features, ctx.inverse = dedup_indices(features, self._features)
             ctx.sharding_contexts = [ShardingContext() for _ in self._shardings]
@@ -273,4 +286,5 @@ __all__ = [
     "EmbeddingCollectionSharder",
     "ShardedEmbeddingCollection",
     "dedup_indices",
+    "sequence_input_features",
 ]

@@ -31,10 +31,10 @@ from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
 from tritonrec.data import JaggedTensor, KeyedJaggedTensor
 from tritonrec.dist.awaitable import Awaitable, LazyAwaitable
-from tritonrec.dist.embedding import EmbeddingCollectionAwaitable, EmbeddingCollectionContext
-from tritonrec.dist.embeddingbag import check_index_bounds, feature_row_limits
+from tritonrec.dist.embedding import EmbeddingCollectionAwaitable, EmbeddingCollectionContext, sequence_input_features
+from tritonrec.dist.embeddingbag import feature_row_limits
 from tritonrec.dist.quant_embeddingbag import _shard_tables
-from tritonrec.dist.quant_state import QuantShardView, table_copies
+from tritonrec.dist.quant_state import QuantShardView, load_quant_tables
 from tritonrec.dist.sharded_state import drop_internal_keys, ignore_internal_keys
 from tritonrec.dist.sharded_tables import input_dist_checks, run_input_dists
 from tritonrec.dist.sharding import CwSharding, LocalShard, RwSharding, ShardedTable, TwCwSharding, sharded_tables
@@ -270,17 +270,9 @@ class ShardedQuantEmbeddingCollection(
     ) -> Awaitable[Awaitable[list[KeyedJaggedTensor]]]:
         # a rank rejecting its batch joins the checks the others' all-to-alls run (the float EC's protocol)
         with input_dist_checks(list(self._shardings), f"{type(self).__name__}.input_dist"):
-            if not isinstance(features, KeyedJaggedTensor):
-                raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
-            missing = [f for f in self._features if f not in features.index_per_key()]
-            if missing:
-                raise ValueError(f"features is missing keys {missing} (it has {features.keys()})")
-            if features.variable_stride_per_key():
-                raise ValueError(f"{type(self).__name__} needs one batch size for all keys (no variable batch)")
-            if self._bounds_check == BoundsCheckMode.FATAL:
-                check_index_bounds(features, self._limits)
-            per_feature = features.to_dict()
-            ctx.input_features = {name: per_feature[name] for name in self._features}
+            ctx.input_features = sequence_input_features(
+                self, features, self._features, self._limits, self._bounds_check
+            )
             ctx.sharding_contexts = [ShardingContext() for _ in self._shardings]
             return run_input_dists(list(self._shardings), features, ctx.sharding_contexts)
 
@@ -346,19 +338,7 @@ class ShardedQuantEmbeddingCollection(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ) -> None:
         """Checks every table's entries first (``ValueError`` naming the key), then copies into this rank's shards."""
-        copies, expected = [], set()
-        for table, views, bits in self._local_views():
-            table_prefix = f"{prefix}embeddings.{table.name}."
-            expected.update(table_prefix + name for name in buffer_names(bits))
-            table_copy, missing = table_copies(state_dict, table_prefix, table, views, bits)
-            copies += table_copy
-            missing_keys.extend(missing)
-        if strict:
-            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in expected)
-        with torch.no_grad():
-            for target, source in copies:
-                if target.data_ptr() != source.data_ptr():
-                    target.copy_(source)
+        load_quant_tables(state_dict, prefix, "embeddings", self._local_views(), strict, missing_keys, unexpected_keys)
 
 
 class QuantEmbeddingCollectionSharder(ModuleSharder[QuantEmbeddingCollection]):

@@ -22,7 +22,7 @@ from tritonrec.dist.all_to_one import EmbeddingsAllToOne, EmbeddingsAllToOneRedu
 from tritonrec.dist.awaitable import Awaitable, LazyAwaitable, NoWait
 from tritonrec.dist.dist_data import KJTOneToAll, rank_device
 from tritonrec.dist.embeddingbag import _column_order, check_index_bounds, feature_row_limits
-from tritonrec.dist.quant_state import QuantShardView, table_copies, table_state
+from tritonrec.dist.quant_state import QuantShardView, load_quant_tables, table_state
 from tritonrec.dist.sharding.common import (
     LocalShard,
     ShardedTable,
@@ -52,7 +52,7 @@ from tritonrec.kernels.embedding import (
 from tritonrec.kernels.embedding.quantized import has_scale_bias
 from tritonrec.modules.embedding_configs import QUANT_BITS
 from tritonrec.modules.quant_embedding_modules import QuantEmbeddingBagCollection
-from tritonrec.modules.quant_state import BUFFER_NAMES, buffer_names
+from tritonrec.modules.quant_state import BUFFER_NAMES
 
 QUANT_SHARDING_TYPES = [ShardingType.TABLE_WISE.value, ShardingType.ROW_WISE.value, ShardingType.COLUMN_WISE.value]
 
@@ -305,19 +305,9 @@ class ShardedQuantEmbeddingBagCollection(ShardedModule[Any, Any, KeyedTensor, Nu
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ) -> None:
         """Checks every table's entries first (``ValueError`` naming the key), then copies into the shards."""
-        copies, expected = [], set()
-        for table, views, bits in self._table_views():
-            table_prefix = f"{prefix}embedding_bags.{table.name}."
-            expected.update(table_prefix + name for name in buffer_names(bits))
-            table_copy, missing = table_copies(state_dict, table_prefix, table, views, bits)
-            copies += table_copy
-            missing_keys.extend(missing)
-        if strict:
-            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in expected)
-        with torch.no_grad():
-            for target, source in copies:
-                if target.data_ptr() != source.data_ptr():
-                    target.copy_(source)
+        load_quant_tables(
+            state_dict, prefix, "embedding_bags", self._table_views(), strict, missing_keys, unexpected_keys
+        )
 
 
 class _Ready(LazyAwaitable[KeyedTensor]):

@@ -145,4 +145,32 @@ def table_copies(
     return copies, missing
 
 
-__all__ = ["QuantShardView", "table_copies", "table_state"]
+def load_quant_tables(
+    state_dict: Mapping[str, Any],
+    prefix: str,
+    attribute: str,
+    tables: list[tuple[ShardedTable, list[QuantShardView], int]],
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+) -> None:
+    """A sharded quantized collection's ``_load_from_state_dict``: ``tables`` are ``(table, this rank's views,
+    bits)``, their entries under ``{prefix}{attribute}.{table}.`` (``attribute``: ``embedding_bags`` /
+    ``embeddings``). Every table's entries are checked first (``ValueError`` naming the key), then copied into the
+    shards; with ``strict``, any other key under ``prefix`` is unexpected."""
+    copies, expected = [], set()
+    for table, views, bits in tables:
+        table_prefix = f"{prefix}{attribute}.{table.name}."
+        expected.update(table_prefix + name for name in buffer_names(bits))
+        table_copy, missing = table_copies(state_dict, table_prefix, table, views, bits)
+        copies += table_copy
+        missing_keys.extend(missing)
+    if strict:
+        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in expected)
+    with torch.no_grad():
+        for target, source in copies:
+            if target.data_ptr() != source.data_ptr():
+                target.copy_(source)
+
+
+__all__ = ["QuantShardView", "load_quant_tables", "table_copies", "table_state"]
