@@ -24,7 +24,8 @@ from tritonrec.data.elements import BatchSpec, ElementSource, ElementSpec, RecEl
 from tritonrec.data.group_loader import GroupLoader
 from tritonrec.data.jagged_tensor import JaggedTensor, jt_is_equal
 from tritonrec.data.keyed_jagged_tensor import KeyedJaggedTensor, kjt_is_equal
-from tritonrec.data.keyed_tensor import KeyedTensor
+from tritonrec.data.keyed_tensor import KeyedTensor, permute_multi_embedding, regroup_kts
+from tritonrec.data.kjt_convert import ComputeJTDictToKJT, ComputeKJTToJTDict, flatten_kjt_list, unflatten_kjt_list
 from tritonrec.data.loader import ShardedBatchDataset, make_rank_loader
 from tritonrec.data.multihost import MultiHostDataLoadIterator
 from tritonrec.data.random_dataset import RandomRecDataset
@@ -41,6 +42,8 @@ __all__ = [
     "BatcherConfig",
     "CacheBatch",
     "ChunkSource",
+    "ComputeJTDictToKJT",
+    "ComputeKJTToJTDict",
     "CriteoNPYSource",
     "CriteoTSVSource",
     "DataGroup",
@@ -65,8 +68,12 @@ __all__ = [
     "TensorSpec",
     "UnknownKeyError",
     "criteo_tsv_to_npy",
+    "flatten_kjt_list",
     "jt_is_equal",
     "kjt_from_id_matrix",
     "kjt_is_equal",
     "make_rank_loader",
+    "permute_multi_embedding",
+    "regroup_kts",
+    "unflatten_kjt_list",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from tritonrec.data import _jagged_storage
 from tritonrec.data._fx import SparseTypeMeta
 from tritonrec.kernels import lengths_to_offsets, offsets_to_lengths
 
@@ -49,6 +50,11 @@ class JaggedParts(metaclass=SparseTypeMeta):
 
     def device(self) -> torch.device:
         return self._values.device
+
+    def size_in_bytes(self) -> int:
+        """Bytes of the tensors held now (values, weights, lengths, offsets; a derived one once cached) and, for a
+        variable-stride KJT, of its stride table (int32 entries, as torchrec stores it)."""
+        return _jagged_storage.size_in_bytes(self)
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         for t in (self._values, self._weights, self._lengths, self._offsets):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from tritonrec.data import _jagged_storage
 from tritonrec.data._jagged_parts import JaggedParts
 from tritonrec.data._validation import check_jagged_parts, complete_empty_offsets, normalise_index_tensor
 from tritonrec.kernels import jagged_to_padded_dense
@@ -55,6 +56,12 @@ class JaggedTensor(JaggedParts):
             weights=torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None,
             lengths=torch.empty(0, dtype=lengths_dtype, device=device),
         )
+
+    @staticmethod
+    def empty_like(jt: JaggedTensor, device: torch.device | str | None = None) -> JaggedTensor:
+        """Without ``device``: no bags, ``jt``'s dtypes and device. With ``device``: uninitialised tensors of
+        ``jt``'s shapes there, to :meth:`copy_` into."""
+        return _empty_like(jt, device)
 
     @staticmethod
     def from_dense(values: list[torch.Tensor], weights: list[torch.Tensor] | None = None) -> JaggedTensor:
@@ -111,6 +118,11 @@ class JaggedTensor(JaggedParts):
         return self._padded(self._weights, desired_length, padding_value)
 
     # ---------------------------------------------------------------------------------------------------- movement
+    def copy_(self, jt: JaggedTensor, non_blocking: bool = False) -> JaggedTensor:
+        """Copy ``jt``'s values, weights, lengths and offsets into this one's tensors (equal shapes), in place."""
+        _jagged_storage.copy_parts_(self, jt, non_blocking)
+        return self
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> JaggedTensor:
         move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)
         out = JaggedTensor.__new__(JaggedTensor)
@@ -152,6 +164,11 @@ def _from_dense_lengths(values: torch.Tensor, lengths: torch.Tensor, weights: to
         bad = int(lengths.max().item())
         raise ValueError(f"lengths may not exceed the padded length {values.shape[1]}, got {bad}")
     return JaggedTensor(values=values[keep], weights=None if weights is None else weights[keep], lengths=lengths)
+
+
+@torch.fx.wrap
+def _empty_like(jt: JaggedTensor, device: torch.device | str | None) -> JaggedTensor:
+    return _jagged_storage.jt_empty_like(jt, device)
 
 
 @torch.fx.wrap

@@ -27,7 +27,7 @@ from itertools import accumulate
 
 import torch
 
-from tritonrec.data import _kjt_ops
+from tritonrec.data import _jagged_storage, _kjt_build, _kjt_dist, _kjt_ops
 from tritonrec.data._jagged_parts import JaggedParts
 from tritonrec.data._kjt_checks import (
     as_strides,
@@ -35,7 +35,6 @@ from tritonrec.data._kjt_checks import (
     check_inverse_indices,
     check_inverse_range,
     check_lengths_rows,
-    check_members,
 )
 from tritonrec.data._validation import (
     UnknownKeyError,
@@ -162,11 +161,10 @@ class KeyedJaggedTensor(JaggedParts):
         stride_per_key_per_rank: Sequence[Sequence[int]] | None = None,
         inverse_indices: tuple[list[str], torch.Tensor] | None = None,
     ) -> KeyedJaggedTensor:
-        kjt = KeyedJaggedTensor(
+        return KeyedJaggedTensor(
             keys, values, weights, lengths=lengths, stride=stride,
             stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices,
-        )  # fmt: skip
-        return kjt.sync()
+        ).sync()  # fmt: skip
 
     @staticmethod
     def from_offsets_sync(
@@ -178,11 +176,10 @@ class KeyedJaggedTensor(JaggedParts):
         stride_per_key_per_rank: Sequence[Sequence[int]] | None = None,
         inverse_indices: tuple[list[str], torch.Tensor] | None = None,
     ) -> KeyedJaggedTensor:
-        kjt = KeyedJaggedTensor(
+        return KeyedJaggedTensor(
             keys, values, weights, offsets=offsets, stride=stride,
             stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices,
-        )  # fmt: skip
-        return kjt.sync()
+        ).sync()  # fmt: skip
 
     @staticmethod
     def from_jt_dict(jt_dict: dict[str, JaggedTensor]) -> KeyedJaggedTensor:
@@ -208,9 +205,10 @@ class KeyedJaggedTensor(JaggedParts):
         )
 
     @staticmethod
-    def empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """No keys, with ``kjt``'s device, dtypes and stride (torchrec keeps the stride: the batch size)."""
-        return _empty_like(kjt)
+    def empty_like(kjt: KeyedJaggedTensor, device: torch.device | str | None = None) -> KeyedJaggedTensor:
+        """No keys, with ``kjt``'s device, dtypes and stride (torchrec keeps the stride: the batch size). With
+        ``device``: ``kjt`` with uninitialised tensors of its shapes there (to :meth:`copy_` into)."""
+        return _empty_like(kjt, device)
 
     @staticmethod
     def concat(kjt_list: list[KeyedJaggedTensor]) -> KeyedJaggedTensor:
@@ -336,6 +334,37 @@ class KeyedJaggedTensor(JaggedParts):
     def __repr__(self) -> str:
         return _kjt_ops.describe(self)
 
+    # ------------------------------- storage, torchrec all-to-all protocol (data/_jagged_storage.py, _kjt_dist.py)
+    def clear_storage(self) -> int:
+        """Free the storage of values, lengths, offsets and weights (resized to 0 bytes); returns the bytes freed."""
+        return _jagged_storage.clear_storage(self)
+
+    def copy_(self, kjt: KeyedJaggedTensor, non_blocking: bool = False) -> KeyedJaggedTensor:
+        """Copy ``kjt``'s tensors into this KJT's (same keys, equal shapes) and take over its host metadata."""
+        return _jagged_storage.kjt_copy_(self, kjt, non_blocking)
+
+    def dist_labels(self) -> list[str]:
+        return _kjt_dist.dist_labels(self)
+
+    def dist_splits(self, key_splits: list[int]) -> list[list[int]]:
+        return _kjt_dist.dist_splits(self, key_splits)
+
+    def dist_tensors(self) -> list[torch.Tensor]:
+        return _kjt_dist.dist_tensors(self)
+
+    @staticmethod
+    def dist_init(
+        keys: list[str],
+        tensors: list[torch.Tensor],
+        variable_stride_per_key: bool,
+        num_workers: int,
+        recat: torch.Tensor | None,
+        stride_per_rank: list[int] | None,
+        stagger: int = 1,
+    ) -> KeyedJaggedTensor:
+        """The KJT a rank receives, from ``tensors`` in ``(source, key)`` order, made key-major by ``recat``."""
+        return _dist_init(keys, tensors, variable_stride_per_key, num_workers, recat, stride_per_rank, stagger)
+
 
 def kjt_is_equal(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> bool:
     """Same keys, strides, lengths, values and weights (exact)."""
@@ -346,69 +375,22 @@ def kjt_is_equal(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> bool:
 # patched): under a symbolic trace each is one ``call_function`` node whose checks run when the graph runs.
 @torch.fx.wrap
 def _from_jt_dict(jt_dict: dict[str, JaggedTensor]) -> KeyedJaggedTensor:
-    jts = check_members(jt_dict, "jt_dict", JaggedTensor, dict)
-    weighted = {jt.weights_or_none() is not None for jt in jts}
-    if len(weighted) > 1:
-        raise ValueError("jt_dict mixes weighted and unweighted JaggedTensors")
-    if not jts:
-        return KeyedJaggedTensor.empty()
-    strides = [jt.lengths().numel() for jt in jts]
-    uniform = all(s == strides[0] for s in strides)
-    used = [int(jt.offsets()[-1].item()) if jt.offsets().numel() else 0 for jt in jts]  # drop slack tails
-    return KeyedJaggedTensor(
-        keys=list(jt_dict.keys()),
-        values=torch.cat([jt.values()[:n] for jt, n in zip(jts, used, strict=True)]),
-        weights=(
-            torch.cat([jt.weights()[:n] for jt, n in zip(jts, used, strict=True)]) if weighted == {True} else None
-        ),
-        lengths=torch.cat([jt.lengths() for jt in jts]),
-        stride=strides[0] if uniform else None,
-        stride_per_key_per_rank=None if uniform else [[s] for s in strides],
-    ).sync()
+    return _kjt_build.from_jt_dict(jt_dict)
 
 
 @torch.fx.wrap
-def _empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-    weights = kjt.weights_or_none()
-    empty = KeyedJaggedTensor.empty(
-        is_weighted=weights is not None,
-        device=kjt.device(),
-        values_dtype=kjt.values().dtype,
-        weights_dtype=None if weights is None else weights.dtype,
-        lengths_dtype=kjt.lengths().dtype,
-    )
-    empty._stride = kjt.stride()
-    return empty
+def _empty_like(kjt: KeyedJaggedTensor, device: torch.device | str | None) -> KeyedJaggedTensor:
+    return _kjt_build.empty_like(kjt) if device is None else _jagged_storage.kjt_empty_like_device(kjt, device)
 
 
 @torch.fx.wrap
 def _concat(kjt_list: list[KeyedJaggedTensor]) -> KeyedJaggedTensor:
-    kjt_list = check_members(kjt_list, "kjt_list", KeyedJaggedTensor)
-    if not kjt_list:
-        raise ValueError("kjt_list must hold at least one KeyedJaggedTensor, got an empty list")
-    weighted = {k.weights_or_none() is not None for k in kjt_list}
-    if len(weighted) > 1:
-        raise ValueError("kjt_list mixes weighted and unweighted KeyedJaggedTensors")
-    vbe = {k.variable_stride_per_key() for k in kjt_list}
-    if len(vbe) > 1:
-        raise ValueError("kjt_list mixes variable-stride (VBE) and fixed-stride KeyedJaggedTensors")
-    strides = {k.stride() for k in kjt_list if k.keys()}
-    if vbe == {False} and len(strides) > 1:
-        raise ValueError(f"kjt_list members must share one stride, got strides {sorted(strides)}")
-    used = [k.offset_per_key()[-1] if k.keys() else 0 for k in kjt_list]  # drop any slack tail of values
-    return KeyedJaggedTensor._trusted(
-        keys=[key for k in kjt_list for key in k.keys()],
-        values=torch.cat([k.values()[:n] for k, n in zip(kjt_list, used, strict=True)]),
-        weights=(
-            torch.cat([k.weights()[:n] for k, n in zip(kjt_list, used, strict=True)]) if weighted == {True} else None
-        ),
-        lengths=torch.cat([k.lengths() for k in kjt_list]),
-        stride=max(k.stride() for k in kjt_list)
-        if vbe == {True}
-        else (strides.pop() if strides else kjt_list[0].stride()),
-        strides=[row for k in kjt_list for row in k.stride_per_key_per_rank()] if vbe == {True} else None,
-        length_per_key=[n for k in kjt_list for n in k.length_per_key()],
-    )
+    return _kjt_build.concat(kjt_list)
+
+
+@torch.fx.wrap
+def _dist_init(*args: object) -> KeyedJaggedTensor:
+    return _kjt_dist.dist_init(KeyedJaggedTensor, *args)
 
 
 @torch.fx.wrap

@@ -92,6 +92,10 @@ class KeyedTensor(metaclass=SparseTypeMeta):
     def device(self) -> torch.device:
         return self._values.device
 
+    def size_in_bytes(self) -> int:
+        """Bytes of ``values`` (``numel * element_size``, as torchrec counts)."""
+        return self._values.element_size() * self._values.numel()
+
     def length_per_key(self) -> list[int]:
         return self._length_per_key
 
@@ -156,8 +160,84 @@ class KeyedTensor(metaclass=SparseTypeMeta):
         return "KeyedTensor({\n" + ",\n".join(lines) + "\n})"
 
 
+def permute_multi_embedding(keyed_tensors: list[KeyedTensor], groups: list[list[str]]) -> list[torch.Tensor]:
+    """torchrec's FBGEMM-backed regroup: one tensor per group, the blocks of its keys concatenated along the key dim
+    (``[B, sum(D of the group's keys)]`` for pooled embeddings). Same result as :meth:`KeyedTensor.regroup`; keys may
+    repeat across groups, a group may be empty (``[B, 0]``). One gather over all inputs, differentiable."""
+    return _regroup_gather(keyed_tensors, groups)
+
+
+def regroup_kts(keyed_tensors: list[KeyedTensor], groups: list[list[str]]) -> list[torch.Tensor]:
+    """torchrec's other FBGEMM regroup entry point; the same result as :func:`permute_multi_embedding`."""
+    return _regroup_gather(keyed_tensors, groups)
+
+
+def _key_owners(keyed_tensors: object) -> dict[str, int]:
+    """Which input holds each key; every key must be held once (else a group's block would be ambiguous)."""
+    if not isinstance(keyed_tensors, (list, tuple)) or not keyed_tensors:
+        raise ValueError(f"keyed_tensors must be a non-empty list of KeyedTensor, got {keyed_tensors!r:.200}")
+    owner: dict[str, int] = {}
+    for i, kt in enumerate(keyed_tensors):
+        if not isinstance(kt, KeyedTensor):
+            raise TypeError(f"keyed_tensors[{i}] must be a KeyedTensor, got {type(kt).__name__}")
+        for key in kt.keys():
+            if owner.setdefault(key, i) != i:
+                raise ValueError(f"key {key!r} is held by keyed_tensors[{owner[key]}] and keyed_tensors[{i}]")
+    return owner
+
+
+def _check_gather_inputs(keyed_tensors: list[KeyedTensor]) -> None:
+    """The inputs concatenate along the key dim: same key dim, dtype, device and every other dim."""
+    first = keyed_tensors[0].values()
+    key_dim = keyed_tensors[0].key_dim()
+    outer = lambda t: t.shape[:key_dim] + t.shape[key_dim + 1 :]
+    for i, kt in enumerate(keyed_tensors[1:], start=1):
+        v = kt.values()
+        if kt.key_dim() != key_dim or v.dim() != first.dim() or outer(v) != outer(first):
+            raise ValueError(
+                f"keyed_tensors[{i}] has values {tuple(v.shape)} with key_dim {kt.key_dim()} but keyed_tensors[0] "
+                f"has {tuple(first.shape)} with key_dim {key_dim}; they must agree on every dim but the key dim"
+            )
+        if (v.dtype, v.device) != (first.dtype, first.device):
+            raise ValueError(
+                f"keyed_tensors[{i}] is {v.dtype} on {v.device} but keyed_tensors[0] is {first.dtype} on "
+                f"{first.device}; convert them to one dtype and device first"
+            )
+
+
 # Module-level and registered with ``torch.fx.wrap``: under a symbolic trace each is one ``call_function`` node (its
 # checks and key lookups run when the graph runs); otherwise a plain call.
+@torch.fx.wrap
+def _regroup_gather(keyed_tensors: list[KeyedTensor], groups: list[list[str]]) -> list[torch.Tensor]:
+    """All inputs concatenated along the key dim ``[B, sum(D)]``, one ``index_select`` of the groups' columns in
+    order, split per group. Column indices come from per-key (start, width): ``arange`` plus each key's shift
+    repeated over its width, so nothing loops over columns or rows."""
+    owner = _key_owners(keyed_tensors)
+    _check_gather_inputs(keyed_tensors)
+    if not isinstance(groups, (list, tuple)) or not all(isinstance(group, (list, tuple)) for group in groups):
+        raise TypeError(f"groups must be a list of lists of keys, got {groups!r:.200}")
+    input_start = list(accumulate((kt.values().shape[kt.key_dim()] for kt in keyed_tensors), initial=0))
+    starts, widths, group_widths = [], [], []
+    for g, group in enumerate(groups):
+        for key in group:
+            if key not in owner:
+                raise UnknownKeyError(f"groups[{g}] names key {key!r}, held by none of the keyed_tensors")
+            kt = keyed_tensors[owner[key]]
+            index = kt._key_index(key)
+            starts.append(input_start[owner[key]] + kt.offset_per_key()[index])
+            widths.append(kt.length_per_key()[index])
+        group_widths.append(sum(widths[len(widths) - len(group) :]) if group else 0)
+    key_dim = keyed_tensors[0].key_dim()
+    values = [kt.values() for kt in keyed_tensors]
+    merged = values[0] if len(values) == 1 else torch.cat(values, dim=key_dim)
+    device, total = merged.device, sum(widths)
+    width_t = torch.tensor(widths, dtype=torch.int64, device=device)
+    out_start = torch.tensor(list(accumulate(widths, initial=0))[:-1], dtype=torch.int64, device=device)
+    shift = torch.tensor(starts, dtype=torch.int64, device=device) - out_start
+    columns = torch.arange(total, device=device) + shift.repeat_interleave(width_t, output_size=total)
+    return list(merged.index_select(key_dim, columns).split(group_widths, dim=key_dim))
+
+
 @torch.fx.wrap
 def _from_tensor_list(keys: list[str], tensors: list[torch.Tensor], key_dim: int, cat_dim: int) -> KeyedTensor:
     if len(keys) != len(tensors):

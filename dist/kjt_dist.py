@@ -18,43 +18,19 @@ from tritonrec.data import KeyedJaggedTensor
 from tritonrec.kernels import lengths_to_offsets, permute_1d_sparse_data, permute_2d_sparse_data
 
 
-def _sum_by_splits(values: list[int], splits: list[int]) -> list[int]:
-    bounds = [0, *itertools.accumulate(splits)]
-    return [sum(values[bounds[i] : bounds[i + 1]]) for i in range(len(splits))]
-
-
 def dist_labels(kjt: KeyedJaggedTensor) -> list[str]:
-    """Names of the tensors the all-to-all sends, in order."""
-    labels = ["lengths", "values"]
-    if kjt.variable_stride_per_key():
-        labels.append("strides")
-    if kjt.weights_or_none() is not None:
-        labels.append("weights")
-    return labels
+    """Names of the tensors the all-to-all sends, in order (the KJT's own ``dist_labels``)."""
+    return kjt.dist_labels()
 
 
 def dist_splits(kjt: KeyedJaggedTensor, key_splits: list[int]) -> list[list[int]]:
     """Per label, the number of entries going to each rank (``key_splits[r]`` consecutive keys go to rank ``r``)."""
-    bags_per_rank = _sum_by_splits(kjt.stride_per_key(), key_splits)
-    values_per_rank = _sum_by_splits(kjt.length_per_key(), key_splits)
-    splits = [bags_per_rank, values_per_rank]
-    if kjt.variable_stride_per_key():
-        splits.append(list(key_splits))  # one stride per key
-    if kjt.weights_or_none() is not None:
-        splits.append(values_per_rank)
-    return splits
+    return kjt.dist_splits(key_splits)
 
 
 def dist_tensors(kjt: KeyedJaggedTensor) -> list[torch.Tensor]:
     """The tensors of :func:`dist_labels` (values and weights without any slack tail past the last bag)."""
-    used = kjt.offset_per_key()[-1] if kjt.keys() else 0
-    tensors = [kjt.lengths(), kjt.values()[:used]]
-    if kjt.variable_stride_per_key():
-        tensors.append(torch.tensor(kjt.stride_per_key(), dtype=torch.int64, device=kjt.device()))
-    weights = kjt.weights_or_none()
-    if weights is not None:
-        tensors.append(weights[:used])
-    return tensors
+    return kjt.dist_tensors()
 
 
 def _rank_order(num_workers: int, stagger: int) -> list[int]:
