@@ -34,6 +34,7 @@ from tritonrec.dist.dense_table_state import (
     shards_of_saved_tables,
     table_state,
 )
+from tritonrec.dist.embedding_tower_base import ShardedEmbeddingTowers
 from tritonrec.dist.model_parallel import get_unwrapped_module
 from tritonrec.dist.sharded_fused_optimizer import HyperparamsOnlyOptimizer
 from tritonrec.dist.sharded_state import fused_optimizer_state_dict, load_fused_optimizer_state_dict
@@ -129,14 +130,27 @@ def _parameter_names(optimizer: torch.optim.Optimizer, model: nn.Module, name: s
     return names
 
 
+def _host_local_parameter_ids(model: nn.Module) -> set[int]:
+    """The parameters that live on some ranks only: a tower-sharded module's interactions, on their tower's host.
+    Like sharded tables' shards they take no part in naming a param group, whose saved copy must be the same on
+    every rank (their state is saved by name, by the ranks that hold them)."""
+    return {
+        id(p)
+        for m in get_unwrapped_module(model).modules()
+        if isinstance(m, ShardedEmbeddingTowers)
+        for p in m.parameters()
+    }
+
+
 def _dense_entry(optimizer: torch.optim.Optimizer, model: nn.Module, name: str) -> dict[str, Any]:
     names = _parameter_names(optimizer, model, name)
     tables = dense_kernel_tables(get_unwrapped_module(model))
     shards = shard_parameter_ids(tables)
+    unnamed = shards | _host_local_parameter_ids(model)  # left out of the groups' names (their state is saved)
     groups = []
     for group in optimizer.param_groups:
         saved = _without_params(group)
-        saved["params"] = [names[id(p)] for p in group["params"] if id(p) not in shards]  # the same on every rank
+        saved["params"] = [names[id(p)] for p in group["params"] if id(p) not in unnamed]  # the same on every rank
         saved[_SHARDED_TABLES] = sorted(tables)  # every rank knows every table (not which group holds it)
         groups.append(saved)
     state = {names[id(p)]: s for p, s in optimizer.state.items() if s and id(p) not in shards}
@@ -195,7 +209,7 @@ def _apply_param_groups(optimizer: torch.optim.Optimizer, saved_json: str, model
     saved = json.loads(saved_json)
     names = _parameter_names(optimizer, model, name)
     tables = dense_kernel_tables(get_unwrapped_module(model))
-    shards = shard_parameter_ids(tables)
+    shards = shard_parameter_ids(tables) | _host_local_parameter_ids(model)  # as in _dense_entry
     # sharded tables (here, or when saved) take no part in matching groups: which group holds them depends on the rank
     skip = set(tables) | {t for g in saved for t in g.pop(_SHARDED_TABLES, [])}
     by_params = {tuple(sorted(n for n in g["params"] if n not in skip)): g for g in saved}

@@ -321,34 +321,47 @@ def _sync_column_row_state(module: Any, views: dict[str, list[tuple[ShardSpec, d
 
 # ---------------------------------------------------------------------------------------------------------- gather
 def gather_unsharded_state_dict(module: nn.Module, dst: int = 0) -> dict[str, torch.Tensor] | None:
-    """The unsharded module's state dict (full tensors, its key names), assembled on rank ``dst`` (collective: every
-    rank must call it); ``None`` on the other ranks. Plain entries (data-parallel tables, other parameters) are
-    taken from ``dst``'s own copy."""
+    """The unsharded module's state dict (full tensors, its key names), assembled on rank ``dst`` of the module's
+    group (collective over that group: every rank of it must call it); ``None`` on the other ranks. The group is a
+    :class:`DistributedModelParallel`'s process group (``env``), else its tables' group, else the world. Plain
+    entries (data-parallel tables, other parameters) are taken from ``dst``'s own copy, those ``dst`` lacks (a
+    tower-sharded module's interaction, which lives on its tower's host only) from the lowest rank holding them.
+
+    One gather over the group of every rank's shards: tables may be ShardedTensors over different sub-groups (each
+    tower's over its host's ranks), so neither one table's group nor one gather per table (the ranks hold different
+    keys) would do; shard placements name global ranks."""
     state = module.state_dict()
-    pg = None
-    for value in state.values():
-        if isinstance(value, ShardedTensor):
-            pg = value._process_group
-            break
-    pg = pg or dist.group.WORLD
-    me = dist.get_rank(pg)
-    out: dict[str, torch.Tensor] = {}
+    pg = getattr(getattr(module, "env", None), "process_group", None)
+    if pg is None:  # a sharded module on its own: the group of its tables (every rank of it holds all of them)
+        pg = next((v._process_group for v in state.values() if isinstance(v, ShardedTensor)), dist.group.WORLD)
+    me, world = dist.get_rank(pg), dist.get_world_size(pg)
+    if not isinstance(dst, int) or isinstance(dst, bool) or not 0 <= dst < world:
+        raise ValueError(f"dst must be a rank of the module's group (0..{world - 1}), got dst={dst!r}")
+    root = dist.get_global_rank(pg, dst)
+    plain_at_dst: list[Any] = [sorted(k for k, v in state.items() if not isinstance(v, ShardedTensor))]
+    dist.broadcast_object_list(plain_at_dst, src=root, group=pg)
+    mine: dict[str, Any] = {}
     for key, value in state.items():
-        if not isinstance(value, ShardedTensor):
-            out[key] = value.detach().clone()
-            continue
-        pieces = [(list(s.metadata.shard_offsets), s.tensor.detach().cpu()) for s in value.local_shards()]
-        gathered: list[Any] = [None] * dist.get_world_size(pg) if me == dst else []
-        dist.gather_object(pieces, gathered if me == dst else None, dst=dist.get_global_rank(pg, dst), group=pg)
-        if me != dst:
-            continue
-        full = torch.zeros(value.size(), dtype=value.dtype)
-        for rank_pieces in gathered:
-            for offsets, tensor in rank_pieces:
-                index = tuple(slice(o, o + n) for o, n in zip(offsets, tensor.shape, strict=True))
-                full[index] = tensor
-        out[key] = full
-    return out if me == dst else None
+        if isinstance(value, ShardedTensor):
+            pieces = [(list(s.metadata.shard_offsets), s.tensor.detach().cpu()) for s in value.local_shards()]
+            mine[key] = (tuple(value.size()), value.dtype, pieces)
+        elif me != dst and key not in plain_at_dst[0]:
+            mine[key] = value.detach().cpu().clone()
+    gathered: list[Any] = [None] * world if me == dst else []
+    dist.gather_object(mine, gathered if me == dst else None, dst=root, group=pg)
+    if me != dst:
+        return None
+    out = {k: v.detach().clone() for k, v in state.items() if not isinstance(v, ShardedTensor)}
+    for rank_state in gathered:
+        for key, value in rank_state.items():
+            if isinstance(value, torch.Tensor):
+                out.setdefault(key, value)
+                continue
+            size, dtype, pieces = value
+            full = out.setdefault(key, torch.zeros(size, dtype=dtype))
+            for offsets, tensor in pieces:
+                full[tuple(slice(o, o + n) for o, n in zip(offsets, tensor.shape, strict=True))] = tensor
+    return out
 
 
 __all__ = [

@@ -31,9 +31,10 @@ from tritonrec.dist.planner.types import (
 from tritonrec.dist.sharding_plan import calculate_shard_sizes_and_offsets
 from tritonrec.dist.types import EmbeddingComputeKernel, ModuleSharder, ShardingType
 from tritonrec.kernels.checks import check_int
+from tritonrec.modules.embedding_tower import EmbeddingTower, EmbeddingTowerCollection
 from tritonrec.modules.fused_embedding_modules import resolve_optimizer_type
 
-__all__ = ["EmbeddingEnumerator", "check_sharders", "shardable_modules"]
+__all__ = ["EmbeddingEnumerator", "check_sharders", "shardable_modules", "tower_dependency"]
 
 _COLUMN_SPLIT = {
     ShardingType.COLUMN_WISE.value,
@@ -97,6 +98,20 @@ def fused_optimizer_type(sharder: ModuleSharder[Any], module: nn.Module, param: 
             return resolve_optimizer_type(fused_params[key])
     inner = getattr(module, "_embedding_bag_collection", module)
     return getattr(getattr(inner, "fused_optimizer", None), "optimizer_type", None)
+
+
+def tower_dependency(path: str, module: nn.Module, table: str) -> str | None:
+    """The tower ``table`` belongs to when a tower sharder covers ``module`` (torchrec's ``dependency``: ``path`` for
+    an :class:`EmbeddingTower`, ``<path>.tower_<i>`` for tower ``i`` of a collection), else ``None``. The partitioner
+    places options of one dependency on one host, as the tower sharders require."""
+    if isinstance(module, EmbeddingTower):
+        return path
+    if isinstance(module, EmbeddingTowerCollection):
+        for i, tower in enumerate(module.towers):
+            if any(name.split(".")[-1] == table for name, _ in tower.embedding.named_modules()):
+                return f"{path}.tower_{i}"
+        raise ValueError(f"table {table!r} is in none of the towers of {path or 'the model'!r}")
+    return None
 
 
 def _per_feature(
@@ -184,6 +199,7 @@ class EmbeddingEnumerator:
         # the dense kernel would drop an optimizer applied in backward (the sharded module refuses that plan) or a
         # fused collection's own; both mark the table with _in_backward_optimizers
         in_backward = hasattr(param, "_in_backward_optimizers")
+        dependency = tower_dependency(path, module, name)
         device = topo.compute_device
         for sharding_type in sharder.sharding_types(device):
             if c is not None and c.sharding_types is not None and sharding_type not in c.sharding_types:
@@ -215,6 +231,7 @@ class EmbeddingEnumerator:
                         optimizer=optimizer,
                         stochastic_rounding=c.stochastic_rounding if c else None,
                         bounds_check_mode=c.bounds_check_mode if c else None,
+                        dependency=dependency,
                     )
 
     def _column_shard_counts(self, sharding_type: str, dim: int, c: ParameterConstraints | None) -> list[int | None]:

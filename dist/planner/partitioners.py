@@ -5,7 +5,8 @@ time, or storage with ``sort_by="storage"``), each shard on the least loaded ran
 storage, then rank) that still has room - longest-processing-time-first scheduling, which keeps the slowest rank
 (the step time) close to the average. Host-bound options pick a host the same way: TWRW one host for all row shards,
 GRID one host per column block, TWCW one host whose ranks take the column blocks. Column blocks of one table go to
-different ranks (or hosts) while any with room is left.
+different ranks (or hosts) while any with room is left. A tower's tables (options sharing a ``dependency``) are
+placed as one unit: one host for all of them, its row shards and column blocks on that host's ranks.
 """
 
 from __future__ import annotations
@@ -49,14 +50,23 @@ class GreedyPerfPartitioner:
         kind = topo.storage_kind
         size = (lambda o: o.total_perf) if self._sort_by == "perf" else (lambda o: o.total_storage.kind(kind))
         uniform = [o for o in plan if o.partition_by == PartitionByType.UNIFORM]
-        others = sorted((o for o in plan if o.partition_by != PartitionByType.UNIFORM), key=size, reverse=True)
+        # a tower's options (one ``dependency``) are placed as one unit on one host, as torchrec groups them; any
+        # other option is a unit of its own (the same largest-first order as before for those)
+        units: dict[str, list[ShardingOption]] = {}
+        for option in plan:
+            if option.partition_by != PartitionByType.UNIFORM:
+                units.setdefault(option.dependency or f"\0{id(option)}", []).append(option)
+        ordered = sorted(units.values(), key=lambda unit: sum(size(o) for o in unit), reverse=True)
         for option in uniform:
             for shard, device in zip(option.shards, devices, strict=True):
                 if not self._fits(shard, device):
                     raise self._error(option, shard, devices, kind)
                 self._place(shard, device)
-        for option in others:
-            if option.partition_by == PartitionByType.DEVICE:
+        for unit in ordered:
+            option = unit[0]
+            if option.dependency is not None:
+                self._place_tower(unit, devices, topo, kind)
+            elif option.partition_by == PartitionByType.DEVICE:
                 self._place_on_devices(option, option.shards, devices, kind)
             elif option.sharding_type == ShardingType.TABLE_COLUMN_WISE.value:
                 host = self._pick_host(option, option.shards, devices, topo, kind, avoid=set(), whole_host=False)
@@ -71,6 +81,28 @@ class GreedyPerfPartitioner:
                     for shard, device in zip(block, self._host_devices(host, devices, topo), strict=True):
                         self._place(shard, device)
         return plan
+
+    def _place_tower(
+        self, options: list[ShardingOption], devices: list[DeviceHardware], topo: Topology, kind: str
+    ) -> None:
+        """Every table of one tower on one host: the least loaded whose ranks' free storage holds all the tower's
+        shards; table-row-wise row shards on the host's ranks in order, column blocks each on the least loaded of
+        its ranks."""
+        shards = [shard for option in options for shard in option.shards]
+        try:
+            host = self._pick_host(options[0], shards, devices, topo, kind, avoid=set(), whole_host=False)
+        except PlannerError as err:
+            tables = [o.name for o in options]
+            raise PlannerError(f"tower {options[0].dependency!r} (tables {tables}) fits on no host: {err}") from None
+        local = self._host_devices(host, devices, topo)
+        for option in options:
+            if option.sharding_type != ShardingType.TABLE_ROW_WISE.value:
+                self._place_on_devices(option, option.shards, local, kind)
+                continue
+            for shard, device in zip(option.shards, local, strict=True):
+                if not self._fits(shard, device):
+                    raise self._error(option, shard, devices, kind)
+                self._place(shard, device)
 
     @staticmethod
     def _fits(shard: Shard, device: DeviceHardware) -> bool:

@@ -294,7 +294,8 @@ class ShardingOption:
 
     ``input_lengths`` / ``num_poolings`` / ``batch_sizes`` hold one entry per feature reading the table;
     ``num_column_shards`` is the column-block count of CW / TWCW / GRID (``None`` otherwise); ``optimizer`` the fused
-    rule whose state a ``fused`` shard carries (an ``OptimType``, ``None`` when unknown).
+    rule whose state a ``fused`` shard carries (an ``OptimType``, ``None`` when unknown); ``dependency`` the tower
+    (``<path>`` or ``<path>.tower_<i>``) whose tables must share a host, ``None`` for a table placed on its own.
     """
 
     name: str
@@ -314,6 +315,8 @@ class ShardingOption:
     optimizer: Any = None
     stochastic_rounding: bool | None = None
     bounds_check_mode: Any = None
+    # torchrec's ``dependency``: options sharing one (a tower's tables) are placed on one host together
+    dependency: str | None = None
 
     @property
     def path(self) -> str:

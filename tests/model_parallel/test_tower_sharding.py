@@ -7,7 +7,11 @@ tower_sharding_refusals.py."""
 
 from __future__ import annotations
 
+import atexit
 import functools
+import os
+import shutil
+import tempfile
 from typing import Any
 
 import pytest
@@ -24,23 +28,43 @@ TOWER_KEYS = [
     ["tower_arch.towers.1.embedding.embeddings.t2.weight", "tower_arch.towers.1.embedding.embeddings.t3.weight",
      "tower_arch.towers.1.interaction.linear.bias", "tower_arch.towers.1.interaction.linear.weight"],
 ]  # fmt: skip
+TOWER_TABLES_OF = [["t0", "t1"], ["t2", "t3"]]
 DENSE_KEYS = ["dense_arch.0.bias", "dense_arch.0.weight", "over_arch.bias", "over_arch.weight"]
 
 
 def _run(rank: int, world: int) -> dict[str, Any]:
     import torch
 
-    from tests.model_parallel import tower_sharding_cases, tower_sharding_refusals
+    from tests.model_parallel import (
+        tower_sharding_cases,
+        tower_sharding_checkpoint_cases,
+        tower_sharding_pipeline_cases,
+        tower_sharding_refusals,
+    )
 
     torch.set_num_threads(1)
     suites: dict[str, Any] = {name: (case, (2,)) for name, case in tower_sharding_cases.CASES.items()}
     suites["refusals"] = (tower_sharding_refusals.run_refusals, (2,))
+    suites["checkpoint"] = (tower_sharding_checkpoint_cases.run_checkpoint, (2,))
+    suites["pipeline"] = (tower_sharding_pipeline_cases.run_pipeline, (2,))
     return run_suites(suites, rank, world)
 
 
 @functools.cache
 def _spawned() -> list[dict[str, Any]]:
+    """One spawn for this module and test_tower_sharding_checkpoint.py (which reads its ``checkpoint`` suite); the
+    ranks save their checkpoints under a temporary directory they inherit through the environment."""
+    from tests.model_parallel.tower_sharding_checkpoint_cases import ROOT_ENV
+
+    root = tempfile.mkdtemp(prefix="tritonrec-tower-checkpoints-")
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    os.environ[ROOT_ENV] = root
     return spawn_ranks(_run, 2, timeout=SPAWN_TIMEOUT_S)
+
+
+def results(case: str) -> list[Any]:
+    """Per rank, what rank-side case ``case`` returned (the module's spawn runs once per session)."""
+    return results_of(_spawned(), case, 2)
 
 
 def _results(case: str) -> list[Any]:
@@ -79,6 +103,20 @@ def test_tower_sharder_shards_each_tower_on_its_own() -> None:
         assert got["interactions"] == [k for k in TOWER_KEYS[rank] if ".interaction." in k], rank
         assert got["local_keys"] == sorted(DENSE_KEYS + TOWER_KEYS[rank]), rank
         assert got["loss"] <= TOLERANCE, f"rank {rank}: the loss differs by {got['loss']}"
+
+
+def test_planner_plan_keeps_each_tower_on_one_rank_and_trains_like_the_single_process_model() -> None:
+    """2 ranks, one per host: the planner's plan puts each tower's tables on one host (what the tower sharders
+    need), and the model trains equal to the unsharded one under it."""
+    results = _results("planner")
+    planned = results[0]["planned"]
+    assert all(r["planned"] == planned for r in results), "the ranks got different plans"
+    for tower in (TOWER_TABLES_OF[0], TOWER_TABLES_OF[1]):
+        assert len({rank for table in tower for rank in planned[table]}) == 1, planned
+    for rank, got in enumerate(results):
+        assert got["loss"] <= TOLERANCE, f"rank {rank}: the loss differs by {got['loss']}"
+        assert got["params"] <= TOLERANCE, f"rank {rank}: interaction / dense parameters differ by {got['params']}"
+    assert results[0]["keys_equal"] and results[0]["state_dict"] <= TOLERANCE, results[0]["state_dict"]
 
 
 REFUSALS = {

@@ -95,17 +95,36 @@ def loss_fn(model: nn.Module, dense: torch.Tensor, kjt: KeyedJaggedTensor, label
     return nn.functional.binary_cross_entropy_with_logits(model(dense, kjt).squeeze(-1), labels)
 
 
-def collection_plan(model: nn.Module, hosts: tuple[int, int], world: int) -> Any:
-    """Tower 0's tables table-row-wise on host ``hosts[0]``, tower 1's table-column-wise (2 column blocks) on host
-    ``hosts[1]`` (one rank per host)."""
+def collection_plan(model: nn.Module, hosts: tuple[int, int], world: int, local: int = 1) -> Any:
+    """Tower 0's tables table-row-wise on host ``hosts[0]``, tower 1's table-column-wise (2 column blocks) on the
+    ranks of host ``hosts[1]`` (``local`` ranks per host)."""
     from tritonrec.dist import ShardingPlan, construct_module_sharding_plan, table_column_wise, table_row_wise
     from tritonrec.dist.embedding_tower_sharding import EmbeddingTowerCollectionSharder
 
+    column_ranks = [hosts[1] * local + i % local for i in range(2)]
     gens = {t: table_row_wise(host_index=hosts[0]) for t in TOWER_TABLES[0]}
-    gens |= {t: table_column_wise(ranks=[hosts[1], hosts[1]]) for t in TOWER_TABLES[1]}
+    gens |= {t: table_column_wise(ranks=column_ranks) for t in TOWER_TABLES[1]}
     module = model.get_submodule(TOWERS_PATH)
     sharder = EmbeddingTowerCollectionSharder()
-    return ShardingPlan({TOWERS_PATH: construct_module_sharding_plan(module, gens, sharder, 1, world, "cpu")})
+    return ShardingPlan({TOWERS_PATH: construct_module_sharding_plan(module, gens, sharder, local, world, "cpu")})
+
+
+def planner_plan(model: nn.Module, world: int, local: int) -> Any:
+    """The planner's plan (rank 0 plans, every rank gets it) for ``world`` ranks, ``local`` per host."""
+    from tritonrec.dist import EmbeddingBagCollectionSharder
+    from tritonrec.dist.embedding_tower_sharding import EmbeddingTowerCollectionSharder
+    from tritonrec.dist.planner import EmbeddingShardingPlanner, Topology
+
+    topology = Topology(world, "cpu", local_world_size=local)
+    planner = EmbeddingShardingPlanner(topology, batch_size=BATCH_PER_RANK, stats=[])
+    return planner.collective_plan(model, [EmbeddingTowerCollectionSharder(), EmbeddingBagCollectionSharder()])
+
+
+def planned_ranks(plan: Any) -> dict[str, list[int]]:
+    """Table -> the ranks of its shards, in the planner's plan."""
+    from tritonrec.dist.embedding_tower_plan import shard_ranks
+
+    return {table: shard_ranks(sharding) for table, sharding in plan.plan[TOWERS_PATH].items()}
 
 
 def tower_plan(model: nn.Module, world: int) -> Any:
@@ -172,15 +191,19 @@ def interaction_names(dmp: Any) -> list[str]:
     return sorted(name for name, _ in dmp.named_parameters() if ".interaction." in name)
 
 
-def run_training(rank: int, world: int, hosts: tuple[int, int], steps: int = STEPS) -> dict[str, Any]:
-    """``steps`` steps of DMP (tower-sharded collection) vs the single-process model; state dict checks."""
+def run_training(
+    rank: int, world: int, hosts: tuple[int, int] | None, steps: int = STEPS, local: int = 1
+) -> dict[str, Any]:
+    """``steps`` steps of DMP (tower-sharded collection; the planner's plan when ``hosts`` is None) vs the
+    single-process model; state dict checks."""
     torch.manual_seed(3)
     model = TowerModel()
     reference = copy.deepcopy(model)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    dmp = _wrap(model, collection_plan(model, hosts, world))
+    plan = planner_plan(model, world, local) if hosts is None else collection_plan(model, hosts, world, local)
+    dmp = _wrap(model, plan)
     dmp_dense, ref_dense = dense_optimizer(dmp.named_parameters()), dense_optimizer(reference.named_parameters())
-    result: dict[str, Any] = {"interactions": interaction_names(dmp)}
+    result: dict[str, Any] = {"interactions": interaction_names(dmp), "planned": planned_ranks(plan)}
     result["loss"] = train_against_reference(dmp, reference, dmp_dense, ref_dense, rank, world, steps, loss_fn)
     # this rank's interaction and dense parameters against the reference's
     ref_params = dict(reference.named_parameters())
@@ -232,4 +255,5 @@ CASES = {
     "in_order": lambda rank, world: run_training(rank, world, (0, 1)),
     "swapped": lambda rank, world: run_training(rank, world, (1, 0), steps=2),
     "tower_sharder": run_tower_sharder,
+    "planner": lambda rank, world: run_training(rank, world, None, steps=2),
 }
