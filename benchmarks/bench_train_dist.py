@@ -50,6 +50,7 @@ SHARDINGS = ["tw", "rw", "cw", "twrw", "dp"]
 # torchrec's rows by table kernel: "torchrec" (the anchor) runs FBGEMM's fused kernel as ours does
 TORCHREC_KERNELS = {"torchrec": "fused", "torchrec_planner_kernel": "planner"}
 PIPELINES = ["base", "sparse_dist", "staged"]
+EXTRA_PIPELINES = ["semi_sync"]  # on request (--pipelines): not in the default sweep
 QCOMMS = ["none", "fp16", "int8"]
 DENSE_IN = 13
 
@@ -107,6 +108,7 @@ def build_ours(args: argparse.Namespace, sharding: str, pipeline: str, qcomm: st
         SparseDataDistUtil,
         StagedTrainPipeline,
         TrainPipelineBase,
+        TrainPipelineSemiSync,
         TrainPipelineSparseDist,
     )
     from tritonrec.dist.types import ShardingPlan
@@ -134,6 +136,8 @@ def build_ours(args: argparse.Namespace, sharding: str, pipeline: str, qcomm: st
         return _progress(TrainPipelineBase(dmp, optimizer, cpu, host_prefetch=2))
     if pipeline == "sparse_dist":
         return _progress(TrainPipelineSparseDist(dmp, optimizer, cpu, host_prefetch=2))
+    if pipeline == "semi_sync":  # stale from the first batch on (throughput only)
+        return _progress(TrainPipelineSemiSync(dmp, optimizer, cpu, start_batch=0, host_prefetch=2))
     sdd = SparseDataDistUtil(dmp)
     staged = StagedTrainPipeline([
         PipelineStage("data_copy", lambda b: b),
@@ -341,7 +345,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--shardings", nargs="+", default=SHARDINGS, choices=SHARDINGS)
-    parser.add_argument("--pipelines", nargs="+", default=PIPELINES, choices=PIPELINES)
+    parser.add_argument("--pipelines", nargs="+", default=PIPELINES, choices=PIPELINES + EXTRA_PIPELINES)
     parser.add_argument("--qcomms", nargs="+", default=QCOMMS, choices=QCOMMS)
     parser.add_argument("--no-torchrec", dest="torchrec", action="store_false")
     parser.add_argument("--torchrec-kernels", nargs="+", default=["fused"], choices=["fused", "planner"],

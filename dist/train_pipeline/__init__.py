@@ -10,6 +10,7 @@ from tritonrec.dist.train_pipeline.pipelines import (
     TrainPipelineBase,
     TrainPipelineSparseDist,
 )
+from tritonrec.dist.train_pipeline.semi_sync import TrainPipelineSemiSync
 from tritonrec.dist.train_pipeline.staged import PipelineStage, SparseDataDistUtil, StagedTrainPipeline
 from tritonrec.dist.train_pipeline.tracing import TrainPipelineContext, trace_sharded_inputs
 from tritonrec.dist.train_pipeline.utils import DataLoadingThread
@@ -27,6 +28,7 @@ __all__ = [
     "TrainPipeline",
     "TrainPipelineBase",
     "TrainPipelineContext",
+    "TrainPipelineSemiSync",
     "TrainPipelineSparseDist",
     "trace_sharded_inputs",
 ]
