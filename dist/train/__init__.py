@@ -1,7 +1,8 @@
 """Training utilities of the hydra-configured jobs: typed configs (:mod:`.config`), config -> objects
-(:mod:`.builders`), the train step, evaluation and history (:mod:`.loop`), AUROC (:mod:`.metrics`), checkpoints
-(:mod:`.checkpoint`) and result files (:mod:`.report`), wired into the job ``run(cfg)`` (:mod:`.run`: one process,
-torchrun ranks or spawned ranks; :mod:`.single`, :mod:`.distributed`). ``scripts/train.py`` wraps ``run`` in hydra."""
+(:mod:`.builders`), the train step, evaluation and history (:mod:`.loop`), AUROC (:mod:`.metrics`), NE through
+``tritonrec.metrics`` (:mod:`.ne`), checkpoints (:mod:`.checkpoint`) and result files (:mod:`.report`), wired into
+the job ``run(cfg)`` (:mod:`.run`: one process, torchrun ranks or spawned ranks; :mod:`.single`,
+:mod:`.distributed`). ``scripts/train.py`` wraps ``run`` in hydra."""
 
 from tritonrec.dist.train.builders import DataSources, build_data, build_dense_optimizer, build_model, build_tables
 from tritonrec.dist.train.checkpoint import load_checkpoint, save_checkpoint

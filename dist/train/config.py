@@ -130,8 +130,10 @@ class TrainConfig:
     drop_remainder: bool = False  # drop an epoch's short last batch instead of padding and masking it
     eval_every: int = 100  # steps between held-out evaluations (0: only after the last step)
     eval_batch_size: int = 4096
-    log_every: int = 20  # steps between progress-bar updates (loss, AUROC, samples/s)
-    train_auroc_window: int = 8192  # samples in the running training AUROC (scored before their update)
+    log_every: int = 20  # steps between progress-bar updates (loss, AUROC, NE, samples/s)
+    # samples in the running training AUROC (scored before their update) and window NE (the latest whole steps
+    # within it, at least one: torchrec's NE window drops whole batches)
+    train_auroc_window: int = 8192
     checkpoint_every: int = 0  # steps between checkpoints (0: only after the last step)
     resume: str | None = None  # checkpoint to resume from: a step_*.pt file (one process) or step_*/ folder (ranks)
     seed: int = 0  # torch seed: model initialisation

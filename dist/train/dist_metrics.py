@@ -26,6 +26,7 @@ from tritonrec.data.batcher import Batcher
 from tritonrec.data.elements import ElementSource, ElementSpec
 from tritonrec.dist.train.loop import TrainHistory
 from tritonrec.dist.train.metrics import auroc
+from tritonrec.dist.train.ne import held_out_ne
 from tritonrec.modules.dlrm import masked_bce_with_logits
 
 
@@ -116,8 +117,8 @@ def _agreed_has_batch(has_batch: bool, group: dist.ProcessGroup | None) -> bool:
 def evaluate_over_ranks(
     model: nn.Module, source: ElementSource, batch_size: int, device: torch.device, group: dist.ProcessGroup | None
 ) -> dict[str, float]:
-    """One pass over each rank's shard of ``source``: ``{"auroc", "logloss", "samples"}`` over every rank's real
-    samples (the same numbers on every rank). ``model`` returns ``loss, (loss, logits, labels)``."""
+    """One pass over each rank's shard of ``source``: ``{"auroc", "logloss", "ne", "samples"}`` over every rank's
+    real samples (the same numbers on every rank). ``model`` returns ``loss, (loss, logits, labels)``."""
     model.eval()
     batches = Batcher(source.element_spec).process(source, batch_size)
     padding = empty_batch(source.element_spec, batch_size)
@@ -142,11 +143,12 @@ def evaluate_over_ranks(
         dist.all_gather_object(gathered, local, group=group)
     parts = [g for g in gathered if g is not None]
     if not parts:
-        return {"auroc": math.nan, "logloss": math.nan, "samples": 0.0}
+        return {"auroc": math.nan, "logloss": math.nan, "ne": math.nan, "samples": 0.0}
     all_scores, all_labels, all_weights = (torch.cat([p[i] for p in parts]) for i in range(3))
     count = float(all_weights.sum())
     logloss = sum(p[3] for p in parts) / count if count else math.nan
-    return {"auroc": auroc(all_scores, all_labels, all_weights), "logloss": logloss, "samples": count}
+    return {"auroc": auroc(all_scores, all_labels, all_weights), "logloss": logloss,
+            "ne": held_out_ne(all_scores, all_labels, all_weights), "samples": count}  # fmt: skip
 
 
 __all__ = ["BatchFeed", "RankMetrics", "empty_batch", "evaluate_over_ranks"]

@@ -76,7 +76,7 @@ def train_distributed(
     dmp = build_sharded_model(model, cfg, device)
     dense_optimizer = build_sharded_dense_optimizer(dmp, cfg.optim)
     batcher = Batcher(sources.element_spec)
-    history = TrainHistory(cfg.train_auroc_window)
+    history = TrainHistory(cfg.train_auroc_window, cfg.batch_size * world)  # a step records every rank's rows
     start = 0
     if resume_path is not None:
         load_checkpoint(resume_path, dmp, {"dense": dense_optimizer}, {"job": job})
@@ -101,7 +101,8 @@ def train_distributed(
             f"(sharding={cfg.sharding.kind}), so no embedding collective runs; DDP all-reduces their gradients in fp32"
         )
     if resume_path is not None:
-        report.message(resume_note(cfg.name, str(resume_path), start, later_checkpoints(out_dir, start)))
+        report.message(resume_note(cfg.name, str(resume_path), start, later_checkpoints(out_dir, start),
+                                   history.ne_restored))  # fmt: skip
     checkpoint, step, stopped = None, start, False
     try:
         for step in range(start + 1, cfg.steps + 1):

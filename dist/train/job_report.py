@@ -37,11 +37,11 @@ class JobReporter:
     def train_point(self, step: int, point: dict[str, float]) -> None:
         if not self.enabled:
             return
-        self.bar.set_postfix(loss=f"{point['loss']:.4f}", auroc=f"{point['auroc']:.4f}",
+        self.bar.set_postfix(loss=f"{point['loss']:.4f}", auroc=f"{point['auroc']:.4f}", ne=f"{point['ne']:.4f}",
                              samples_per_s=f"{point['samples_per_s']:,.0f}")  # fmt: skip
         self._log.info(
-            "step %d: loss %.4f, train AUROC %.4f, %.0f samples/s", step, point["loss"], point["auroc"],
-            point["samples_per_s"],
+            "step %d: loss %.4f, train AUROC %.4f, train NE %.4f (lifetime %.4f), %.0f samples/s", step, point["loss"],
+            point["auroc"], point["ne"], point["lifetime_ne"], point["samples_per_s"],
         )  # fmt: skip
         self.series.log("train", step, point)
 
@@ -49,10 +49,10 @@ class JobReporter:
         if not self.enabled:
             return
         line = (f"step {step}: loss {recent_loss:.4f}, held-out AUROC {result['auroc']:.4f}, "
-                f"held-out logloss {result['logloss']:.4f}")  # fmt: skip
+                f"held-out logloss {result['logloss']:.4f}, held-out NE {result['ne']:.4f}")  # fmt: skip
         self.bar.write(line)
         self._log.info(line)
-        self.series.log("eval", step, {"auroc": result["auroc"], "logloss": result["logloss"]})
+        self.series.log("eval", step, {"auroc": result["auroc"], "logloss": result["logloss"], "ne": result["ne"]})
 
     def message(self, text: str) -> None:
         if self.enabled:

@@ -73,9 +73,12 @@ def later_checkpoints(out_dir: Path, start: int) -> list[str]:
     return [name for step, name in sorted(found) if step > start]
 
 
-def resume_note(name: str, resume: str, start: int, later: list[str]) -> str:
-    """The train.log line that marks where a resumed job takes over (its folder may hold the earlier run's log)."""
+def resume_note(name: str, resume: str, start: int, later: list[str], ne_restored: bool = True) -> str:
+    """The train.log line that marks where a resumed job takes over (its folder may hold the earlier run's log);
+    ``ne_restored`` False: the checkpoint predates the NE state, so the lifetime NE restarts here."""
     note = f"{name}: resumed from {resume} after step {start}; the lines below are this run's"
+    if not ne_restored:
+        note += f"; the checkpoint holds no NE state: the lifetime NE covers the steps after {start} only"
     if later:
         note += (f"; {', '.join(later)} in this folder are from the earlier run (after step {start}): this run "
                  "overwrites those it reaches")  # fmt: skip

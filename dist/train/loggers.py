@@ -4,8 +4,8 @@ runs (rank 0 only), next to metrics.json.
 * ``none``: nothing beyond train.log and metrics.json;
 * ``csv``: ``series.csv`` in the output folder, one row per logged point (``kind`` is ``train`` or ``eval``);
 * ``tensorboard``: event files under ``tensorboard/`` through ``torch.utils.tensorboard`` (needs the ``tensorboard``
-  package: ``pip install -e '.[tensorboard]'``), scalars ``train/loss``, ``train/auroc``, ``train/samples_per_s``,
-  ``eval/auroc``, ``eval/logloss``.
+  package: ``pip install -e '.[tensorboard]'``), scalars ``train/loss``, ``train/auroc``, ``train/ne`` (the window
+  NE), ``train/lifetime_ne``, ``train/samples_per_s``, ``eval/auroc``, ``eval/logloss``, ``eval/ne``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-_FIELDS = ("kind", "step", "loss", "auroc", "samples_per_s", "logloss")
+# ne: the window NE on train rows (auroc's window), the held-out NE on eval rows; new columns go last
+_FIELDS = ("kind", "step", "loss", "auroc", "samples_per_s", "logloss", "ne", "lifetime_ne")
 
 
 class MetricLogger:

@@ -15,6 +15,7 @@ from tritonrec.data.batch import Batch
 from tritonrec.data.batcher import Batcher
 from tritonrec.data.elements import ElementSource
 from tritonrec.dist.train.metrics import AUROCMetric
+from tritonrec.dist.train.ne import held_out_ne, ne_module, ne_values, update_ne
 from tritonrec.modules.dlrm import DLRMTrain, masked_bce_with_logits
 
 
@@ -54,9 +55,10 @@ def train_step(
 def evaluate(
     model: DLRMTrain, source: ElementSource, batch_size: int, device: torch.device | str = "cpu"
 ) -> dict[str, float]:
-    """One pass over ``source``: ``{"auroc", "logloss", "samples"}`` over its (unpadded) samples."""
+    """One pass over ``source``: ``{"auroc", "logloss", "ne", "samples"}`` over its (unpadded) samples."""
     model.eval()
     metric = AUROCMetric()
+    rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     loss_sum, count = 0.0, 0
     for batch in Batcher(source.element_spec).process(source, batch_size):
         batch = batch.to(device)
@@ -65,8 +67,11 @@ def evaluate(
         loss_sum += float(masked_bce_with_logits(logits, batch.labels, batch.valid_mask)) * valid
         count += valid
         metric.update(logits.float(), batch.labels, batch.valid_mask)
+        rows.append((logits.float().cpu(), batch.labels.cpu(), batch.valid_mask.cpu()))
     model.train()
-    return {"auroc": metric.compute(), "logloss": loss_sum / count if count else math.nan, "samples": float(count)}
+    ne = held_out_ne(*(torch.cat(part) for part in zip(*rows, strict=True))) if rows else math.nan
+    logloss = loss_sum / count if count else math.nan
+    return {"auroc": metric.compute(), "logloss": logloss, "ne": ne, "samples": float(count)}
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -97,15 +102,20 @@ def _finite_or_none(x: float) -> float | None:
 
 
 class TrainHistory:
-    """Per-step losses, running training AUROC, held-out evaluations and throughput of one job (checkpointable)."""
+    """Per-step losses, running training AUROC and NE, held-out evaluations and throughput of one job
+    (checkpointable). ``step_samples``: the rows one step records over all ranks, padding included (the window NE
+    holds the latest whole steps within ``train_auroc_window`` rows, at least one)."""
 
-    def __init__(self, train_auroc_window: int) -> None:
+    def __init__(self, train_auroc_window: int, step_samples: int) -> None:
         self.train_auroc = AUROCMetric(window=train_auroc_window)
+        self.train_ne = ne_module(train_auroc_window, step_samples)
+        self.ne_restored = True  # False after loading a checkpoint written before the NE was kept
         self.steps: list[int] = []
         self.losses: list[float] = []
         self._pending: list[torch.Tensor] = []  # losses not yet read back (one sync per log interval, not per step)
         self.train_auroc_points: dict[str, list] = {"step": [], "auroc": []}
-        self.eval_points: dict[str, list] = {"step": [], "auroc": [], "logloss": [], "samples": []}
+        self.train_ne_points: dict[str, list] = {"step": [], "window_ne": [], "lifetime_ne": []}
+        self.eval_points: dict[str, list] = {"step": [], "auroc": [], "logloss": [], "samples": [], "ne": []}
         self.train_seconds = 0.0
         self.train_samples = 0
 
@@ -120,6 +130,7 @@ class TrainHistory:
         self.steps.append(step)
         self._pending.append(loss)
         self.train_auroc.update(logits.float(), batch.labels, batch.valid_mask)
+        update_ne(self.train_ne, logits.float(), batch.labels, batch.valid_mask)
         self.train_seconds += seconds
         self.train_samples += num_valid
 
@@ -133,6 +144,7 @@ class TrainHistory:
         self.steps.append(step)
         self.losses.append(loss)
         self.train_auroc.update(scores, labels, weights)
+        update_ne(self.train_ne, scores, labels, weights)
         self.train_seconds += seconds
         self.train_samples += num_samples
 
@@ -143,14 +155,20 @@ class TrainHistory:
             self._pending = []
 
     def log_point(self, step: int) -> dict[str, float]:
-        """Record the running training AUROC at ``step``; return the progress-bar summary."""
+        """Record the running training AUROC and NE at ``step``; return the progress-bar summary."""
         self.flush()
         auroc = self.train_auroc.compute()
         self.train_auroc_points["step"].append(step)
         self.train_auroc_points["auroc"].append(_finite_or_none(auroc))
+        ne = ne_values(self.train_ne)
+        self.train_ne_points["step"].append(step)
+        for key, value in ne.items():
+            self.train_ne_points[key].append(_finite_or_none(value))
         return {
             "loss": self.recent_loss(),
             "auroc": auroc,
+            "ne": ne["window_ne"],
+            "lifetime_ne": ne["lifetime_ne"],
             "samples_per_s": self.samples_per_second(),
         }
 
@@ -165,6 +183,7 @@ class TrainHistory:
         self.eval_points["auroc"].append(_finite_or_none(result["auroc"]))
         self.eval_points["logloss"].append(_finite_or_none(result["logloss"]))
         self.eval_points.setdefault("samples", []).append(result.get("samples"))
+        self.eval_points["ne"].append(_finite_or_none(result["ne"]))
 
     def samples_per_second(self) -> float:
         return self.train_samples / self.train_seconds if self.train_seconds > 0 else math.nan
@@ -176,17 +195,43 @@ class TrainHistory:
             "losses": list(self.losses),
             "train_auroc": self.train_auroc.state_dict(),
             "train_auroc_points": {k: list(v) for k, v in self.train_auroc_points.items()},
+            "train_ne": {k: v.clone() for k, v in self.train_ne.state_dict().items()},
+            "train_ne_points": {k: list(v) for k, v in self.train_ne_points.items()},
             "eval_points": {k: list(v) for k, v in self.eval_points.items()},
             "train_seconds": self.train_seconds,
             "train_samples": self.train_samples,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        expected = {"steps", "losses", "train_auroc", "train_auroc_points", "eval_points", "train_seconds"}
-        if not isinstance(state, dict) or not expected | {"train_samples"} == set(state):
-            raise ValueError(f"history state must have the keys {sorted(expected | {'train_samples'})}")
+        """Restore :meth:`state_dict`'s output; a state saved before the NE was kept (no ``train_ne``) loads too, its
+        lifetime NE then restarting here (see :meth:`_load_train_ne`)."""
+        expected = {"steps", "losses", "train_auroc", "train_auroc_points", "eval_points", "train_seconds",
+                    "train_samples"}  # fmt: skip
+        optional = {"train_ne", "train_ne_points"}
+        if not isinstance(state, dict) or not expected <= set(state) <= expected | optional:
+            raise ValueError(f"history state must have the keys {sorted(expected)} (and optionally {sorted(optional)})")
         self.steps, self.losses, self._pending = list(state["steps"]), list(state["losses"]), []
         self.train_auroc.load_state_dict(state["train_auroc"])
         self.train_auroc_points = {k: list(v) for k, v in state["train_auroc_points"].items()}
         self.eval_points = {k: list(v) for k, v in state["eval_points"].items()}
+        self.eval_points.setdefault("ne", [None] * len(self.eval_points["step"]))  # evaluations from before NE
+        points = state.get("train_ne_points", {"step": [], "window_ne": [], "lifetime_ne": []})
+        self.train_ne_points = {k: list(v) for k, v in points.items()}
+        self._load_train_ne(state.get("train_ne"), state["train_auroc"]["parts"])
         self.train_seconds, self.train_samples = float(state["train_seconds"]), int(state["train_samples"])
+
+    def _load_train_ne(
+        self, saved: dict[str, torch.Tensor] | None, auroc_steps: list[tuple[torch.Tensor, ...]]
+    ) -> None:
+        """The NE module's lifetime states from ``saved``; its window (not in a metric module's state dict: torchrec
+        restarts it) is rebuilt from ``auroc_steps``, the (scores, labels, weights) of the steps the training AUROC
+        holds, which cover the NE window, so a resumed job reports the window NE of an uninterrupted one. ``saved``
+        None (an older checkpoint): the lifetime states start from zero, so the lifetime NE covers the steps trained
+        after the resume."""
+        self.train_ne.reset()
+        for scores, labels, weights in auroc_steps:
+            update_ne(self.train_ne, scores, labels, weights)
+        self.ne_restored = saved is not None
+        # load_state_dict sets the lifetime states only (the window states are not persistent)
+        zeros = {name: torch.zeros_like(value) for name, value in self.train_ne.state_dict().items()}
+        self.train_ne.load_state_dict(saved if saved is not None else zeros)

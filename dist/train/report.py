@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tritonrec.dist.train.loop import TrainHistory
+from tritonrec.dist.train.ne import ne_values
 
 
 def moving_average(values: list[float], width: int) -> list[float]:
@@ -99,11 +100,14 @@ def final_metrics(history: TrainHistory, name: str, steps: int, extra: dict[str,
         "train_auroc": history.train_auroc.compute(),
         "eval_auroc": evals["auroc"][-1] if evals["auroc"] else None,
         "eval_logloss": evals["logloss"][-1] if evals["logloss"] else None,
+        "eval_ne": evals["ne"][-1] if evals["ne"] else None,
+        **{f"train_{key}": value for key, value in ne_values(history.train_ne).items()},  # window_ne, lifetime_ne
         "samples_per_s": history.samples_per_second(),
         "train_seconds": history.train_seconds,
         "train_samples": history.train_samples,
         **extra,
         "history": {"step": list(history.steps), "loss": list(losses)},
         "train_auroc_history": history.train_auroc_points,
+        "train_ne_history": history.train_ne_points,
         "eval_history": evals,
     }

@@ -28,7 +28,7 @@ def train_single(cfg: TrainConfig, out_dir: Path, stop: StopRequest) -> dict[str
     model = build_model(cfg.model, sources, cfg.optim, device)
     dense_optimizer = build_dense_optimizer(model, cfg.optim)
     batcher = Batcher(sources.element_spec)
-    history = TrainHistory(cfg.train_auroc_window)
+    history = TrainHistory(cfg.train_auroc_window, cfg.batch_size)
     fingerprint = data_fingerprint(cfg.data)
     start = 0
     if cfg.resume:
@@ -46,7 +46,8 @@ def train_single(cfg: TrainConfig, out_dir: Path, stop: StopRequest) -> dict[str
             "--nproc_per_node N)"
         )
     if cfg.resume:
-        report.message(resume_note(cfg.name, cfg.resume, start, later_checkpoints(out_dir, start)))
+        report.message(resume_note(cfg.name, cfg.resume, start, later_checkpoints(out_dir, start),
+                                   history.ne_restored))  # fmt: skip
     step, stopping = start, False
     try:
         for step in range(start + 1, cfg.steps + 1):

@@ -21,7 +21,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 COLUMNS = ("job", "status", "overrides", "name", "steps", "world_size", "first_loss", "final_loss", "train_auroc",
-           "eval_auroc", "eval_logloss", "samples_per_s")  # fmt: skip
+           "eval_auroc", "eval_logloss", "eval_ne", "samples_per_s")  # fmt: skip
 
 
 def _csv_cell(value: Any) -> str:

@@ -8,6 +8,7 @@ dist_job_cases.py (one spawn of 2 gloo ranks runs them all).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import functools
 import json
 import os
@@ -85,8 +86,10 @@ def test_metrics_cover_every_rank(ranks: list[dict[str, Any]], root: Path) -> No
     rows = list(csv.DictReader((smoke / "series.csv").open()))
     assert [(r["kind"], r["step"]) for r in rows] == [("train", "2"), ("eval", "3"), ("train", "4"), ("train", "6"),
                                                       ("eval", "6")]  # fmt: skip
+    assert all(float(r["ne"]) > 0 for r in rows)
+    assert all(float(r["lifetime_ne"]) > 0 for r in rows if r["kind"] == "train")
     log = (smoke / "train.log").read_text()
-    assert "step 6: loss" in log and "held-out AUROC" in log
+    assert "step 6: loss" in log and "held-out AUROC" in log and "held-out NE" in log and "train NE" in log
     # the eval line at step 3 (between log lines) reports the mean loss of steps 1-3, not a stale or NaN one
     eval_line = next(line for line in log.splitlines() if "step 3: loss" in line)
     assert f"step 3: loss {np.mean(metrics['history']['loss'][:3]):.4f}, held-out AUROC" in eval_line
@@ -119,6 +122,26 @@ def test_resume_at_the_same_world_size_is_exact(ranks: list[dict[str, Any]], cas
     assert resumed["history"]["step"] == [1, 2, 3, 4, 5, 6]
     assert resumed["history"]["loss"] == full["history"]["loss"]  # exact: steps 4-6 retrained after the resume
     assert resumed["train_auroc"] == full["train_auroc"] and resumed["eval_auroc"] == full["eval_auroc"]
+    # the lifetime NE states travel in the job state; the window is rebuilt from the AUROC's rows (summed anew)
+    assert resumed["train_lifetime_ne"] == full["train_lifetime_ne"] and resumed["eval_ne"] == full["eval_ne"]
+    assert resumed["train_window_ne"] == pytest.approx(full["train_window_ne"], rel=1e-12)
+
+
+def test_one_process_and_two_ranks_report_the_same_ne(ranks: list[dict[str, Any]], root: Path) -> None:
+    """The one-process job on the same samples (a batch of 16 = the 2 ranks' 8 + 8, drawn in the same chunks of 8)
+    reports the 2 ranks' NE, train (window and lifetime, at every log point) and held-out, up to the rounding by which
+    the two jobs' weights differ (their losses agree to ~1e-8). test_train_ne.py checks the one process's NE against
+    the formula written out."""
+    two = ranks[0]["smoke"]
+    data = dataclasses.replace(tiny_config(root).data, chunk_size=8)
+    one = run(tiny_config(root / "one_process", batch_size=16, data=data))
+    assert (one["world_size"], two["world_size"]) == (1, 2)
+    for key in ("train_window_ne", "train_lifetime_ne", "eval_ne"):
+        assert one[key] == pytest.approx(two[key], rel=1e-6), key
+    assert one["train_ne_history"]["step"] == two["train_ne_history"]["step"] == [2, 4, 6]
+    for key in ("window_ne", "lifetime_ne"):
+        assert one["train_ne_history"][key] == pytest.approx(two["train_ne_history"][key], rel=1e-6)
+    assert one["eval_history"]["ne"] == pytest.approx(two["eval_history"]["ne"], rel=1e-6)
 
 
 def test_resume_at_another_world_size_keeps_the_global_batch(ranks: list[dict[str, Any]], root: Path) -> None:

@@ -97,9 +97,14 @@ def test_single_process_log_and_csv_series(tmp_path: Path) -> None:
     log = log[1:]
     assert [line.split("] ")[1].split(":")[0] for line in log] == ["step 2", "step 2", "step 4", "step 4"]
     assert "held-out AUROC" in log[1] and "samples/s" in log[0]
+    assert "train NE" in log[0] and log[1].endswith(f"held-out NE {metrics['eval_history']['ne'][0]:.4f}")
     rows = list(csv.DictReader((tmp_path / "series.csv").open()))
     assert [(r["kind"], r["step"]) for r in rows] == [("train", "2"), ("eval", "2"), ("train", "4"), ("eval", "4")]
     assert float(rows[0]["loss"]) > 0 and 0 < float(rows[1]["auroc"]) < 1
+    ne_history = metrics["train_ne_history"]
+    assert [float(rows[i]["ne"]) for i in (0, 2)] == ne_history["window_ne"]
+    assert [float(rows[i]["lifetime_ne"]) for i in (0, 2)] == ne_history["lifetime_ne"]
+    assert [float(rows[i]["ne"]) for i in (1, 3)] == metrics["eval_history"]["ne"]
 
 
 def test_tensorboard_logger(tmp_path: Path) -> None:
@@ -153,6 +158,7 @@ def test_multirun_sweep_lands_in_one_folder_with_a_summary(tmp_path: Path) -> No
         assert (
             float(row["samples_per_s"]) == metrics["samples_per_s"]
             and float(row["final_loss"]) == metrics["final_loss"]
+            and float(row["eval_ne"]) == metrics["eval_ne"]
         )
     assert "experiment=synthetic_dcn" in rows[1]["overrides"]
     assert (sweep / "summary.md").read_text().count("\n") == 4  # header, rule, two jobs
