@@ -71,7 +71,8 @@ def dist_splits(kjt: KeyedJaggedTensor, key_splits: list[int]) -> list[list[int]
 def dist_tensors(kjt: KeyedJaggedTensor) -> list[torch.Tensor]:
     """The tensors of :func:`dist_labels`: ``lengths [sum B_t]``, ``values [N]``, for VBE ``strides [T]`` (int64, the
     batch size of each key), and ``weights [N]``. Values and weights stop at the last bag: a slack tail past it
-    would not match :func:`dist_splits` (torchrec sends it and fails in the all-to-all)."""
+    would not match :func:`dist_splits` (torchrec sends it and fails in the all-to-all). Each is contiguous (the
+    all-to-all refuses strided views, e.g. the lengths of a one-sample column slice of a ``[F, B]`` tensor)."""
     used = kjt.offset_per_key()[-1] if kjt.keys() else 0
     values = kjt.values()
     tensors = [kjt.lengths(), values if values.shape[0] == used else values[:used]]
@@ -80,7 +81,7 @@ def dist_tensors(kjt: KeyedJaggedTensor) -> list[torch.Tensor]:
     weights = kjt.weights_or_none()
     if weights is not None:
         tensors.append(weights if weights.shape[0] == used else weights[:used])
-    return tensors
+    return [t.contiguous() for t in tensors]
 
 
 def _check_dist_init_args(

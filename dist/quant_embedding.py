@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, ShardMetadata
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
@@ -161,7 +162,10 @@ def _global_sharded(
             return [spec.row_offset, spec.col_offset * bits // 8], [spec.rows, row_bytes(spec.cols, bits)]
         return [spec.row_offset, 0], [spec.rows, 1]
 
-    metadata = [ShardMetadata(*region(s), f"rank:{s.rank}/{device}") for s in table.shards if s.rows]
+    # placements name global ranks (torch matches them with dist.get_rank()); shards are numbered by group rank
+    metadata = [
+        ShardMetadata(*region(s), f"rank:{dist.get_global_rank(pg, s.rank)}/{device}") for s in table.shards if s.rows
+    ]
     by_region = {tuple(region(v.spec)[0]): v.tensor(name) for v in local if v.spec.rows}
     shards = [Shard(by_region[tuple(m.shard_offsets)], m) for m in metadata if tuple(m.shard_offsets) in by_region]
     size = torch.Size([rows, row_bytes(dim, bits) if codes else 1])

@@ -338,20 +338,27 @@ def gather_unsharded_state_dict(module: nn.Module, dst: int = 0) -> dict[str, to
     if not isinstance(dst, int) or isinstance(dst, bool) or not 0 <= dst < world:
         raise ValueError(f"dst must be a rank of the module's group (0..{world - 1}), got dst={dst!r}")
     root = dist.get_global_rank(pg, dst)
-    plain_at_dst: list[Any] = [sorted(k for k, v in state.items() if not isinstance(v, ShardedTensor))]
+    # a list entry (a quantized column-wise table's scale / bias: this rank's blocks' copies of the full tensor, none
+    # where the rank holds no block) counts as held by the ranks whose list is non-empty
+    held = lambda v: not isinstance(v, list) or bool(v)
+    plain_at_dst: list[Any] = [sorted(k for k, v in state.items() if held(v) and not isinstance(v, ShardedTensor))]
     dist.broadcast_object_list(plain_at_dst, src=root, group=pg)
     mine: dict[str, Any] = {}
     for key, value in state.items():
         if isinstance(value, ShardedTensor):
             pieces = [(list(s.metadata.shard_offsets), s.tensor.detach().cpu()) for s in value.local_shards()]
             mine[key] = (tuple(value.size()), value.dtype, pieces)
-        elif me != dst and key not in plain_at_dst[0]:
-            mine[key] = value.detach().cpu().clone()
+        elif me != dst and key not in plain_at_dst[0] and held(value):
+            mine[key] = (value[0] if isinstance(value, list) else value).detach().cpu().clone()
     gathered: list[Any] = [None] * world if me == dst else []
     dist.gather_object(mine, gathered if me == dst else None, dst=root, group=pg)
     if me != dst:
         return None
-    out = {k: v.detach().clone() for k, v in state.items() if not isinstance(v, ShardedTensor)}
+    out = {
+        k: (v[0] if isinstance(v, list) else v).detach().clone()
+        for k, v in state.items()
+        if held(v) and not isinstance(v, ShardedTensor)
+    }
     for rank_state in gathered:
         for key, value in rank_state.items():
             if isinstance(value, torch.Tensor):

@@ -195,6 +195,18 @@ def run_documented_examples(rank: int, world: int) -> dict[str, Any]:
         1: {"C": [[200], [201], [], [210], [211], []]},
     }[rank]
     bags = {key: [b.tolist() for b in jt.to_dense()] for key, jt in out.to_dict().items()}
+    # the same KJT over strided views (every other entry, as a [F, 1] column slice of lengths gives): the
+    # all-to-all needs contiguous tensors
+    strided = KeyedJaggedTensor(
+        ["A", "B", "C"],
+        torch.tensor(values).repeat_interleave(2)[::2],
+        lengths=torch.tensor(lengths).repeat_interleave(2)[::2],
+    )
+    try:
+        strided_out = KJTAllToAll(pg, [2, 1])(strided).wait().wait()
+        strided_bags = {key: [b.tolist() for b in jt.to_dense()] for key, jt in strided_out.to_dict().items()}
+    except ValueError as error:  # both ranks raise before sending: no hang
+        strided_bags = {"error": str(error)}
     # PooledEmbeddingsAllToAll with dim_sum_per_rank [2, 1]: [6, 2] and [6, 1] in, [3, 3] out on both ranks.
     inputs = [seeded(("pooled_example", r), (6, [2, 1][r]), "ints") for r in range(2)]
     pooled = PooledEmbeddingsAllToAll(pg, [2, 1])(inputs[rank]).wait()
@@ -208,6 +220,7 @@ def run_documented_examples(rank: int, world: int) -> dict[str, Any]:
         "kjt_keys": out.keys() == list(expected_bags),
         "kjt_bags": bags == expected_bags,
         "kjt_stride": out.stride() == 6,
+        "kjt_strided_views": strided_bags == expected_bags,
         "pooled_shape": tuple(pooled.shape) == (3, 3),
         "pooled_values": torch.equal(pooled, pooled_expected),
         "vb_numel": vb_out.numel() == [16, 14][rank],

@@ -197,6 +197,22 @@ def _equal_outputs(got: dict, expected: dict) -> bool:
     return list(got) != [] and all(torch.equal(got[k].values(), expected[k].values()) for k in expected)
 
 
+def _gathered_equal(sharded, expected_state: dict, rank: int) -> bool | str:
+    """``gather_unsharded_state_dict`` on rank 0 holds the unsharded module's bytes (column-wise scale / bias: each
+    rank's list of its blocks' copies)."""
+    from tritonrec.dist.checkpoint import gather_unsharded_state_dict
+
+    try:
+        gathered = gather_unsharded_state_dict(sharded)
+    except Exception as error:  # reported: the other cases' results still arrive
+        return f"{type(error).__name__}: {error}"
+    if rank != 0:
+        return gathered is None
+    return sorted(gathered) == sorted(expected_state) and all(
+        torch.equal(gathered[k].reshape(v.shape), v) for k, v in expected_state.items()
+    )
+
+
 def state_cases(rank: int) -> dict[str, Any]:
     """Per plan (mixed data types): keys as the unsharded module's; unsharded -> sharded (outputs as the source's);
     sharded -> gathered full tensors (the source's bytes) -> a fresh unsharded module; sharded -> sharded."""
@@ -219,6 +235,7 @@ def state_cases(rank: int) -> dict[str, Any]:
         other = shard(quant_ec(types, seed=3), plan, rank)
         other.load_state_dict(sharded.state_dict())
         result["same_plan"] = _equal_outputs(other(kjt).wait(), expected)
+        result["gathered"] = _gathered_equal(sharded, expected_state, rank)
         out[plan_name] = result
     return out
 
@@ -240,8 +257,38 @@ def refusal_cases(rank: int) -> dict[str, str]:
     return out
 
 
+def subgroup_case(rank: int) -> dict[str, Any]:
+    """Rank 1 alone shards a QuantEC over the sub-group [1] (group rank 0, global rank 1): its state dict (the
+    placements must name the global rank) and a round trip through a second sharded module."""
+    import torch.distributed as dist
+
+    from tritonrec.dist import ShardingEnv, construct_module_sharding_plan, row_wise, table_wise
+    from tritonrec.dist.quant_embedding import QuantEmbeddingCollectionSharder
+
+    group = dist.new_group([1])  # every rank creates it; only rank 1 is a member
+    if rank != 1:
+        return {}
+    types, sharder = data_types()["mixed"], QuantEmbeddingCollectionSharder()
+    plan = {"t0": row_wise(), "t1": table_wise(rank=0), "t2": table_wise(rank=0), "t3": row_wise()}
+    out: dict[str, Any] = {}
+    try:
+        modules = []
+        for seed in (1, 2):
+            module = quant_ec(types, seed=seed)
+            module_plan = construct_module_sharding_plan(module, plan, sharder, 1, 1, "cpu")
+            modules.append(sharder.shard(module, module_plan, ShardingEnv.from_process_group(group), "cpu"))
+        first, second = modules
+        kjt = rank_batch(0, step=4)
+        second.load_state_dict(first.state_dict())
+        out["round_trip"] = _equal_outputs(second(kjt).wait(), quant_ec(types, seed=1)(kjt))
+    except Exception as error:  # reported, so the other rank's result still arrives
+        out["error"] = f"{type(error).__name__}: {error}"
+    return out
+
+
 def run_suite(rank: int, world: int) -> dict[str, Any]:
     return {
+        "subgroup": subgroup_case(rank),
         "forward": forward_cases(rank),
         "state": state_cases(rank),
         "refusals": refusal_cases(rank),

@@ -67,6 +67,7 @@ def test_state_dict_round_trip(plan: str) -> None:
         assert got["bytes_back"], f"rank {rank}: the gathered shards are not the unsharded module's bytes"
         assert got["unsharded_back"], f"rank {rank}: an unsharded module loading them differs"
         assert got["same_plan"], f"rank {rank}: a same-plan sharded state dict did not load"
+        assert got["gathered"] is True, f"rank {rank}: gather_unsharded_state_dict: {got['gathered']}"
 
 
 @pytest.mark.dist
@@ -74,6 +75,13 @@ def test_misaligned_int2_column_block_is_refused() -> None:
     for rank, results in enumerate(_results()):
         got = results["refusals"]["int2_odd_block"]
         assert "table 't0': an INT2 column block must start on a multiple of 4 columns" in got, f"rank {rank}: {got}"
+
+
+@pytest.mark.dist
+def test_sharded_over_a_sub_group_saves_and_loads_its_state_dict() -> None:
+    got = _results()[1]["subgroup"]  # the placements name global rank 1, not group rank 0
+    assert "error" not in got, got.get("error")
+    assert got["round_trip"], "a sub-group's sharded state dict did not load into a second sharded module"
 
 
 # ------------------------------------------------------------------------------ refusals before any collective
