@@ -39,6 +39,22 @@ from tritonrec.modules.fused_embedding_modules import (
     FusedEmbeddingBagCollection,
     FusedEmbeddingCollection,
 )
+from tritonrec.modules.mc_embedding_modules import (
+    ManagedCollisionEmbeddingBagCollection,
+    ManagedCollisionEmbeddingCollection,
+)
+from tritonrec.modules.mc_modules import (
+    DistanceLFU_EvictionPolicy,
+    LFU_EvictionPolicy,
+    LRU_EvictionPolicy,
+    ManagedCollisionCollection,
+    ManagedCollisionModule,
+    MCHEvictionPolicy,
+    MCHManagedCollisionModule,
+    average_threshold_filter,
+    dynamic_threshold_filter,
+    probabilistic_threshold_filter,
+)
 from tritonrec.modules.quant_embedding_collection import QuantEmbeddingCollection
 from tritonrec.modules.quant_embedding_modules import QuantEmbeddingBagCollection
 from tritonrec.modules.quantize import QuantConfig, quantize_embeddings
@@ -57,6 +73,7 @@ __all__ = [
     "DataType",
     "DeepFM",
     "DenseArch",
+    "DistanceLFU_EvictionPolicy",
     "EmbeddingBagCollection",
     "EmbeddingBagConfig",
     "EmbeddingCollection",
@@ -73,8 +90,16 @@ __all__ = [
     "InteractionDCNArch",
     "InteractionProjectionArch",
     "KTRegroupAsDict",
+    "LFU_EvictionPolicy",
+    "LRU_EvictionPolicy",
     "LowRankCrossNet",
     "LowRankMixtureCrossNet",
+    "MCHEvictionPolicy",
+    "MCHManagedCollisionModule",
+    "ManagedCollisionCollection",
+    "ManagedCollisionEmbeddingBagCollection",
+    "ManagedCollisionEmbeddingCollection",
+    "ManagedCollisionModule",
     "OptimType",
     "OverArch",
     "PoolingType",
@@ -87,6 +112,9 @@ __all__ = [
     "SparseArch",
     "SwishLayerNorm",
     "VectorCrossNet",
+    "average_threshold_filter",
     "data_type_to_dtype",
+    "dynamic_threshold_filter",
+    "probabilistic_threshold_filter",
     "quantize_embeddings",
 ]
