@@ -89,6 +89,9 @@ class RecMetricComputation(nn.Module, abc.ABC):
         self._batch_window_buffers: dict[str, WindowBuffer] = {}
         self._reductions: dict[str, str] = {}  # state name -> "sum" | "cat"
         self._defaults: dict[str, torch.Tensor | list] = {}
+        # follows .to(): where an empty list state is made on (AUC has no tensor state; on CUDA an empty CPU tensor
+        # would enter NCCL's all-gather)
+        self.register_buffer("_device_anchor", torch.zeros(0), persistent=False)
 
     @staticmethod
     def get_window_state_name(state_name: str) -> str:
@@ -141,8 +144,18 @@ class RecMetricComputation(nn.Module, abc.ABC):
         return torch.zeros(self._n_tasks, 0, device=self._device())
 
     def _device(self) -> torch.device:
-        buffer = next(self.buffers(), None)
-        return buffer.device if buffer is not None else torch.device("cpu")
+        return self._device_anchor.device
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
+        """``.to()`` / ``.cuda()`` / ``.double()`` also move what buffers do not hold: the window's per-batch
+        contributions (subtracted from the window state later) and list states (AUC's kept samples)."""
+        super()._apply(fn, recurse)
+        for buffer in self._batch_window_buffers.values():
+            buffer._buffers = deque((fn(t) for t in buffer._buffers), maxlen=buffer._buffers.maxlen)
+        for name, fx in self._reductions.items():
+            if fx == "cat":
+                setattr(self, name, [fn(t) for t in getattr(self, name)])
+        return self
 
     @contextmanager
     def _synced(self) -> Iterator[None]:

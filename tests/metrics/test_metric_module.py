@@ -175,3 +175,24 @@ def test_module_update_refuses_model_outputs_without_a_task_tensor() -> None:
     step["p0"] = step["p0"][:3]
     with pytest.raises(ValueError, match="p0"):
         _module().update(step)
+
+
+def test_moving_a_module_moves_the_window_contributions_and_kept_samples() -> None:
+    """``.to()`` reached the buffers only: the window's per-batch contributions (subtracted later) and AUC's kept
+    samples stayed behind, so on CUDA the next eviction mixed devices; an AUC without samples made its empty state on
+    the CPU whatever the module's device. ``.double()`` stands in for a device move here (no GPU in CI)."""
+    steps = stream(seed=7, steps=3, batch=BATCH)
+    module = _module(window=2 * BATCH)
+    for step in steps[:2]:
+        module.update(step)
+    module = module.double()
+    computations = [m for m in module.modules() if hasattr(m, "_batch_window_buffers")]
+    window_parts = [t for c in computations for b in c._batch_window_buffers.values() for t in b.buffers]
+    assert window_parts and all(t.dtype == torch.float64 for t in window_parts)
+    kept = [t for c in computations if isinstance(getattr(c, "predictions", None), list) for t in c.predictions]
+    assert kept and all(t.dtype == torch.float64 for t in kept)
+    empty = _module().double()
+    auc = next(c for c in empty.modules() if isinstance(getattr(c, "predictions", None), list))
+    assert auc._local_list_state("predictions").device == auc._device_anchor.device
+    module.update(steps[2])  # evicts the oldest batch from the window: must not fail
+    assert set(module.compute()) >= {"ne-t0|window_ne", "auc-t0|window_auc"}
