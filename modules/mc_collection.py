@@ -11,6 +11,7 @@ from torch import nn
 from tritonrec.data import JaggedTensor, KeyedJaggedTensor
 from tritonrec.kernels.checks import check_tensor
 from tritonrec.modules.embedding_configs import BaseEmbeddingConfig
+from tritonrec.modules.fx_leaf import fx_leaf_call
 from tritonrec.modules.mc_base import ManagedCollisionModule
 
 
@@ -75,6 +76,8 @@ class ManagedCollisionCollection(nn.Module):
     def forward(self, features: KeyedJaggedTensor, mutate_miss_lengths: bool = True) -> KeyedJaggedTensor:
         """Raw-id KJT -> row KJT (see the class docstring). The features are gathered per key (views, no permute
         kernel) in config order; each table's features go through its module as one id stream."""
+        if (leaf := fx_leaf_call(self, features, mutate_miss_lengths)) is not None:
+            return leaf  # type: ignore[return-value]
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
         check_tensor(features.values(), "features.values()", ndim=1, integer=True)

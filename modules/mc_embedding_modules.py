@@ -20,6 +20,7 @@ from torch import nn
 
 from tritonrec.data import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from tritonrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from tritonrec.modules.fx_leaf import fx_leaf_call
 from tritonrec.modules.mc_modules import ManagedCollisionCollection
 
 
@@ -74,7 +75,11 @@ class BaseManagedCollisionEmbeddingCollection(nn.Module):
     def forward(
         self, features: KeyedJaggedTensor, mutate_miss_lengths: bool = True
     ) -> tuple[KeyedTensor | dict[str, JaggedTensor], KeyedJaggedTensor | None]:
-        """Raw-id KJT -> (embeddings of the remapped KJT, the remapped KJT if ``return_remapped_features``)."""
+        """Raw-id KJT -> (embeddings of the remapped KJT, the remapped KJT if ``return_remapped_features``). Under
+        plain ``torch.fx.symbolic_trace`` of a model holding it: one ``call_module`` node (the remapping branches on
+        the ids), like the embedding collections."""
+        if (leaf := fx_leaf_call(self, features, mutate_miss_lengths)) is not None:
+            return leaf  # type: ignore[return-value]
         features = self._managed_collision_collection(features, mutate_miss_lengths=mutate_miss_lengths)
         embeddings = self._embedding_module(features)
         evict(self._managed_collision_collection.evict(), self._embedding_module)

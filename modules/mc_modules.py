@@ -136,12 +136,35 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
         self._current_iter = -1  # read from _current_iter_tensor on the first training batch
         self._last_eviction_iter = -1
         self._evicted = False
-        self._evicted_emb_indices = torch.empty(0, dtype=torch.int64, device=self.device)
         self._init_buffers()
+        # non-persistent buffers (not in the state dict), so .to() / .cuda() move them with the table
+        self.register_buffer("_evicted_emb_indices", torch.empty(0, dtype=torch.int64, device=self.device), False)
         self._input_history_buffer_size = -1
         self._current_history_buffer_offset = 0
-        self._history_accumulator = torch.empty(0, dtype=torch.int64, device=self.device)
-        self._history_metadata: dict[str, torch.Tensor] = {}
+        self.register_buffer("_history_accumulator", torch.empty(0, dtype=torch.int64, device=self.device), False)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the state lives now (follows ``.to()``)."""
+        table = self._buffers.get("_mch_sorted_raw_ids")
+        return self._device if table is None else table.device
+
+    @property
+    def _mch_metadata(self) -> dict[str, torch.Tensor]:
+        """``{name: _mch_<name> buffer}``, looked up each time: ``.to()`` and ``load_state_dict(assign=True)`` replace
+        the buffers, and a dict of the old tensors would keep (and update) stale copies."""
+        return {
+            info.metadata_name: getattr(self, "_mch_" + info.metadata_name)
+            for info in self._eviction_policy.metadata_info
+            if info.is_mch_metadata
+        }
+
+    @property
+    def _history_metadata(self) -> dict[str, torch.Tensor]:
+        """``{name: _history_<name> buffer}`` once the history is sized (see :attr:`_mch_metadata`)."""
+        buffers = {info.metadata_name: self._buffers.get("_history_" + info.metadata_name)
+                   for info in self._eviction_policy.metadata_info if info.is_history_metadata}  # fmt: skip
+        return {name: buffer for name, buffer in buffers.items() if buffer is not None}
 
     def _init_buffers(self) -> None:
         size, device = self._zch_size, self.device
@@ -151,12 +174,9 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
         self.register_buffer("_delimiter", delimiter, persistent=False)
         start = self._output_global_offset
         self.register_buffer("_mch_remapped_ids_mapping", torch.arange(start, start + size, device=device))
-        self._mch_metadata: dict[str, torch.Tensor] = {}
         for info in self._eviction_policy.metadata_info:
             if info.is_mch_metadata:
-                buffer_name = "_mch_" + info.metadata_name
-                self.register_buffer(buffer_name, torch.zeros(size, dtype=torch.int64, device=device))
-                self._mch_metadata[info.metadata_name] = getattr(self, buffer_name)
+                self.register_buffer("_mch_" + info.metadata_name, torch.zeros(size, dtype=torch.int64, device=device))
 
     def _init_history_buffers(self, features: dict[str, JaggedTensor]) -> None:
         """Size the history from this batch (torchrec's rule). An empty first batch defers sizing to the next
@@ -169,7 +189,6 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
                 buffer_name = "_history_" + info.metadata_name
                 history = torch.zeros(self._input_history_buffer_size, dtype=torch.int64, device=self.device)
                 self.register_buffer(buffer_name, history, persistent=False)
-                self._history_metadata[info.metadata_name] = history
 
     def preprocess(self, features: dict[str, JaggedTensor]) -> dict[str, JaggedTensor]:
         if self._input_hash_func is None:
@@ -323,6 +342,13 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
             )
         self._output_segments_tensor.copy_(self._init_output_segments.to(segments.device))
         self._sort_mch_buffers()
+        # resume from the loaded state alone, as a fresh module would: the next training batch reads the iteration
+        # from _current_iter_tensor and the window restarts (torchrec 1.8 keeps a live module's iteration counter,
+        # history buffer and unmerged window, so its eviction schedule and LRU ages depend on what ran before)
+        self._current_iter = -1
+        self._last_eviction_iter = -1
+        self._current_history_buffer_offset = 0
+        self._input_history_buffer_size = -1  # sized again from the next batch, as a fresh module's
 
     def rebuild_with_output_id_range(
         self,

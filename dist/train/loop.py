@@ -108,7 +108,8 @@ class TrainHistory:
 
     def __init__(self, train_auroc_window: int, step_samples: int) -> None:
         self.train_auroc = AUROCMetric(window=train_auroc_window)
-        self.train_ne = ne_module(train_auroc_window, step_samples)
+        self._ne_sizes = (train_auroc_window, step_samples)
+        self.train_ne = ne_module(*self._ne_sizes)
         self.ne_restored = True  # False after loading a checkpoint written before the NE was kept
         self.steps: list[int] = []
         self.losses: list[float] = []
@@ -228,7 +229,7 @@ class TrainHistory:
         holds, which cover the NE window, so a resumed job reports the window NE of an uninterrupted one. ``saved``
         None (an older checkpoint): the lifetime states start from zero, so the lifetime NE covers the steps trained
         after the resume."""
-        self.train_ne.reset()
+        self.train_ne = ne_module(*self._ne_sizes)  # not reset(): that restores torchrec's 1000-step window cap
         for scores, labels, weights in auroc_steps:
             update_ne(self.train_ne, scores, labels, weights)
         self.ne_restored = saved is not None

@@ -22,6 +22,7 @@ from tritonrec.metrics import (
     RecTaskInfo,
     generate_metric_module,
 )
+from tritonrec.metrics.computation import RecMetricComputation, WindowBuffer
 
 TASK = RecTaskInfo(name="click", label_name="label", prediction_name="prediction", weight_name="weight")
 WINDOW_KEY = "ne-click|window_ne"
@@ -31,15 +32,23 @@ LIFETIME_KEY = "ne-click|lifetime_ne"
 def ne_module(window_samples: int, step_samples: int) -> RecMetricModule:
     """An NE metric module whose window holds the latest whole steps within ``window_samples`` rows, and at least the
     latest step (``step_samples`` rows, padding included): torchrec's window drops whole batches, and a window
-    smaller than one batch would hold none."""
+    smaller than one batch would hold none. Build a new one rather than ``reset()`` it (see the count cap below)."""
     check_int(window_samples, "window_samples", 1)
     check_int(step_samples, "step_samples", 1)
     window = max(window_samples, step_samples)
     config = MetricsConfig(
         rec_tasks=[TASK], rec_metrics={RecMetricEnum.NE: RecMetricDef(rec_tasks=[TASK], window_size=window)}
     )
-    return generate_metric_module(RecMetricModule, config, batch_size=step_samples, world_size=1, my_rank=0,
-                                  state_metrics_mapping={}, device=torch.device("cpu"))  # fmt: skip
+    module = generate_metric_module(RecMetricModule, config, batch_size=step_samples, world_size=1, my_rank=0,
+                                    state_metrics_mapping={}, device=torch.device("cpu"))  # fmt: skip
+    # torchrec's window also holds at most MAX_BUFFER_COUNT (1000) batches: with more steps than that in the window
+    # (small batches) the window NE would cover fewer rows than the training AUROC beside it. Each step holds a row
+    # at least, so a count cap of ``window`` leaves the rows bound alone (a reset() restores torchrec's cap)
+    for computation in module.modules():
+        if isinstance(computation, RecMetricComputation):
+            names = list(computation._batch_window_buffers)
+            computation._batch_window_buffers = {name: WindowBuffer(window, window) for name in names}
+    return module
 
 
 def update_ne(module: RecMetricModule, logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> None:

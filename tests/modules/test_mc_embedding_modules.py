@@ -187,3 +187,26 @@ def test_bad_input() -> None:
         ManagedCollisionEmbeddingBagCollection(other, mcc)
     with pytest.raises(TypeError, match="embedding_collection must be an EmbeddingCollection"):
         ManagedCollisionEmbeddingCollection(EmbeddingBagCollection(configs), mcc)  # type: ignore[arg-type]
+
+
+def test_fx_trace_records_one_node_and_computes_the_same() -> None:
+    """A model holding an MC-EBC traces with plain fx (the remapping branches on ids): one call_module node, and the
+    traced model inserts, evicts and looks up exactly as the eager one."""
+
+    class Model(torch.nn.Module):
+        def __init__(self, seed: int) -> None:
+            super().__init__()
+            self.sparse = _mc_module("ebc", seed=seed)
+            self.dense = torch.nn.Linear(9, 1)
+
+        def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+            embeddings, _ = self.sparse(kjt)
+            return self.dense(embeddings.values())
+
+    eager, traced = Model(0), Model(0)
+    traced.load_state_dict(eager.state_dict())
+    graph = torch.fx.symbolic_trace(traced)
+    assert [n.target for n in graph.graph.nodes if n.op == "call_module"] == ["sparse", "dense"]
+    for kjt in _batches(8, 6):
+        assert torch.equal(graph(kjt), eager(kjt))
+    assert all(torch.equal(a, b) for a, b in zip(graph.state_dict().values(), eager.state_dict().values(), strict=True))

@@ -204,3 +204,37 @@ def test_bad_features() -> None:
     with pytest.raises(ValueError, match="input_hash_size=10"):
         small({"t": JaggedTensor(values=torch.tensor([3, 10]), lengths=lengths)})
     assert int(module._current_iter_tensor) == 0  # refused batches leave no trace
+
+
+@pytest.mark.parametrize("policy", ["lfu", "lru", "distance_lfu"])
+def test_assigned_or_moved_state_is_the_state_used(policy: str) -> None:
+    """``load_state_dict(assign=True)`` (and ``.to()`` to another device) replace the buffers: the policy's metadata,
+    the history and the evicted rows must follow them, not keep updating the old tensors."""
+    stream = _stream(21, 12)
+    module, reference = _mch(policy, 5, 2), _reference(policy, 5, 2)
+    module.load_state_dict({k: v.clone() for k, v in module.state_dict().items()}, assign=True)
+    for ids in stream:
+        assert _run(module, ids).tolist() == reference(ids.tolist())
+    metadata = [name for name in module.state_dict() if name in ("_mch_counts", "_mch_last_access_iter")]
+    assert metadata and all(bool(module.state_dict()[name].any()) for name in metadata)
+    moved = _mch(policy, 5, 2).to("meta")
+    tensors = [*moved._mch_metadata.values(), moved._history_accumulator, moved._evicted_emb_indices]
+    assert moved.device.type == "meta" and all(t.device.type == "meta" for t in tensors)
+
+
+def test_load_into_a_trained_module_resumes_like_a_fresh_one() -> None:
+    """Loading a checkpoint into a module that already trained continues exactly as loading it into a new module
+    (torchrec 1.8 kept the live module's iteration counter and unmerged history: LRU ages and the eviction schedule
+    then depended on what the module had run before the load)."""
+    stream = _stream(22, 14)
+    source = _mch("lru", 5, 3)
+    for ids in stream[:4]:
+        _run(source, ids)
+    live, fresh = _mch("lru", 5, 3), _mch("lru", 5, 3)
+    for ids in stream[6:8]:
+        _run(live, ids)
+    live.load_state_dict(source.state_dict())
+    fresh.load_state_dict(source.state_dict())
+    for ids in stream[4:]:
+        assert torch.equal(_run(live, ids), _run(fresh, ids))
+    assert all(torch.equal(a, b) for a, b in zip(live.state_dict().values(), fresh.state_dict().values(), strict=True))

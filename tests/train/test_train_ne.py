@@ -17,6 +17,7 @@ from tests.train.dist_job_cases import tiny_config
 from tritonrec.data.batcher import Batcher
 from tritonrec.dist.train import run
 from tritonrec.dist.train.config import SyntheticDataConfig
+from tritonrec.dist.train.loop import TrainHistory
 from tritonrec.dist.train.ne import ne_module, ne_values, update_ne
 
 Rows = tuple[np.ndarray, np.ndarray, np.ndarray]  # logits, labels, weights (valid mask)
@@ -137,3 +138,21 @@ def test_a_window_smaller_than_a_step_holds_the_latest_step() -> None:
     values = ne_values(module)
     assert values["window_ne"] == pytest.approx(_ne_of(steps[-1:]), rel=1e-10)
     assert values["lifetime_ne"] == pytest.approx(_ne_of(steps), rel=1e-10)
+
+
+def test_a_window_of_more_than_a_thousand_steps_holds_them_all() -> None:
+    """Small steps: the window NE covers the latest ``train_auroc_window`` rows like the training AUROC beside it,
+    also after a resume (torchrec's window buffer stops at 1000 batches; it covered the last 1000 steps only)."""
+    generator = torch.Generator().manual_seed(1)
+    history, steps = TrainHistory(train_auroc_window=2400, step_samples=2), []
+    for step in range(1, 1501):  # the second half predicts worse: a window cut at 1000 steps reads differently
+        logits = torch.randn(2, generator=generator, dtype=torch.float64) + (2.0 if step > 900 else 0.0)
+        labels = (torch.rand(2, generator=generator) < 0.3).double()
+        weights = torch.ones(2, dtype=torch.float64)
+        history.record_values(step, 0.5, logits, labels, weights, 2, 0.0)
+        steps.append((logits.numpy(), labels.numpy(), weights.numpy()))
+    resumed = TrainHistory(train_auroc_window=2400, step_samples=2)
+    resumed.load_state_dict(history.state_dict())
+    for point in (history.log_point(1500), resumed.log_point(1500)):
+        assert point["ne"] == pytest.approx(_ne_of(steps[-1200:]), rel=1e-10)
+        assert point["lifetime_ne"] == pytest.approx(_ne_of(steps), rel=1e-10)
