@@ -68,6 +68,11 @@ from tritonrec.dist.fp_embeddingbag import (
     ShardedFeatureProcessedEmbeddingBagCollection,
 )
 from tritonrec.dist.kjt_dist import get_recat
+from tritonrec.dist.mc_embeddingbag import (
+    ManagedCollisionEmbeddingBagCollectionSharder,
+    ShardedManagedCollisionEmbeddingBagCollection,
+)
+from tritonrec.dist.mc_sharding import ShardedManagedCollisionCollection
 from tritonrec.dist.model_parallel import (
     DataParallelWrapper,
     DefaultDataParallelWrapper,
@@ -138,6 +143,7 @@ __all__ = [
     "KJTOneToAll",
     "LazyAwaitable",
     "LazyNoWait",
+    "ManagedCollisionEmbeddingBagCollectionSharder",
     "MetadataCheck",
     "ModuleSharder",
     "NoOpQuantizedCommCodec",
@@ -163,6 +169,8 @@ __all__ = [
     "ShardedEmbeddingTower",
     "ShardedEmbeddingTowerCollection",
     "ShardedFeatureProcessedEmbeddingBagCollection",
+    "ShardedManagedCollisionCollection",
+    "ShardedManagedCollisionEmbeddingBagCollection",
     "ShardedModule",
     "ShardedQuantEmbeddingBagCollection",
     "ShardedQuantEmbeddingCollection",
