@@ -68,6 +68,10 @@ from tritonrec.dist.fp_embeddingbag import (
     ShardedFeatureProcessedEmbeddingBagCollection,
 )
 from tritonrec.dist.kjt_dist import get_recat
+from tritonrec.dist.mc_embedding import (
+    ManagedCollisionEmbeddingCollectionSharder,
+    ShardedManagedCollisionEmbeddingCollection,
+)
 from tritonrec.dist.mc_embeddingbag import (
     ManagedCollisionEmbeddingBagCollectionSharder,
     ShardedManagedCollisionEmbeddingBagCollection,
@@ -144,6 +148,7 @@ __all__ = [
     "LazyAwaitable",
     "LazyNoWait",
     "ManagedCollisionEmbeddingBagCollectionSharder",
+    "ManagedCollisionEmbeddingCollectionSharder",
     "MetadataCheck",
     "ModuleSharder",
     "NoOpQuantizedCommCodec",
@@ -171,6 +176,7 @@ __all__ = [
     "ShardedFeatureProcessedEmbeddingBagCollection",
     "ShardedManagedCollisionCollection",
     "ShardedManagedCollisionEmbeddingBagCollection",
+    "ShardedManagedCollisionEmbeddingCollection",
     "ShardedModule",
     "ShardedQuantEmbeddingBagCollection",
     "ShardedQuantEmbeddingCollection",

@@ -12,6 +12,7 @@ looked up), and the rows are expanded back after the output dist; gradients of r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -180,6 +181,8 @@ class ShardedEmbeddingCollection(
         }
         self._features = list(dict.fromkeys(self._sources.values()))  # each KJT key once
         self._limits = feature_row_limits(self._configs)
+        # set by a wrapper (managed collision) to transform each sharding's distributed KJT before its lookup
+        self.input_transform: Callable[[Any, Any, KeyedJaggedTensor], KeyedJaggedTensor] | None = None
 
     def create_context(self) -> EmbeddingCollectionContext:
         return EmbeddingCollectionContext()
@@ -198,7 +201,17 @@ class ShardedEmbeddingCollection(
             return run_input_dists(list(self._shardings), features, ctx.sharding_contexts)
 
     def compute(self, ctx: EmbeddingCollectionContext, dist_input: list[KeyedJaggedTensor]) -> list[Any]:
-        return [s.compute(kjt, c) for s, kjt, c in zip(self._shardings, dist_input, ctx.sharding_contexts, strict=True)]
+        shardings, contexts = self._shardings, ctx.sharding_contexts
+        return [
+            s.compute(self._transform(ctx, s, kjt), c)
+            for s, kjt, c in zip(shardings, dist_input, contexts, strict=True)
+        ]
+
+    def _transform(
+        self, ctx: EmbeddingCollectionContext, sharding: Any, features: KeyedJaggedTensor
+    ) -> KeyedJaggedTensor:
+        """What a sharding's lookup receives: the distributed KJT, or (``input_transform`` set) its transform."""
+        return features if self.input_transform is None else self.input_transform(ctx, sharding, features)
 
     def output_dist(self, ctx: EmbeddingCollectionContext, output: list[Any]) -> LazyAwaitable[dict[str, JaggedTensor]]:
         contexts = ctx.sharding_contexts
@@ -210,7 +223,8 @@ class ShardedEmbeddingCollection(
     ) -> LazyAwaitable[dict[str, JaggedTensor]]:
         awaitables = []
         for sharding, kjt, context in zip(self._shardings, input, ctx.sharding_contexts, strict=True):
-            awaitables.append(sharding.output_dist(sharding.compute(kjt, context), context))
+            local = sharding.compute(self._transform(ctx, sharding, kjt), context)
+            awaitables.append(sharding.output_dist(local, context))
         return EmbeddingCollectionAwaitable(awaitables, ctx, self._embedding_names, self._need_indices, self._sources)
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]

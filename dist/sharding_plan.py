@@ -323,6 +323,7 @@ def get_default_sharders() -> list[ModuleSharder[Any]]:
     from tritonrec.dist.embedding import EmbeddingCollectionSharder
     from tritonrec.dist.embeddingbag import EmbeddingBagCollectionSharder
     from tritonrec.dist.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
+    from tritonrec.dist.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
     from tritonrec.dist.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
     from tritonrec.dist.quant_embedding import QuantEmbeddingCollectionSharder
     from tritonrec.dist.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
@@ -334,6 +335,7 @@ def get_default_sharders() -> list[ModuleSharder[Any]]:
         QuantEmbeddingBagCollectionSharder(),
         QuantEmbeddingCollectionSharder(),
         ManagedCollisionEmbeddingBagCollectionSharder(),
+        ManagedCollisionEmbeddingCollectionSharder(),
     ]
 
 

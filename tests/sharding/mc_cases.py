@@ -145,6 +145,9 @@ def run_suite(rank: int, world: int) -> dict[str, Any]:
     out["state"] = _state_case(rank, world, build)
     out["refusals"] = _refusals(world, sharder, env)
     out["dmp"] = _dmp_case(rank, world, build, sharder)
+    from tests.sharding.mc_ec_cases import run_ec_suite  # the MC-EC's cases, in this one spawn
+
+    out["ec"] = run_ec_suite(rank, world)
     return out
 
 

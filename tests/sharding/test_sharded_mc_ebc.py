@@ -1,8 +1,9 @@
 """Sharded managed-collision EBC (row-wise) on 2 gloo ranks against torchrec's decomposition written out (per table
 one rebuilt MCH module per rank over its raw-id range, one unsharded EBC): remapped rows, pooled outputs (SUM and
 MEAN), fused SGD updates and MCH state over a stream of batches with inserts and evictions and one eval step; the
-state dict (torchrec's keys, ``ShardedTensor`` buffers) round trip; non-row-wise plans refused by table name.
-Rank-side code: mc_cases.py (one spawn for the module)."""
+state dict (torchrec's keys, ``ShardedTensor`` buffers) round trip; non-row-wise plans refused by table name. The same
+for the sharded MC-EC (sequence embeddings per feature, each rank's samples). Rank-side code: mc_cases.py and
+mc_ec_cases.py (one spawn for the module)."""
 
 from __future__ import annotations
 
@@ -63,5 +64,49 @@ def test_non_row_wise_plans_refused_by_table_name() -> None:
 def test_distributed_model_parallel_trains_a_model_holding_it() -> None:
     for rank, results in enumerate(_results()):
         got = results["dmp"]
+        assert got["kinds"] == ["row_wise"], f"rank {rank}: the planner proposed {got['kinds']}"
+        assert got["loss"] <= 1e-6, f"rank {rank}: DMP's loss differs from the hand-sharded module's by {got['loss']}"
+
+
+def test_ec_training_stream_matches_reference() -> None:
+    for rank, results in enumerate(_results()):
+        got = results["ec"]["training"]
+        assert got["rows"] == 0, f"rank {rank}: {got['rows']} remapped-row mismatches"
+        assert got["lengths"] == 0, f"rank {rank}: {got['lengths']} sequence-length mismatches"
+        assert got["forward"] <= 1e-6, f"rank {rank}: sequence embeddings differ by {got['forward']}"
+        assert got["weights"] <= 1e-6, f"rank {rank}: table shard differs by {got['weights']} after SGD"
+        assert got["state"] == 0, f"rank {rank}: {got['state']} MCH buffer mismatches"
+        assert got["evicted"] > 0, f"rank {rank}: no batch handed a row to a new id"
+        assert sum(got["open_slots"].values()) == 0, f"rank {rank}: tables never filled: {got['open_slots']}"
+
+
+def test_ec_state_dict_keys_and_round_trip() -> None:
+    for rank, results in enumerate(_results()):
+        got = results["ec"]["state"]
+        expected_sharded = sorted(
+            [f"_embedding_module.embeddings.{t}.weight" for t in ("t0", "t1")]
+            + [f"{MC}.t0.{b}" for b in ("_mch_sorted_raw_ids", "_mch_remapped_ids_mapping", "_mch_counts")]
+            + [f"{MC}.t1.{b}" for b in ("_mch_sorted_raw_ids", "_mch_remapped_ids_mapping", "_mch_last_access_iter")]
+        )
+        assert got["sharded_keys"] == expected_sharded, f"rank {rank}: {got['sharded_keys']}"
+        local = [f"{MC}.{t}.{b}" for t in ("t0", "t1") for b in ("_output_segments_tensor", "_current_iter_tensor")]
+        assert sorted(got["keys"]) == sorted(expected_sharded + local)
+        assert got["sizes"]["_embedding_module.embeddings.t1.weight"] == [8, 4]
+        assert got["sizes"][f"{MC}.t0._mch_sorted_raw_ids"] == [10]
+        assert got["round_trip"], f"rank {rank}: state dict changed through load_state_dict"
+        assert got["after_load"] == 0.0, f"rank {rank}: loaded module's output differs by {got['after_load']}"
+
+
+def test_ec_non_row_wise_plans_refused_by_table_name() -> None:
+    for results in _results():
+        messages = results["ec"]["refusals"]
+        assert set(messages) == {"plan", "shard"}, messages
+        assert all("t1" in m for m in messages.values()), messages
+        assert "row-wise" in messages["shard"]
+
+
+def test_ec_distributed_model_parallel_trains_a_model_holding_it() -> None:
+    for rank, results in enumerate(_results()):
+        got = results["ec"]["dmp"]
         assert got["kinds"] == ["row_wise"], f"rank {rank}: the planner proposed {got['kinds']}"
         assert got["loss"] <= 1e-6, f"rank {rank}: DMP's loss differs from the hand-sharded module's by {got['loss']}"
