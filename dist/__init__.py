@@ -96,6 +96,7 @@ from tritonrec.dist.qcomm_protocol import (
 )
 from tritonrec.dist.quant_embedding import QuantEmbeddingCollectionSharder, ShardedQuantEmbeddingCollection
 from tritonrec.dist.quant_embeddingbag import QuantEmbeddingBagCollectionSharder, ShardedQuantEmbeddingBagCollection
+from tritonrec.dist.quant_embeddingbag_pg import ShardedQuantEmbeddingBagCollectionPG
 from tritonrec.dist.sharding_plan import (
     calculate_shard_sizes_and_offsets,
     column_wise,
@@ -179,6 +180,7 @@ __all__ = [
     "ShardedManagedCollisionEmbeddingCollection",
     "ShardedModule",
     "ShardedQuantEmbeddingBagCollection",
+    "ShardedQuantEmbeddingBagCollectionPG",
     "ShardedQuantEmbeddingCollection",
     "ShardingEnv",
     "ShardingPlan",

@@ -224,7 +224,12 @@ class ShardedQuantEmbeddingBagCollection(ShardedModule[Any, Any, KeyedTensor, Nu
                     f"table {name!r}: {sharding.sharding_type} is not supported for quantized tables (supported: "
                     f"{QUANT_SHARDING_TYPES})"
                 )
-        self._device = torch.device(device) if device is not None else module.device
+        # the module's own device: a QuantEmbeddingBagCollection has no ``device`` attribute, its buffers say where
+        self._device = (
+            torch.device(device)
+            if device is not None
+            else next((b.device for b in module.buffers()), torch.device("cpu"))
+        )
         configs = module.embedding_bag_configs()
         tables = sharded_tables(configs, table_name_to_parameter_sharding, env.world_size)
         source = {
@@ -320,7 +325,8 @@ class _Ready(LazyAwaitable[KeyedTensor]):
 
 
 class QuantEmbeddingBagCollectionSharder(ModuleSharder[QuantEmbeddingBagCollection]):
-    """Shards :class:`QuantEmbeddingBagCollection` table-wise, row-wise or column-wise over one process's devices."""
+    """Shards :class:`QuantEmbeddingBagCollection` table-wise, row-wise or column-wise over one process's devices
+    (``ShardingEnv.from_local``) or over the ranks of a process group."""
 
     def shard(
         self,
@@ -329,7 +335,13 @@ class QuantEmbeddingBagCollectionSharder(ModuleSharder[QuantEmbeddingBagCollecti
         env: ShardingEnv,
         device: torch.device | None = None,
         module_fqn: str | None = None,
-    ) -> ShardedQuantEmbeddingBagCollection:
+    ) -> ShardedModule:
+        """``env`` with a process group: :class:`~tritonrec.dist.quant_embeddingbag_pg.
+        ShardedQuantEmbeddingBagCollectionPG` (one batch per rank); ``from_local``: the single-process form."""
+        if isinstance(env, ShardingEnv) and env.process_group is not None:
+            from tritonrec.dist.quant_embeddingbag_pg import ShardedQuantEmbeddingBagCollectionPG  # imports this file
+
+            return ShardedQuantEmbeddingBagCollectionPG(module, params, env, device, self.qcomm_codecs_registry)
         return ShardedQuantEmbeddingBagCollection(module, params, env, device)
 
     @property

@@ -74,6 +74,16 @@ def test_sharded_quant_ebc_matches_unsharded(kind: str, world: int, data_type: D
         torch.testing.assert_close(got.values(), expected.values(), rtol=1e-6, atol=1e-6)
 
 
+def test_shard_without_a_device_uses_the_module_s() -> None:
+    """``device=None`` read ``module.device``, which a QuantEmbeddingBagCollection does not have (AttributeError)."""
+    qebc = _quant_ebc(DataType.INT8, False)
+    sharder = QuantEmbeddingBagCollectionSharder()
+    plan = construct_module_sharding_plan(qebc, _plan("table_wise", 2), sharder, 2, 2, "cpu")
+    sharded = sharder.shard(qebc, plan, ShardingEnv.from_local(2, 0))
+    kjt = _batch(False)
+    assert torch.equal(sharded(kjt).wait().values(), qebc(kjt).values())
+
+
 def test_unsupported_quant_plans_raise() -> None:
     qebc = _quant_ebc(DataType.INT4, False)
     sharder = QuantEmbeddingBagCollectionSharder()
