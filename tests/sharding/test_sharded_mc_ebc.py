@@ -110,3 +110,11 @@ def test_ec_distributed_model_parallel_trains_a_model_holding_it() -> None:
         got = results["ec"]["dmp"]
         assert got["kinds"] == ["row_wise"], f"rank {rank}: the planner proposed {got['kinds']}"
         assert got["loss"] <= 1e-6, f"rank {rank}: DMP's loss differs from the hand-sharded module's by {got['loss']}"
+
+
+def test_sparse_dist_pipeline_pipelines_it_and_trains_as_the_base_pipeline() -> None:
+    for rank, results in enumerate(_results()):
+        got = results["pipeline"]
+        assert got["pipelined"] == ["mc"], f"rank {rank}: pipelined {got['pipelined']}"
+        assert got["losses_equal"], f"rank {rank}: the pipelined losses differ from TrainPipelineBase's"
+        assert got["state_differs"] == [], f"rank {rank}: state differs in {got['state_differs']}"
