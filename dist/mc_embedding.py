@@ -10,10 +10,10 @@ Data flow (``W`` ranks; see :mod:`tritonrec.dist.mc_sharding` for how ids and ro
 The lookup, the sequence all-to-all and the fused optimizer are the row-wise sharding of
 :class:`~tritonrec.dist.embedding.ShardedEmbeddingCollection` (the MC step is its ``input_transform``); only the
 bucketing differs: by raw-id range instead of by table row. ``forward`` returns ``(dict awaitable, None awaitable)``
-as torchrec's; ``return_remapped_features=True`` is refused (its remapped-id all-to-all is not built), and so are
-VBE inputs. With ``need_indices`` the output's weights are this rank's input ids after ``input_hash_func`` (not the
-remapped rows). A row given to a new id keeps its weights and optimizer state, as our unsharded module and torchrec
-1.8's unsharded one.
+as torchrec's, or with ``return_remapped_features=True`` the remapped KJT of this rank's samples (global rows, sent
+back by the reverse all-to-all); VBE inputs are refused. With ``need_indices`` the output's weights are this rank's
+input ids after ``input_hash_func`` (not the remapped rows). A row given to a new id keeps its weights and optimizer
+state, as our unsharded module and torchrec 1.8's unsharded one.
 
 State dict: ``_embedding_module.embeddings.<table>.weight`` and
 ``_managed_collision_collection._managed_collision_modules.<table>.<buffer>`` (torchrec's keys).
@@ -29,7 +29,11 @@ from torch import nn
 from tritonrec.data import JaggedTensor, KeyedJaggedTensor
 from tritonrec.dist.awaitable import Awaitable, LazyAwaitable, LazyNoWait
 from tritonrec.dist.embedding import EmbeddingCollectionContext, ShardedEmbeddingCollection
-from tritonrec.dist.mc_sharding import ShardedManagedCollisionCollection, check_row_wise_plan
+from tritonrec.dist.mc_sharding import (
+    RemappedFeaturesAwaitable,
+    ShardedManagedCollisionCollection,
+    check_row_wise_plan,
+)
 from tritonrec.dist.qcomm_protocol import QuantizedCommCodecs
 from tritonrec.dist.sharded_tables import InputDistAwaitable, input_dist_checks
 from tritonrec.dist.sharding.base import EmbeddingSharding, record_slots
@@ -56,6 +60,8 @@ class ManagedCollisionEmbeddingCollectionContext(EmbeddingCollectionContext):
     def __init__(self) -> None:
         super().__init__()
         self.evictions_per_table: dict[str, torch.Tensor | None] = {}
+        self.mc_features: KeyedJaggedTensor | None = None  # preprocessed input (return_remapped_features)
+        self.remapped_returns: list[tuple[list[str], ShardingContext, Any]] = []
 
 
 class ShardedManagedCollisionEmbeddingCollection(
@@ -78,11 +84,6 @@ class ShardedManagedCollisionEmbeddingCollection(
         super().__init__(qcomm_codecs_registry)
         if not isinstance(module, ManagedCollisionEmbeddingCollection):
             raise TypeError(f"module must be a ManagedCollisionEmbeddingCollection, got {type(module).__name__}")
-        if module._return_remapped_features:
-            raise NotImplementedError(
-                "sharding a ManagedCollisionEmbeddingCollection with return_remapped_features=True is not "
-                "supported (the remapped ids' return all-to-all is not built)"
-            )
         if not isinstance(table_name_to_parameter_sharding, dict):
             raise TypeError(
                 "table_name_to_parameter_sharding must be a dict, "
@@ -109,7 +110,7 @@ class ShardedManagedCollisionEmbeddingCollection(
         self._managed_collision_collection = ShardedManagedCollisionCollection(
             module._managed_collision_collection, ec._tables, env.process_group, ec._device
         )
-        self._return_remapped_features = False
+        self._return_remapped_features = module._return_remapped_features
         self._select_cache: dict[Any, list[int]] = {}
         self._allow_in_place_embed_weight_update = module._allow_in_place_embed_weight_update
         # the MC step runs on each sharding's delivered KJT, just before its lookup
@@ -142,6 +143,7 @@ class ShardedManagedCollisionEmbeddingCollection(
             with torch.no_grad():
                 selected = select_features(features, ec._features, self._select_cache)
                 features = self._managed_collision_collection.preprocess(selected)
+            ctx.mc_features = features
             per_feature = features.to_dict()
             ctx.input_features = {name: per_feature[name] for name in ec._features}  # output lengths (and ids)
             ctx.sharding_contexts = [ShardingContext() for _ in shardings]
@@ -172,6 +174,11 @@ class ShardedManagedCollisionEmbeddingCollection(
         self, ctx: ManagedCollisionEmbeddingCollectionContext, sharding: Any, features: KeyedJaggedTensor
     ) -> KeyedJaggedTensor:
         remapped = self._managed_collision_collection.remap(features)
+        if self._return_remapped_features:  # the rows go back to the samples' ranks
+            (index,) = [i for i, s in enumerate(self._embedding_module._shardings) if s is sharding]
+            context = ctx.sharding_contexts[index]
+            work = self._managed_collision_collection.return_dist(remapped, context, sharding.input_dist_pg)
+            ctx.remapped_returns.append((sharding.rank_features(sharding.rank), context, work))
         # torchrec 1.8's unsharded eviction hook is a no-op: the rows are only reported
         ctx.evictions_per_table.update(self._managed_collision_collection.evict())
         return remapped
@@ -182,12 +189,20 @@ class ShardedManagedCollisionEmbeddingCollection(
         return self._embedding_module.compute(ctx, dist_input)
 
     def output_dist(self, ctx: ManagedCollisionEmbeddingCollectionContext, output: list[Any]) -> _Output:
-        return self._embedding_module.output_dist(ctx, output), LazyNoWait(None)
+        return self._embedding_module.output_dist(ctx, output), self._remapped_features(ctx)
 
     def compute_and_output_dist(  # type: ignore[override]
         self, ctx: ManagedCollisionEmbeddingCollectionContext, input: list[KeyedJaggedTensor]
     ) -> _Output:
-        return self._embedding_module.compute_and_output_dist(ctx, input), LazyNoWait(None)
+        return self._embedding_module.compute_and_output_dist(ctx, input), self._remapped_features(ctx)
+
+    def _remapped_features(
+        self, ctx: ManagedCollisionEmbeddingCollectionContext
+    ) -> LazyAwaitable[KeyedJaggedTensor | None]:
+        if not self._return_remapped_features:
+            return LazyNoWait(None)
+        keys = self._managed_collision_collection._output_features
+        return RemappedFeaturesAwaitable(ctx.mc_features, keys, ctx.remapped_returns)  # type: ignore[arg-type]
 
     @property
     def fused_optimizer(self) -> torch.optim.Optimizer:

@@ -10,9 +10,10 @@ Data flow (``W`` ranks; see :mod:`tritonrec.dist.mc_sharding` for how ids and ro
 The lookup, the reduce-scatter and the fused optimizer are the row-wise sharding of
 :class:`~tritonrec.dist.embeddingbag.ShardedEmbeddingBagCollection` (the MC step is its ``input_transform``); only
 the bucketing differs: by raw-id range instead of by table row. ``forward`` returns ``(KeyedTensor awaitable,
-None awaitable)`` as torchrec's; ``return_remapped_features=True`` is refused (its remapped-id all-to-all is not
-built). A row given to a new id keeps its weights and optimizer state, as our unsharded module and torchrec 1.8's
-unsharded one (torchrec's sharded module re-initialises such rows with ``init_fn`` instead).
+None awaitable)`` as torchrec's, or with ``return_remapped_features=True`` the remapped KJT of this rank's samples
+(global rows, sent back by the reverse all-to-all, :class:`~tritonrec.dist.mc_sharding.RemappedFeaturesAwaitable`).
+A row given to a new id keeps its weights and optimizer state, as our unsharded module and torchrec 1.8's unsharded
+one (torchrec's sharded module re-initialises such rows with ``init_fn`` instead).
 
 State dict: ``_embedding_module.embedding_bags.<table>.weight`` and
 ``_managed_collision_collection._managed_collision_modules.<table>.<buffer>`` (torchrec's keys).
@@ -28,7 +29,11 @@ from torch import nn
 from tritonrec.data import KeyedJaggedTensor, KeyedTensor
 from tritonrec.dist.awaitable import Awaitable, LazyAwaitable, LazyNoWait
 from tritonrec.dist.embeddingbag import EmbeddingBagCollectionContext, ShardedEmbeddingBagCollection
-from tritonrec.dist.mc_sharding import ShardedManagedCollisionCollection, check_row_wise_plan
+from tritonrec.dist.mc_sharding import (
+    RemappedFeaturesAwaitable,
+    ShardedManagedCollisionCollection,
+    check_row_wise_plan,
+)
 from tritonrec.dist.qcomm_protocol import QuantizedCommCodecs
 from tritonrec.dist.sharded_tables import InputDistAwaitable, input_dist_checks
 from tritonrec.dist.sharding.base import EmbeddingSharding
@@ -55,6 +60,8 @@ class ManagedCollisionEmbeddingBagCollectionContext(EmbeddingBagCollectionContex
     def __init__(self) -> None:
         super().__init__()
         self.evictions_per_table: dict[str, torch.Tensor | None] = {}
+        self.mc_features: KeyedJaggedTensor | None = None  # preprocessed input (return_remapped_features)
+        self.remapped_returns: list[tuple[list[str], ShardingContext, Any]] = []
 
 
 class ShardedManagedCollisionEmbeddingBagCollection(
@@ -77,11 +84,6 @@ class ShardedManagedCollisionEmbeddingBagCollection(
         super().__init__(qcomm_codecs_registry)
         if not isinstance(module, ManagedCollisionEmbeddingBagCollection):
             raise TypeError(f"module must be a ManagedCollisionEmbeddingBagCollection, got {type(module).__name__}")
-        if module._return_remapped_features:
-            raise NotImplementedError(
-                "sharding a ManagedCollisionEmbeddingBagCollection with return_remapped_features=True is not "
-                "supported (the remapped ids' return all-to-all is not built)"
-            )
         if not isinstance(table_name_to_parameter_sharding, dict):
             raise TypeError(
                 "table_name_to_parameter_sharding must be a dict, "
@@ -107,7 +109,7 @@ class ShardedManagedCollisionEmbeddingBagCollection(
         self._managed_collision_collection = ShardedManagedCollisionCollection(
             module._managed_collision_collection, ebc._tables, env.process_group, ebc._device
         )
-        self._return_remapped_features = False
+        self._return_remapped_features = module._return_remapped_features
         self._select_cache: dict[Any, list[int]] = {}
         self._allow_in_place_embed_weight_update = module._allow_in_place_embed_weight_update
         # the MC step runs on each sharding's delivered KJT, just before its lookup
@@ -142,6 +144,7 @@ class ShardedManagedCollisionEmbeddingBagCollection(
             with torch.no_grad():
                 selected = select_features(features, ebc._features, self._select_cache)
                 features = self._managed_collision_collection.preprocess(selected)
+            ctx.mc_features = features
             ctx.variable_batch_per_feature = False
             ctx.inverse_indices = features.inverse_indices_or_none()
             ctx.sharding_contexts = [ShardingContext() for _ in shardings]
@@ -162,13 +165,21 @@ class ShardedManagedCollisionEmbeddingBagCollection(
         ctx.batch_size_per_feature_pre_a2a = selected.stride_per_key()
         ctx.extra["inverse_indices"] = None
         block_sizes = self._managed_collision_collection.block_sizes(names)
-        bucketized, _ = bucketize(selected, block_sizes, sharding.world_size, False, sharding.lookup.backend)
+        # return_remapped_features: the unbucketize permutation puts the returned rows in input order
+        bucketized, ctx.unbucketize_permute = bucketize(
+            selected, block_sizes, sharding.world_size, self._return_remapped_features, sharding.lookup.backend
+        )
         return sharding.all_to_all(bucketized, [len(names)] * sharding.world_size, ctx)
 
     def _remap(
         self, ctx: ManagedCollisionEmbeddingBagCollectionContext, sharding: Any, features: KeyedJaggedTensor
     ) -> KeyedJaggedTensor:
         remapped = self._managed_collision_collection.remap(features)
+        if self._return_remapped_features:  # the rows go back to the samples' ranks
+            (index,) = [i for i, s in enumerate(self._embedding_module._shardings) if s is sharding]
+            context = ctx.sharding_contexts[index]
+            work = self._managed_collision_collection.return_dist(remapped, context, sharding.input_dist_pg)
+            ctx.remapped_returns.append((sharding.rank_features(sharding.rank), context, work))
         # torchrec 1.8's unsharded eviction hook is a no-op: the rows are only reported
         ctx.evictions_per_table.update(self._managed_collision_collection.evict())
         return remapped
@@ -179,12 +190,20 @@ class ShardedManagedCollisionEmbeddingBagCollection(
         return self._embedding_module.compute(ctx, dist_input)
 
     def output_dist(self, ctx: ManagedCollisionEmbeddingBagCollectionContext, output: list[torch.Tensor]) -> _Output:
-        return self._embedding_module.output_dist(ctx, output), LazyNoWait(None)
+        return self._embedding_module.output_dist(ctx, output), self._remapped_features(ctx)
 
     def compute_and_output_dist(  # type: ignore[override]
         self, ctx: ManagedCollisionEmbeddingBagCollectionContext, input: list[KeyedJaggedTensor]
     ) -> _Output:
-        return self._embedding_module.compute_and_output_dist(ctx, input), LazyNoWait(None)
+        return self._embedding_module.compute_and_output_dist(ctx, input), self._remapped_features(ctx)
+
+    def _remapped_features(
+        self, ctx: ManagedCollisionEmbeddingBagCollectionContext
+    ) -> LazyAwaitable[KeyedJaggedTensor | None]:
+        if not self._return_remapped_features:
+            return LazyNoWait(None)
+        keys = self._managed_collision_collection._output_features
+        return RemappedFeaturesAwaitable(ctx.mc_features, keys, ctx.remapped_returns)  # type: ignore[arg-type]
 
     @property
     def fused_optimizer(self) -> torch.optim.Optimizer:

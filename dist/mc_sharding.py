@@ -14,7 +14,10 @@ torchrec's design (``torchrec/distributed/mc_modules.py``), which this follows:
   (``- o_r``) for the rank's own row-wise shard: no second all-to-all;
 * state dict: ``_managed_collision_modules.<table>.<buffer>`` is a ``ShardedTensor`` of ``[num_embeddings]``
   (this rank's ``[n_r]`` at offset ``o_r``) for every persistent buffer but ``_output_segments_tensor`` and
-  ``_current_iter_tensor``, which stay this rank's plain tensors; loading takes those ``ShardedTensor``\\ s.
+  ``_current_iter_tensor``, which stay this rank's plain tensors; loading takes those ``ShardedTensor``\\ s;
+* ``return_remapped_features``: the remapped rows (made global) go back to the ranks owning their samples by the
+  reverse of the input all-to-all (:meth:`ShardedManagedCollisionCollection.return_dist`), and the unbucketize
+  permutation puts them in input order (:class:`RemappedFeaturesAwaitable`).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torch.distributed._shard.sharding_spec import ShardMetadata
 
 from tritonrec.data import JaggedTensor, KeyedJaggedTensor
-from tritonrec.dist.sharding.common import ShardedTable
+from tritonrec.dist.awaitable import LazyAwaitable
+from tritonrec.dist.sharding.common import ShardedTable, ShardingContext
 from tritonrec.dist.types import ShardingType
 from tritonrec.modules.mc_base import check_id_features
 from tritonrec.modules.mc_collection import ManagedCollisionCollection
@@ -71,6 +75,7 @@ class ShardedManagedCollisionCollection(nn.Module):
         self._pg = pg
         self._rank, self._world_size = dist.get_rank(pg), dist.get_world_size(pg)
         self.need_preprocess = module.need_preprocess
+        self._output_features = list(module._feature_names)  # the unsharded remapped KJT's keys
         self._device = device
         self._table_to_features = {t.name: list(t.config.feature_names) for t in tables}
         self._feature_to_table = {f: t for t, features in self._table_to_features.items() for f in features}
@@ -159,6 +164,24 @@ class ShardedManagedCollisionCollection(nn.Module):
             stride=None if features.variable_stride_per_key() else features.stride(),
         )
 
+    @torch.no_grad()
+    def return_dist(self, remapped: KeyedJaggedTensor, ctx: ShardingContext, pg: dist.ProcessGroup) -> Any:
+        """The reverse of the input all-to-all for :meth:`remap`'s output (local rows, each key's bags source rank
+        by source rank): its rows made global, sent back to their source ranks. Returns ``(work, received)``:
+        ``received`` holds this rank's samples' rows in the bucketized order it sent its ids in."""
+        keys, batch = remapped.keys(), ctx.batch_size_per_rank
+        parts = remapped.values().split(remapped.length_per_key())
+        rows = [p + self._table_to_offset[self._feature_to_table[k]] for k, p in zip(keys, parts, strict=True)]
+        lengths = remapped.lengths().view(len(keys), -1)
+        totals = torch.stack([c.sum(1) for c in lengths.split(batch, dim=1)]).tolist()  # [source][key]
+        pieces = [list(p.split(row)) for p, row in zip(rows, zip(*totals, strict=True), strict=True)]  # [key][source]
+        send = torch.cat([pieces[t][s] for s in range(len(batch)) for t in range(len(keys))])
+        received = send.new_empty(sum(ctx.input_splits))
+        work = dist.all_to_all_single(
+            received, send, ctx.input_splits, [sum(row) for row in totals], group=pg, async_op=True
+        )
+        return work, received
+
     def evict(self) -> dict[str, torch.Tensor | None]:
         """Per table, the local rows ``[E]`` given to new ids since the last call (torchrec's local indices)."""
         out: dict[str, torch.Tensor | None] = {}
@@ -178,6 +201,40 @@ class ShardedManagedCollisionCollection(nn.Module):
                 if name not in _LOCAL_BUFFERS and name not in module._non_persistent_buffers_set:
                     names.append(f"{prefix}_managed_collision_modules.{table}.{name}")
         return names
+
+
+class RemappedFeaturesAwaitable(LazyAwaitable[KeyedJaggedTensor]):
+    """The remapped KJT of this rank's samples, as the unsharded module returns it (the MCC's keys, the input's
+    lengths and weights, global rows as values).
+
+    Args:
+        features: this rank's preprocessed input (keys, lengths, weights).
+        keys: the output's keys (the unsharded ``ManagedCollisionCollection``'s feature order).
+        returns: per sharding, ``(its feature names, its context, (work, received))`` of
+            :meth:`ShardedManagedCollisionCollection.return_dist`; ``received`` is in the bucketized order and the
+            context's ``unbucketize_permute`` puts it back in input order.
+    """
+
+    def __init__(self, features: KeyedJaggedTensor, keys: list[str], returns: list[tuple[list[str], Any, Any]]):
+        super().__init__()
+        self._features, self._keys, self._returns = features, keys, returns
+
+    def _wait_impl(self) -> KeyedJaggedTensor:
+        values: dict[str, torch.Tensor] = {}
+        for names, ctx, (work, received) in self._returns:
+            work.wait()
+            rows = received.index_select(0, ctx.unbucketize_permute.long())
+            sizes = ctx.lengths.view(len(names), -1).sum(1).tolist()
+            values.update(zip(names, rows.split(sizes), strict=True))
+        per_key = self._features.to_dict()
+        weights = self._features.weights_or_none()
+        return KeyedJaggedTensor(
+            keys=self._keys,
+            values=torch.cat([values[k] for k in self._keys]),
+            weights=None if weights is None else torch.cat([per_key[k].weights() for k in self._keys]),
+            lengths=torch.cat([per_key[k].lengths() for k in self._keys]),
+            stride=self._features.stride(),
+        )
 
 
 def _counts(segments: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
@@ -236,4 +293,4 @@ def _from_sharded_tensors(
         state_dict[key] = local[0]
 
 
-__all__ = ["ShardedManagedCollisionCollection", "check_row_wise_plan"]
+__all__ = ["RemappedFeaturesAwaitable", "ShardedManagedCollisionCollection", "check_row_wise_plan"]

@@ -23,7 +23,7 @@ def _hash(ids: torch.Tensor, size: int) -> torch.Tensor:
     return (ids * 7 + 3) % size
 
 
-def make_module(seed: int, pooling: str = "SUM") -> Any:
+def make_module(seed: int, pooling: str = "SUM", remapped: bool = False) -> Any:
     from tritonrec.modules import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
     from tritonrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
     from tritonrec.modules.mc_modules import (
@@ -47,7 +47,9 @@ def make_module(seed: int, pooling: str = "SUM") -> Any:
             8, "cpu", LRU_EvictionPolicy(), 2, input_hash_size=HASH["t1"], input_hash_func=_hash
         ),
     }
-    return ManagedCollisionEmbeddingBagCollection(ebc, ManagedCollisionCollection(mcms, configs))
+    return ManagedCollisionEmbeddingBagCollection(
+        ebc, ManagedCollisionCollection(mcms, configs), return_remapped_features=remapped
+    )
 
 
 def _batch(step: int, world: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -142,6 +144,7 @@ def run_suite(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for pooling in ("SUM", "MEAN"):
         out[pooling] = _training_case(rank, world, build, pooling)
+    out["SUM_remapped"] = _training_case(rank, world, build, "SUM", remapped=True)
     out["state"] = _state_case(rank, world, build)
     out["refusals"] = _refusals(world, sharder, env)
     out["dmp"] = _dmp_case(rank, world, build, sharder)
@@ -192,10 +195,12 @@ def _dmp_case(rank: int, world: int, build: Any, sharder: Any) -> dict[str, Any]
     return {"loss": worst, "kinds": kinds}
 
 
-def _training_case(rank: int, world: int, build: Any, pooling: str) -> dict[str, Any]:
+def _training_case(rank: int, world: int, build: Any, pooling: str, remapped: bool = False) -> dict[str, Any]:
+    """With ``remapped`` (return_remapped_features=True): the returned KJT = the reference's rows of this rank's
+    samples (``result["returned"]`` counts mismatches); ``result["outputs"]``: the pooled outputs per step."""
     from tritonrec.dist import get_gradient_division
 
-    module = make_module(1, pooling)
+    module = make_module(1, pooling, remapped)
     sharded = build(module)
     blocks = {t: [s.rows for s in sharded._embedding_module._tables[i].shards] for i, t in enumerate(("t0", "t1"))}
     ref = Reference(module, world, blocks)
@@ -211,20 +216,25 @@ def _training_case(rank: int, world: int, build: Any, pooling: str) -> dict[str,
     lo, hi = rank * BATCH, (rank + 1) * BATCH
     # the reduce-scatter's backward divides by the world size (torchrec's gradient division, on by default)
     divide = world if get_gradient_division() else 1
-    result: dict[str, Any] = {"rows": 0, "forward": 0.0, "weights": 0.0, "state": 0}
+    result: dict[str, Any] = {"rows": 0, "forward": 0.0, "weights": 0.0, "state": 0, "returned": 0, "outputs": []}
     for step in range(STEPS):
         training = step != STEPS - 2  # one eval-mode step: remap only, state unchanged
         sharded.train(training)
         ref.set_mode(training)
         lengths, values = _batch(step, world)
         recorded.clear()
-        pooled, remapped_none = sharded(_slice(lengths, values, lo, hi))
-        assert remapped_none.wait() is None
+        pooled, returned = sharded(_slice(lengths, values, lo, hi))
+        returned = returned.wait()
         rows, per_rank = ref.remap(lengths, values)
+        if remapped:
+            result["returned"] += int(not _same_kjt(returned, _slice(lengths, rows, lo, hi)))
+        else:
+            assert returned is None
         remapped_kjt = KeyedJaggedTensor(keys=FEATURES, values=torch.cat(rows), lengths=lengths.flatten())
         full = ref.module._embedding_module(remapped_kjt).values()
         grad = torch.randn(full.shape, generator=torch.Generator().manual_seed(77 + step))
         pooled = pooled.wait().values()
+        result["outputs"].append(pooled.detach().clone())
         result["forward"] = max(result["forward"], float((pooled - full[lo:hi]).detach().abs().max()))
         # the remapped rows this rank looked up (made global again) = its reference modules' outputs
         (got,) = recorded
@@ -249,6 +259,16 @@ def _training_case(rank: int, world: int, build: Any, pooling: str) -> dict[str,
         result["state"] += _state_mismatches(sharded, ref, rank)
     result["open_slots"] = {t: int(v) for t, v in sharded._managed_collision_collection.open_slots().items()}
     return result
+
+
+def _same_kjt(got: KeyedJaggedTensor, want: KeyedJaggedTensor) -> bool:
+    """Exact equality of keys, lengths, values and stride."""
+    return (
+        got.keys() == want.keys()
+        and got.stride() == want.stride()
+        and torch.equal(got.lengths(), want.lengths())
+        and torch.equal(got.values(), want.values())
+    )
 
 
 def _state_mismatches(sharded: Any, ref: Any, rank: int) -> int:

@@ -18,6 +18,7 @@ from tests.sharding.mc_cases import (
     Reference,
     _batch,
     _hash,
+    _same_kjt,
     _slice,
     _state_mismatches,
 )
@@ -27,7 +28,7 @@ TABLES = {"t0": ["f0", "f1"], "t1": ["f2"]}
 DIM = 4  # one width for every table: the sequence all-to-all's rows
 
 
-def make_ec_module(seed: int) -> Any:
+def make_ec_module(seed: int, remapped: bool = False) -> Any:
     """An MC-EC over tables t0 (f0, f1; LFU) and t1 (f2; LRU behind an input hash), as mc_cases.make_module."""
     from tritonrec.modules import EmbeddingCollection, EmbeddingConfig
     from tritonrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingCollection
@@ -50,7 +51,9 @@ def make_ec_module(seed: int) -> Any:
             8, "cpu", LRU_EvictionPolicy(), 2, input_hash_size=HASH["t1"], input_hash_func=_hash
         ),
     }
-    return ManagedCollisionEmbeddingCollection(ec, ManagedCollisionCollection(mcms, configs))
+    return ManagedCollisionEmbeddingCollection(
+        ec, ManagedCollisionCollection(mcms, configs), return_remapped_features=remapped
+    )
 
 
 def run_ec_suite(rank: int, world: int) -> dict[str, Any]:
@@ -76,6 +79,7 @@ def run_ec_suite(rank: int, world: int) -> dict[str, Any]:
 
     return {
         "training": _training_case(rank, world, build),
+        "training_remapped": _training_case(rank, world, build, remapped=True),
         "state": _state_case(rank, world, build),
         "refusals": _refusals(world, sharder, env),
         "dmp": _dmp_case(rank, world, build, sharder),
@@ -97,10 +101,12 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).detach().abs().amax()) if a.numel() else 0.0
 
 
-def _training_case(rank: int, world: int, build: Any) -> dict[str, Any]:
+def _training_case(rank: int, world: int, build: Any, remapped: bool = False) -> dict[str, Any]:
+    """With ``remapped`` (return_remapped_features=True): the returned KJT = the reference's rows of this rank's
+    samples (``result["returned"]`` counts mismatches); ``result["outputs"]``: the sequence embeddings per step."""
     from tritonrec.dist import get_gradient_division
 
-    module = make_ec_module(1)
+    module = make_ec_module(1, remapped)
     sharded = build(module)
     blocks = {t: [s.rows for s in sharded._embedding_module._tables[i].shards] for i, t in enumerate(TABLES)}
     ref = Reference(module, world, blocks)
@@ -117,6 +123,7 @@ def _training_case(rank: int, world: int, build: Any) -> dict[str, Any]:
     # the sequence all-to-all's backward divides by the world size (torchrec's gradient division, on by default)
     divide = world if get_gradient_division() else 1
     result: dict[str, Any] = {"rows": 0, "forward": 0.0, "lengths": 0, "weights": 0.0, "state": 0, "evicted": 0}
+    result.update(returned=0, outputs=[])
     for step in range(STEPS):
         training = step != STEPS - 2  # one eval-mode step: remap only, state unchanged
         sharded.train(training)
@@ -125,10 +132,15 @@ def _training_case(rank: int, world: int, build: Any) -> dict[str, Any]:
         recorded.clear()
         ctx = sharded.create_context()
         dist_input = sharded.input_dist(ctx, _slice(lengths, values, lo, hi)).wait().wait()
-        embeddings, remapped_none = sharded.compute_and_output_dist(ctx, dist_input)
-        assert remapped_none.wait() is None
+        embeddings, returned = sharded.compute_and_output_dist(ctx, dist_input)
+        returned = returned.wait()
         embeddings = embeddings.wait()
         rows, per_rank = ref.remap(lengths, values)
+        if remapped:
+            result["returned"] += int(not _same_kjt(returned, _slice(lengths, rows, lo, hi)))
+        else:
+            assert returned is None
+        result["outputs"].append([embeddings[f].values().detach().clone() for f in FEATURES])
         remapped_kjt = KeyedJaggedTensor(keys=FEATURES, values=torch.cat(rows), lengths=lengths.flatten())
         full = ref.module._embedding_module(remapped_kjt)
         want = _mine(full, lengths, lo, hi)

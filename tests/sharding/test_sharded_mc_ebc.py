@@ -36,6 +36,22 @@ def test_training_stream_matches_reference(pooling: str) -> None:
         assert sum(got["open_slots"].values()) == 0, f"rank {rank}: tables never filled: {got['open_slots']}"
 
 
+@pytest.mark.parametrize("suite", ["ebc", "ec"])
+def test_return_remapped_features_gives_each_rank_its_samples_rows(suite: str) -> None:
+    """return_remapped_features=True: each rank gets the reference's remapped rows of its own samples (training
+    stream with evictions, one eval step), and the embeddings equal those of the False case bit for bit."""
+    for rank, results in enumerate(_results()):
+        got, plain = (results["SUM_remapped"], results["SUM"]) if suite == "ebc" else (
+            results["ec"]["training_remapped"], results["ec"]["training"])  # fmt: skip
+        assert got["returned"] == 0, f"rank {rank}: {got['returned']} returned remapped KJT mismatches"
+        assert plain["returned"] == 0
+        assert got["rows"] == 0 and got["state"] == 0 and got["forward"] <= 1e-6, f"rank {rank}: {got}"
+        flat = [t for step in got["outputs"] for t in (step if isinstance(step, list) else [step])]
+        want = [t for step in plain["outputs"] for t in (step if isinstance(step, list) else [step])]
+        assert len(flat) == len(want) > 0
+        assert all(a.equal(b) for a, b in zip(flat, want, strict=True)), f"rank {rank}: embeddings changed"
+
+
 def test_state_dict_keys_and_round_trip() -> None:
     for rank, results in enumerate(_results()):
         got = results["state"]
