@@ -95,6 +95,7 @@ from tritonrec.dist.qcomm_protocol import (
     RoundingMode,
 )
 from tritonrec.dist.quant_embedding import QuantEmbeddingCollectionSharder, ShardedQuantEmbeddingCollection
+from tritonrec.dist.quant_embedding_local import ShardedQuantEmbeddingCollectionLocal
 from tritonrec.dist.quant_embeddingbag import QuantEmbeddingBagCollectionSharder, ShardedQuantEmbeddingBagCollection
 from tritonrec.dist.quant_embeddingbag_pg import ShardedQuantEmbeddingBagCollectionPG
 from tritonrec.dist.sharding_plan import (
@@ -182,6 +183,7 @@ __all__ = [
     "ShardedQuantEmbeddingBagCollection",
     "ShardedQuantEmbeddingBagCollectionPG",
     "ShardedQuantEmbeddingCollection",
+    "ShardedQuantEmbeddingCollectionLocal",
     "ShardingEnv",
     "ShardingPlan",
     "ShardingType",

@@ -217,7 +217,8 @@ class ShardedQuantEmbeddingCollection(
         if not isinstance(env, ShardingEnv) or env.process_group is None:
             raise ValueError(
                 f"ShardedQuantEmbeddingCollection shards over the ranks of a process group: pass "
-                f"env=ShardingEnv.from_process_group(pg), got {env!r}"
+                f"env=ShardingEnv.from_process_group(pg), got {env!r} (from_local: "
+                f"ShardedQuantEmbeddingCollectionLocal, which QuantEmbeddingCollectionSharder.shard picks)"
             )
         for name, sharding in table_name_to_parameter_sharding.items():
             if sharding.sharding_type not in QUANT_SEQUENCE_SHARDING_TYPES:
@@ -346,7 +347,8 @@ class ShardedQuantEmbeddingCollection(
 
 
 class QuantEmbeddingCollectionSharder(ModuleSharder[QuantEmbeddingCollection]):
-    """Shards :class:`QuantEmbeddingCollection` table-, row- or column-wise over a process group (inference)."""
+    """Shards :class:`QuantEmbeddingCollection` table-, row- or column-wise over a process group or over one
+    process's devices (``ShardingEnv.from_local``), for inference."""
 
     def shard(
         self,
@@ -355,7 +357,13 @@ class QuantEmbeddingCollectionSharder(ModuleSharder[QuantEmbeddingCollection]):
         env: ShardingEnv,
         device: torch.device | None = None,
         module_fqn: str | None = None,
-    ) -> ShardedQuantEmbeddingCollection:
+    ) -> ShardedModule:
+        """``env`` with a process group: :class:`ShardedQuantEmbeddingCollection`; ``from_local``:
+        :class:`~tritonrec.dist.quant_embedding_local.ShardedQuantEmbeddingCollectionLocal`."""
+        if isinstance(env, ShardingEnv) and env.process_group is None:
+            from tritonrec.dist.quant_embedding_local import ShardedQuantEmbeddingCollectionLocal  # imports this file
+
+            return ShardedQuantEmbeddingCollectionLocal(module, params, env, device)
         return ShardedQuantEmbeddingCollection(module, params, env, device, self.qcomm_codecs_registry)
 
     @property
