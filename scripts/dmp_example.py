@@ -73,6 +73,7 @@ def run(rank: int, world: int, directory: str) -> None:
     if rank == 0:
         print(f"\nsaved {sorted(os.listdir(root))} with {loaded.manifest['world_size']} ranks; loaded row-wise: "
               f"step {loaded.step}, {loaded.extra_state}, last loss {loss.item():.4f}")  # fmt: skip
+    dist.barrier()  # no rank tears gloo down while the other still has traffic in flight (a rare SIGABRT at exit)
     dist.destroy_process_group()
 
 
