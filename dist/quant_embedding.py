@@ -25,17 +25,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, ShardMetadata
-from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
 from tritonrec.data import JaggedTensor, KeyedJaggedTensor
 from tritonrec.dist.awaitable import Awaitable, LazyAwaitable
 from tritonrec.dist.embedding import EmbeddingCollectionAwaitable, EmbeddingCollectionContext, sequence_input_features
 from tritonrec.dist.embeddingbag import feature_row_limits
 from tritonrec.dist.quant_embeddingbag import _shard_tables
-from tritonrec.dist.quant_state import QuantShardView, load_quant_tables
+from tritonrec.dist.quant_state import QuantShardView, load_quant_tables, local_quant_views, save_quant_tables
 from tritonrec.dist.sharded_state import drop_internal_keys, ignore_internal_keys
 from tritonrec.dist.sharded_tables import input_dist_checks, run_input_dists
 from tritonrec.dist.sharding import CwSharding, LocalShard, RwSharding, ShardedTable, TwCwSharding, sharded_tables
@@ -57,10 +54,9 @@ from tritonrec.kernels.embedding import (
     TableSpec,
     quantized_pooled_lookup,
 )
-from tritonrec.kernels.embedding.quantized import row_bytes
 from tritonrec.modules.embedding_configs import QUANT_BITS
 from tritonrec.modules.quant_embedding_collection import QuantEmbeddingCollection
-from tritonrec.modules.quant_state import BUFFER_NAMES, buffer_names
+from tritonrec.modules.quant_state import BUFFER_NAMES
 
 QUANT_SEQUENCE_SHARDING_TYPES = [
     ShardingType.TABLE_WISE.value,
@@ -147,32 +143,6 @@ QUANT_SEQUENCE_SHARDINGS = {
     cls.sharding_type: type(f"Quant{cls.__name__}", (_QuantSequenceSharding, cls), {})
     for cls in (TwCwSharding, CwSharding, RwSharding)
 }
-
-
-def _global_sharded(
-    table: ShardedTable, local: list[QuantShardView], name: str, bits: int, device: str, pg: Any
-) -> ShardedTensor:
-    """``name`` of ``table`` as a ShardedTensor over ``pg``: every rank's shard in the metadata, this rank's as local
-    shards (live views)."""
-    dim, rows = table.config.embedding_dim, table.config.num_embeddings
-    codes = name == "weight"
-
-    def region(spec: Any) -> tuple[list[int], list[int]]:
-        if codes:
-            return [spec.row_offset, spec.col_offset * bits // 8], [spec.rows, row_bytes(spec.cols, bits)]
-        return [spec.row_offset, 0], [spec.rows, 1]
-
-    # placements name global ranks (torch matches them with dist.get_rank()); shards are numbered by group rank
-    metadata = [
-        ShardMetadata(*region(s), f"rank:{dist.get_global_rank(pg, s.rank)}/{device}") for s in table.shards if s.rows
-    ]
-    by_region = {tuple(region(v.spec)[0]): v.tensor(name) for v in local if v.spec.rows}
-    shards = [Shard(by_region[tuple(m.shard_offsets)], m) for m in metadata if tuple(m.shard_offsets) in by_region]
-    size = torch.Size([rows, row_bytes(dim, bits) if codes else 1])
-    properties = TensorProperties(dtype=torch.uint8 if codes else torch.float16)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
-        shards, ShardedTensorMetadata(metadata, size, properties), process_group=pg
-    )
 
 
 class _Cast(LazyAwaitable[dict[str, JaggedTensor]]):
@@ -318,26 +288,12 @@ class ShardedQuantEmbeddingCollection(
         return list(self._shardings)
 
     def _local_views(self) -> list[tuple[ShardedTable, list[QuantShardView], int]]:
-        """Each table with this rank's shard views (shard order) and its bit width."""
-        views: dict[str, list[tuple[int, QuantShardView]]] = {t.name: [] for t in self._tables}
-        for sharding in self._shardings:
-            for shard, view in sharding.lookup.views:
-                views[shard.table.name].append((shard.shard_index, view))
-        return [
-            (t, [v for _, v in sorted(views[t.name], key=lambda kv: kv[0])], QUANT_BITS[t.config.data_type])
-            for t in self._tables
-        ]
+        return local_quant_views(self._tables, self._shardings)
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
-        for table, views, bits in self._local_views():
-            for name in buffer_names(bits):
-                key = f"{prefix}embeddings.{table.name}.{name}"
-                if name != "weight" and table.sharding_type == ShardingType.COLUMN_WISE.value:
-                    destination[key] = [v.tensor(name) for v in views]
-                else:
-                    destination[key] = _global_sharded(
-                        table, views, name, bits, self._device.type, self._env.process_group
-                    )
+        save_quant_tables(
+            destination, prefix, "embeddings", self._local_views(), self._device.type, self._env.process_group
+        )
 
     def _load_from_state_dict(  # type: ignore[override]
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs

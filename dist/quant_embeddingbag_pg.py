@@ -39,18 +39,17 @@ from tritonrec.dist.embeddingbag import (
     check_index_bounds,
     feature_row_limits,
 )
-from tritonrec.dist.quant_embedding import _global_sharded
 from tritonrec.dist.quant_embeddingbag import QUANT_SHARDING_TYPES, _shard_tables
-from tritonrec.dist.quant_state import QuantShardView, load_quant_tables
+from tritonrec.dist.quant_state import QuantShardView, load_quant_tables, local_quant_views, save_quant_tables
 from tritonrec.dist.sharded_state import drop_internal_keys, ignore_internal_keys
 from tritonrec.dist.sharded_tables import input_dist_checks, run_input_dists
 from tritonrec.dist.sharding import CwSharding, LocalShard, RwSharding, ShardedTable, TwCwSharding, sharded_tables
 from tritonrec.dist.sharding.common import ShardingContext, group_by_sharding_type
-from tritonrec.dist.types import EmbeddingComputeKernel, ParameterSharding, ShardedModule, ShardingEnv, ShardingType
+from tritonrec.dist.types import EmbeddingComputeKernel, ParameterSharding, ShardedModule, ShardingEnv
 from tritonrec.kernels.embedding import BoundsCheckMode, QuantizedTables, quantized_pooled_lookup
 from tritonrec.modules.embedding_configs import QUANT_BITS
 from tritonrec.modules.quant_embedding_modules import QuantEmbeddingBagCollection
-from tritonrec.modules.quant_state import BUFFER_NAMES, buffer_names
+from tritonrec.modules.quant_state import BUFFER_NAMES
 
 Source = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
@@ -292,26 +291,12 @@ class ShardedQuantEmbeddingBagCollectionPG(
         return list(self._shardings)
 
     def _local_views(self) -> list[tuple[ShardedTable, list[QuantShardView], int]]:
-        """Each table with this rank's shard views (shard order) and its bit width."""
-        views: dict[str, list[tuple[int, QuantShardView]]] = {t.name: [] for t in self._tables}
-        for sharding in self._shardings:
-            for shard, view in sharding.lookup.views:
-                views[shard.table.name].append((shard.shard_index, view))
-        return [
-            (t, [v for _, v in sorted(views[t.name], key=lambda kv: kv[0])], QUANT_BITS[t.config.data_type])
-            for t in self._tables
-        ]
+        return local_quant_views(self._tables, self._shardings)
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
-        for table, views, bits in self._local_views():
-            for name in buffer_names(bits):
-                key = f"{prefix}embedding_bags.{table.name}.{name}"
-                if name != "weight" and table.sharding_type == ShardingType.COLUMN_WISE.value:
-                    destination[key] = [v.tensor(name) for v in views]
-                else:
-                    destination[key] = _global_sharded(
-                        table, views, name, bits, self._device.type, self._env.process_group
-                    )
+        save_quant_tables(
+            destination, prefix, "embedding_bags", self._local_views(), self._device.type, self._env.process_group
+        )
 
     def _load_from_state_dict(  # type: ignore[override]
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs

@@ -22,13 +22,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensorBase, ShardedTensorMetadata, ShardMetadata
+import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import (
+    Shard,
+    ShardedTensor,
+    ShardedTensorBase,
+    ShardedTensorMetadata,
+    ShardMetadata,
+)
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
 from tritonrec.dist.sharding.common import ShardedTable, ShardSpec
 from tritonrec.dist.types import ShardingType
 from tritonrec.kernels.embedding import QuantizedTables
 from tritonrec.kernels.embedding.quantized import row_bytes
+from tritonrec.modules.embedding_configs import QUANT_BITS
 from tritonrec.modules.quant_state import BUFFER_NAMES, buffer_names, normalize_table_state
 
 
@@ -145,6 +153,66 @@ def table_copies(
     return copies, missing
 
 
+def global_sharded_state(
+    table: ShardedTable, local: list[QuantShardView], name: str, bits: int, device: str, pg: Any
+) -> ShardedTensor:
+    """``name`` of ``table`` as a ShardedTensor over ``pg``: every rank's shard in the metadata, this rank's as local
+    shards (live views)."""
+    dim, rows = table.config.embedding_dim, table.config.num_embeddings
+    codes = name == "weight"
+
+    def region(spec: Any) -> tuple[list[int], list[int]]:
+        if codes:
+            return [spec.row_offset, spec.col_offset * bits // 8], [spec.rows, row_bytes(spec.cols, bits)]
+        return [spec.row_offset, 0], [spec.rows, 1]
+
+    # placements name global ranks (torch matches them with dist.get_rank()); shards are numbered by group rank
+    metadata = [
+        ShardMetadata(*region(s), f"rank:{dist.get_global_rank(pg, s.rank)}/{device}") for s in table.shards if s.rows
+    ]
+    by_region = {tuple(region(v.spec)[0]): v.tensor(name) for v in local if v.spec.rows}
+    shards = [Shard(by_region[tuple(m.shard_offsets)], m) for m in metadata if tuple(m.shard_offsets) in by_region]
+    size = torch.Size([rows, row_bytes(dim, bits) if codes else 1])
+    properties = TensorProperties(dtype=torch.uint8 if codes else torch.float16)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        shards, ShardedTensorMetadata(metadata, size, properties), process_group=pg
+    )
+
+
+def local_quant_views(
+    tables: list[ShardedTable], shardings: Any
+) -> list[tuple[ShardedTable, list[QuantShardView], int]]:
+    """Each table with this rank's shard views (shard order, from the quantized lookups' ``views``) and its bit
+    width: what :func:`save_quant_tables` / :func:`load_quant_tables` read."""
+    views: dict[str, list[tuple[int, QuantShardView]]] = {t.name: [] for t in tables}
+    for sharding in shardings:
+        for shard, view in sharding.lookup.views:
+            views[shard.table.name].append((shard.shard_index, view))
+    return [
+        (t, [v for _, v in sorted(views[t.name], key=lambda kv: kv[0])], QUANT_BITS[t.config.data_type]) for t in tables
+    ]
+
+
+def save_quant_tables(
+    destination: dict,
+    prefix: str,
+    attribute: str,
+    tables: list[tuple[ShardedTable, list[QuantShardView], int]],
+    device_type: str,
+    pg: Any,
+) -> None:
+    """A process-group-sharded quantized collection's ``_save_to_state_dict``: each table's buffers under
+    ``{prefix}{attribute}.{table}.`` as ShardedTensors over ``pg``; a column-wise table's scale / bias as the list of
+    this rank's blocks' copies (every block holds the full rows' scale and bias)."""
+    for table, views, bits in tables:
+        for name in buffer_names(bits):
+            key = f"{prefix}{attribute}.{table.name}.{name}"
+            if name != "weight" and table.sharding_type == ShardingType.COLUMN_WISE.value:
+                destination[key] = [v.tensor(name) for v in views]
+            else:
+                destination[key] = global_sharded_state(table, views, name, bits, device_type, pg)
+
+
 def load_quant_tables(
     state_dict: Mapping[str, Any],
     prefix: str,
@@ -173,4 +241,12 @@ def load_quant_tables(
                 target.copy_(source)
 
 
-__all__ = ["QuantShardView", "load_quant_tables", "table_copies", "table_state"]
+__all__ = [
+    "QuantShardView",
+    "global_sharded_state",
+    "load_quant_tables",
+    "local_quant_views",
+    "save_quant_tables",
+    "table_copies",
+    "table_state",
+]
