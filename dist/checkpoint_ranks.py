@@ -9,6 +9,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from tritonrec.dist.group_cache import group_cache, prune
+
 __all__ = ["Ranks", "async_group"]
 
 
@@ -52,7 +54,7 @@ class Ranks:
         return result
 
 
-_ASYNC_GROUPS: dict[Any, dist.ProcessGroup] = {}
+_ASYNC_GROUPS: dict[Any, dist.ProcessGroup] = group_cache()  # entries of destroyed groups dropped at lookup
 
 
 def async_group(pg: dist.ProcessGroup | None) -> dist.ProcessGroup:
@@ -61,6 +63,7 @@ def async_group(pg: dist.ProcessGroup | None) -> dist.ProcessGroup:
     minutes for gloo) rather than ``pg``'s: the save's last collective waits for the slowest rank's writes, which
     can take far longer than a training collective."""
     key = pg if pg is not None else dist.group.WORLD
+    prune(_ASYNC_GROUPS)
     if key not in _ASYNC_GROUPS:
         ranks = dist.get_process_group_ranks(key) if pg is not None else None
         _ASYNC_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo")

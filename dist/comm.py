@@ -20,6 +20,7 @@ from typing import Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 
+from tritonrec.dist.group_cache import group_cache, prune
 from tritonrec.dist.side_groups import group_timeout
 from tritonrec.kernels.checks import check_int, check_optional_int
 
@@ -30,9 +31,9 @@ T = TypeVar("T")
 _LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
 _LOCAL_RANK_VARS = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK")
 
-# intra_and_cross_node_pg's groups, kept with the world group they were built in: a new init_process_group in the
-# same process (tests) must build new ones instead of reusing groups of a destroyed world.
-_NODE_GROUPS: tuple[dist.ProcessGroup, dist.ProcessGroup, dist.ProcessGroup] | None = None
+# intra_and_cross_node_pg's groups, "node" -> (world, intra, cross): kept with the world group they were built in, and
+# dropped once any of them is destroyed (a new init_process_group in the same process builds new ones).
+_NODE_GROUPS: dict[str, tuple[dist.ProcessGroup, dist.ProcessGroup, dist.ProcessGroup]] = group_cache()
 
 
 def _env_int(names: tuple[str, ...]) -> tuple[str, int] | None:
@@ -120,14 +121,14 @@ def intra_and_cross_node_pg(
     cached, with the world's timeout (``new_group`` alone would give them torch's default, 30 minutes for gloo). A
     ``meta`` device (shape-only runs) gets ``(None, None)``.
     """
-    global _NODE_GROUPS
     if device is not None and not isinstance(device, torch.device):
         raise TypeError(f"device must be a torch.device or None, got {device!r}")
     if device is not None and device.type == "meta":
         return None, None
     world = dist.group.WORLD
-    if _NODE_GROUPS is not None and _NODE_GROUPS[0] is world:
-        return _NODE_GROUPS[1], _NODE_GROUPS[2]
+    prune(_NODE_GROUPS)
+    if "node" in _NODE_GROUPS and _NODE_GROUPS["node"][0] is world:
+        return _NODE_GROUPS["node"][1], _NODE_GROUPS["node"][2]
     world_size, rank = dist.get_world_size(), dist.get_rank()
     local_size = get_local_size(world_size)
     num_groups = world_size // local_size
@@ -147,7 +148,7 @@ def intra_and_cross_node_pg(
         if local_rank == my_local_rank:
             cross = group
     dist.barrier()
-    _NODE_GROUPS = (world, cast(dist.ProcessGroup, intra), cast(dist.ProcessGroup, cross))
+    _NODE_GROUPS["node"] = (world, cast(dist.ProcessGroup, intra), cast(dist.ProcessGroup, cross))
     return intra, cross
 
 

@@ -18,11 +18,14 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from tritonrec.dist.group_cache import group_cache, prune
+
 INPUT_DIST = "input_dist"  # the purpose of the sparse input dists' side groups
-_GROUPS: dict[tuple[int, str], dist.ProcessGroup] = {}
-# id(renewed side group) -> (that group, the group that replaced it). The renewed group is held here so that its id
-# cannot be reused by a later group while the entry stands (which would redirect that group to a stranger).
-_SUCCESSORS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+# (id(parent), purpose) -> (parent, side group). The parent is held so that its id cannot be reused by a later group
+# while the entry stands; an entry naming a destroyed group is dropped at the next lookup (group_cache.prune).
+_GROUPS: dict[tuple[int, str], tuple[dist.ProcessGroup, dist.ProcessGroup]] = group_cache()
+# id(renewed side group) -> (that group, the group that replaced it), held for the same reason.
+_SUCCESSORS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = group_cache()
 
 
 def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
@@ -45,13 +48,14 @@ def same_ranks_group(group: dist.ProcessGroup, purpose: str, backend: str | None
     order, as when building a model. Holders that keep the result see renewals through :func:`current_group`."""
     if not dist.is_initialized() or dist.get_world_size(group) != dist.get_world_size() or dist.get_world_size() == 1:
         return group  # a one-rank group has nothing to mispair
+    prune(_GROUPS)
+    prune(_SUCCESSORS)
     key = (id(group), purpose)
     if key not in _GROUPS:
         ranks = dist.get_process_group_ranks(group)
-        _GROUPS[key] = dist.new_group(
-            ranks=ranks, backend=backend or dist.get_backend(group), timeout=group_timeout(group)
-        )
-    return _GROUPS[key]
+        side = dist.new_group(ranks=ranks, backend=backend or dist.get_backend(group), timeout=group_timeout(group))
+        _GROUPS[key] = (group, side)
+    return _GROUPS[key][1]
 
 
 def current_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
@@ -66,10 +70,11 @@ def renew_side_groups(purpose: str) -> None:
     :func:`same_ranks_group` and for holders reading :func:`current_group`. Collective like ``new_group``: every
     rank calls it at the same point (after the ranks agreed on a failure), and renews its groups in the order they
     were made, which is the same on every rank."""
-    for key, group in list(_GROUPS.items()):
+    prune(_GROUPS)
+    for key, (parent, group) in list(_GROUPS.items()):
         if key[1] == purpose:
             fresh = dist.new_group(
                 ranks=dist.get_process_group_ranks(group), backend=dist.get_backend(group), timeout=group_timeout(group)
             )
-            _GROUPS[key] = fresh
+            _GROUPS[key] = (parent, fresh)
             _SUCCESSORS[id(group)] = (group, fresh)
