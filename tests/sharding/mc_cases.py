@@ -6,6 +6,7 @@ rank), and one unsharded EBC looking the remapped global batch up (fused SGD wri
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -13,25 +14,34 @@ import torch
 from tritonrec.data import JaggedTensor, KeyedJaggedTensor
 
 FEATURES = ["f0", "f1", "f2"]
+TABLES = {"t0": ["f0", "f1"], "t1": ["f2"]}
 BATCH = 3  # samples per rank
 LR = 0.1
 STEPS = 6
 HASH = {"t0": 64, "t1": 40}  # input_hash_size per table
+Outputs = Callable[[Any], list[torch.Tensor]]  # an MC module's embeddings (or their lazy awaitable) -> its tensors
 
 
 def _hash(ids: torch.Tensor, size: int) -> torch.Tensor:
     return (ids * 7 + 3) % size
 
 
+def managed_collision(configs: list[Any]) -> Any:
+    """The MCH modules of both suites' tables: t0 (10 rows, LFU) and t1 (8 rows, LRU behind an input hash)."""
+    from tritonrec.modules import mc_modules as mc
+
+    mcms = {
+        "t0": mc.MCHManagedCollisionModule(10, "cpu", mc.LFU_EvictionPolicy(), 1, input_hash_size=HASH["t0"]),
+        "t1": mc.MCHManagedCollisionModule(
+            8, "cpu", mc.LRU_EvictionPolicy(), 2, input_hash_size=HASH["t1"], input_hash_func=_hash
+        ),
+    }
+    return mc.ManagedCollisionCollection(mcms, configs)
+
+
 def make_module(seed: int, pooling: str = "SUM", remapped: bool = False) -> Any:
     from tritonrec.modules import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
     from tritonrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
-    from tritonrec.modules.mc_modules import (
-        LFU_EvictionPolicy,
-        LRU_EvictionPolicy,
-        ManagedCollisionCollection,
-        MCHManagedCollisionModule,
-    )
 
     torch.manual_seed(seed)
     configs = [
@@ -41,15 +51,7 @@ def make_module(seed: int, pooling: str = "SUM", remapped: bool = False) -> Any:
         ),
     ]
     ebc = EmbeddingBagCollection(configs, backend="torch")
-    mcms = {
-        "t0": MCHManagedCollisionModule(10, "cpu", LFU_EvictionPolicy(), 1, input_hash_size=HASH["t0"]),
-        "t1": MCHManagedCollisionModule(
-            8, "cpu", LRU_EvictionPolicy(), 2, input_hash_size=HASH["t1"], input_hash_func=_hash
-        ),
-    }
-    return ManagedCollisionEmbeddingBagCollection(
-        ebc, ManagedCollisionCollection(mcms, configs), return_remapped_features=remapped
-    )
+    return ManagedCollisionEmbeddingBagCollection(ebc, managed_collision(configs), return_remapped_features=remapped)
 
 
 def _batch(step: int, world: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -88,12 +90,11 @@ class Reference:
 
     def remap(self, lengths: torch.Tensor, values: list[torch.Tensor]) -> tuple[list[torch.Tensor], dict]:
         """Global raw ids -> global rows per feature, and per (table, rank) the rows that rank's module output."""
-        tables = {"t0": ["f0", "f1"], "t1": ["f2"]}
         ids = [v.clone() for v in values]
         rows = [torch.empty_like(v) for v in values]
         per_rank: dict[tuple[str, int], torch.Tensor] = {}
         sample_of = [torch.repeat_interleave(torch.arange(lengths.shape[1]), lengths[i]) for i in range(len(FEATURES))]
-        for table, features in tables.items():
+        for table, features in TABLES.items():
             size = HASH[table]
             idx = [FEATURES.index(f) for f in features]
             if table == "t1":  # input_hash_func runs on the sample-owning rank, before bucketing
@@ -120,17 +121,16 @@ class Reference:
                 m.train(training)
 
 
-def run_suite(rank: int, world: int) -> dict[str, Any]:
+def shard_setup(sharder_type: Any, world: int) -> tuple[Any, Any, Callable[[Any], Any]]:
+    """A ``sharder_type`` sharder (fused SGD at ``LR``), the WORLD group's env, and ``build(module)``: a copy of the
+    module sharded row-wise by it, torch lookups."""
     import torch.distributed as dist
 
     from tritonrec.dist import ShardingEnv, construct_module_sharding_plan, row_wise
-    from tritonrec.dist.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
     from tritonrec.kernels.embedding import OptimType
 
     env = ShardingEnv.from_process_group(dist.group.WORLD)
-    sharder = ManagedCollisionEmbeddingBagCollectionSharder(
-        fused_params={"optimizer": OptimType.EXACT_SGD, "learning_rate": LR, "backend": "torch"}
-    )
+    sharder = sharder_type(fused_params={"optimizer": OptimType.EXACT_SGD, "learning_rate": LR, "backend": "torch"})
 
     def build(module: Any) -> Any:
         plan = construct_module_sharding_plan(
@@ -141,41 +141,152 @@ def run_suite(rank: int, world: int) -> dict[str, Any]:
             sharding.lookup.backend = "torch"
         return sharded
 
+    return sharder, env, build
+
+
+def run_suite(rank: int, world: int) -> dict[str, Any]:
+    from tritonrec.dist.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
+
+    sharder, env, build = shard_setup(ManagedCollisionEmbeddingBagCollectionSharder, world)
     out: dict[str, Any] = {}
     for pooling in ("SUM", "MEAN"):
-        out[pooling] = _training_case(rank, world, build, pooling)
-    out["SUM_remapped"] = _training_case(rank, world, build, "SUM", remapped=True)
-    out["state"] = _state_case(rank, world, build)
-    out["refusals"] = _refusals(world, sharder, env)
-    out["dmp"] = _dmp_case(rank, world, build, sharder)
-    out["pipeline"] = _pipeline_case(rank, world, sharder)
+        out[pooling] = TrainingStream(rank, world, build, make_module(1, pooling), remapped=False).run()
+    out["SUM_remapped"] = TrainingStream(rank, world, build, make_module(1, "SUM", True), remapped=True).run()
+    out["state"] = state_case(rank, world, build, make_module, _pooled)
+    out["refusals"] = refusals(world, sharder, env, make_module(1))
+    out["dmp"] = dmp_case(rank, world, build, sharder, make_module(3), 11, _pooled)  # pooled [B, 4 + 4 + 3]
+    from tests.sharding.mc_pipeline_cases import pipeline_case
+
+    out["pipeline"] = pipeline_case(rank, world, sharder)
     from tests.sharding.mc_ec_cases import run_ec_suite  # the MC-EC's cases, in this one spawn
 
     out["ec"] = run_ec_suite(rank, world)
     return out
 
 
-class _Model(torch.nn.Module):
-    """A model holding an MC-EBC as user code calls it: ``embeddings, _ = mc_ebc(kjt)``, then a dense layer."""
+def _pooled(embeddings: Any) -> list[torch.Tensor]:
+    """The MC-EBC's output (a KeyedTensor or its lazy awaitable, as user code reads it): ``[B, sum(D)]``."""
+    return [embeddings.values()]
 
-    def __init__(self, mc: Any) -> None:
+
+def diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest absolute difference (0 for empty tensors; shapes must agree)."""
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float((a - b).detach().abs().amax()) if a.numel() else 0.0
+
+
+class TrainingStream:
+    """One rank's training stream against :class:`Reference`: ``STEPS`` global batches (inserts and evictions, one
+    eval-mode step that only remaps), this rank's samples fed to the sharded MC-EBC's ``forward``. Counted in
+    ``result``: the remapped rows this rank looked up that differ from its reference modules' outputs (``rows``), the
+    largest pooled-output difference (``forward``), the returned remapped KJT's mismatches with ``remapped``
+    (return_remapped_features=True; otherwise it must be None), the table shards' largest difference after fused SGD
+    (``weights``), the MCH buffer mismatches (``state``), the open slots at the end; ``outputs``: the embeddings per
+    step. The MC-EC's stream overrides ``forward`` and ``compare``."""
+
+    tables = "embedding_bags"  # the inner module's {table: weights} attribute
+
+    def __init__(self, rank: int, world: int, build: Callable[[Any], Any], module: Any, remapped: bool) -> None:
+        self.rank, self.world, self.remapped = rank, world, remapped
+        self.sharded = build(module)
+        shards = self.sharded._embedding_module._tables
+        self.ref = Reference(module, world, {t: [s.rows for s in shards[i].shards] for i, t in enumerate(TABLES)})
+        self.lo, self.hi = rank * BATCH, (rank + 1) * BATCH
+        self.result: dict[str, Any] = {"rows": 0, "forward": 0.0, "weights": 0.0, "state": 0, "returned": 0}
+        self.result["outputs"] = []
+
+    def forward(self, features: KeyedJaggedTensor, training: bool) -> tuple[Any, KeyedJaggedTensor | None]:
+        """The sharded module's embeddings of this rank's ``features`` and its returned remapped KJT, both waited."""
+        pooled, returned = self.sharded(features)
+        returned = returned.wait()
+        return pooled.wait().values(), returned
+
+    def compare(self, embeddings: Any, full: Any, lengths: torch.Tensor, step: int) -> tuple[Any, Any]:
+        """Record the embeddings and their difference from the reference's output of the global batch (``full``);
+        return this rank's loss and the reference's under one random output gradient."""
+        full = full.values()
+        grad = torch.randn(full.shape, generator=torch.Generator().manual_seed(77 + step))
+        self.result["outputs"].append(embeddings.detach().clone())
+        mine = full[self.lo : self.hi]
+        self.result["forward"] = max(self.result["forward"], float((embeddings - mine).detach().abs().max()))
+        return (embeddings * grad[self.lo : self.hi]).sum(), (full * grad).sum()
+
+    def run(self) -> dict[str, Any]:
+        from tritonrec.dist import get_gradient_division
+
+        sharded, ref, result, lo, hi = self.sharded, self.ref, self.result, self.lo, self.hi
+        recorded: list[KeyedJaggedTensor] = []
+        inner = sharded._embedding_module.input_transform
+
+        def record(ctx: Any, sharding: Any, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+            remapped = inner(ctx, sharding, kjt)
+            recorded.append(remapped)
+            return remapped
+
+        sharded._embedding_module.input_transform = record
+        # the output dist's backward divides by the world size (torchrec's gradient division, on by default)
+        divide = self.world if get_gradient_division() else 1
+        for step in range(STEPS):
+            training = step != STEPS - 2  # one eval-mode step: remap only, state unchanged
+            sharded.train(training)
+            ref.set_mode(training)
+            lengths, values = _batch(step, self.world)
+            recorded.clear()
+            embeddings, returned = self.forward(_slice(lengths, values, lo, hi), training)
+            rows, per_rank = ref.remap(lengths, values)
+            if self.remapped:
+                result["returned"] += int(not _same_kjt(returned, _slice(lengths, rows, lo, hi)))
+            else:
+                assert returned is None
+            remapped_kjt = KeyedJaggedTensor(keys=FEATURES, values=torch.cat(rows), lengths=lengths.flatten())
+            loss, loss_full = self.compare(embeddings, ref.module._embedding_module(remapped_kjt), lengths, step)
+            # the remapped rows this rank looked up (made global again) = its reference modules' outputs
+            (got,) = recorded
+            segments = dict(zip(got.keys(), got.values().split(got.length_per_key()), strict=True))
+            offsets = sharded._managed_collision_collection._table_to_offset
+            for table, features in TABLES.items():
+                mine = torch.cat([segments[f] for f in features]) + offsets[table]
+                result["rows"] += int(not torch.equal(mine, per_rank[(table, self.rank)]))
+            if training:
+                loss.backward()
+                loss_full.backward()
+                with torch.no_grad():
+                    for table in getattr(ref.module._embedding_module, self.tables).values():
+                        table.weight -= LR * table.weight.grad / divide
+                        table.weight.grad = None
+            for table, sharded_table in getattr(sharded._embedding_module, self.tables).items():
+                whole = getattr(ref.module._embedding_module, self.tables)[table].weight
+                for shard, weight in sharded_table.local:
+                    s = shard.spec
+                    d = (weight.weight.detach() - whole[s.row_offset : s.row_offset + s.rows]).abs().max()
+                    result["weights"] = max(result["weights"], float(d))
+            result["state"] += _state_mismatches(sharded, ref, self.rank)
+        result["open_slots"] = {t: int(v) for t, v in sharded._managed_collision_collection.open_slots().items()}
+        return result
+
+
+class Model(torch.nn.Module):
+    """A model holding an MC module as user code calls it: ``embeddings, _ = mc(kjt)``, then one dense layer over
+    every output tensor (``outputs`` reads them off the lazy awaitable)."""
+
+    def __init__(self, mc: Any, width: int, outputs: Outputs) -> None:
         super().__init__()
         self.mc = mc
-        self.dense = torch.nn.Linear(11, 1)  # pooled [B, 4 + 4 + 3]
+        self.dense = torch.nn.Linear(width, 1)
+        self.outputs = outputs
 
     def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
         embeddings, _ = self.mc(kjt)
-        return self.dense(embeddings.values()).sum()
+        return sum(self.dense(t).sum() for t in self.outputs(embeddings))  # type: ignore[return-value]
 
 
-def _dmp_case(rank: int, world: int, build: Any, sharder: Any) -> dict[str, Any]:
-    """DistributedModelParallel over a model holding the MC-EBC (the planner's plan, the sharder given) trains as the
-    module sharded by hand (same row-wise plan, same fused SGD) under the same dense layer."""
+def dmp_case(rank: int, world: int, build: Any, sharder: Any, module: Any, width: int, outputs: Outputs) -> dict:
+    """DistributedModelParallel over a model holding the MC module (the planner's plan, the sharder given) trains as
+    the module sharded by hand (same row-wise plan, same fused SGD) under the same dense layer."""
     from tritonrec.dist import DistributedModelParallel
 
-    module = make_module(3)
     torch.manual_seed(4)
-    model = _Model(copy.deepcopy(module))
+    model = Model(copy.deepcopy(module), width, outputs)
     reference = build(module)
     dense = copy.deepcopy(model.dense)
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), sharders=[sharder])
@@ -186,79 +297,13 @@ def _dmp_case(rank: int, world: int, build: Any, sharder: Any) -> dict[str, Any]
     for step in range(3):
         lengths, values = _batch(step, world)
         got = dmp(_slice(lengths, values, lo, hi))
-        pooled, _ = reference(_slice(lengths, values, lo, hi))
-        want = dense(pooled.wait().values()).sum()
+        embeddings, _ = reference(_slice(lengths, values, lo, hi))
+        want = sum(dense(t).sum() for t in outputs(embeddings))
         worst = max(worst, abs(float(got.detach()) - float(want.detach())))
         got.backward()
         want.backward()
     kinds = sorted({p.sharding_type for p in dmp.plan.plan["mc"].values()})
     return {"loss": worst, "kinds": kinds}
-
-
-def _training_case(rank: int, world: int, build: Any, pooling: str, remapped: bool = False) -> dict[str, Any]:
-    """With ``remapped`` (return_remapped_features=True): the returned KJT = the reference's rows of this rank's
-    samples (``result["returned"]`` counts mismatches); ``result["outputs"]``: the pooled outputs per step."""
-    from tritonrec.dist import get_gradient_division
-
-    module = make_module(1, pooling, remapped)
-    sharded = build(module)
-    blocks = {t: [s.rows for s in sharded._embedding_module._tables[i].shards] for i, t in enumerate(("t0", "t1"))}
-    ref = Reference(module, world, blocks)
-    recorded: list[KeyedJaggedTensor] = []
-    inner = sharded._embedding_module.input_transform
-
-    def record(ctx: Any, sharding: Any, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        remapped = inner(ctx, sharding, kjt)
-        recorded.append(remapped)
-        return remapped
-
-    sharded._embedding_module.input_transform = record
-    lo, hi = rank * BATCH, (rank + 1) * BATCH
-    # the reduce-scatter's backward divides by the world size (torchrec's gradient division, on by default)
-    divide = world if get_gradient_division() else 1
-    result: dict[str, Any] = {"rows": 0, "forward": 0.0, "weights": 0.0, "state": 0, "returned": 0, "outputs": []}
-    for step in range(STEPS):
-        training = step != STEPS - 2  # one eval-mode step: remap only, state unchanged
-        sharded.train(training)
-        ref.set_mode(training)
-        lengths, values = _batch(step, world)
-        recorded.clear()
-        pooled, returned = sharded(_slice(lengths, values, lo, hi))
-        returned = returned.wait()
-        rows, per_rank = ref.remap(lengths, values)
-        if remapped:
-            result["returned"] += int(not _same_kjt(returned, _slice(lengths, rows, lo, hi)))
-        else:
-            assert returned is None
-        remapped_kjt = KeyedJaggedTensor(keys=FEATURES, values=torch.cat(rows), lengths=lengths.flatten())
-        full = ref.module._embedding_module(remapped_kjt).values()
-        grad = torch.randn(full.shape, generator=torch.Generator().manual_seed(77 + step))
-        pooled = pooled.wait().values()
-        result["outputs"].append(pooled.detach().clone())
-        result["forward"] = max(result["forward"], float((pooled - full[lo:hi]).detach().abs().max()))
-        # the remapped rows this rank looked up (made global again) = its reference modules' outputs
-        (got,) = recorded
-        segments = dict(zip(got.keys(), got.values().split(got.length_per_key()), strict=True))
-        offsets = sharded._managed_collision_collection._table_to_offset
-        for table, features in (("t0", ["f0", "f1"]), ("t1", ["f2"])):
-            mine = torch.cat([segments[f] for f in features]) + offsets[table]
-            result["rows"] += int(not torch.equal(mine, per_rank[(table, rank)]))
-        if training:
-            (pooled * grad[lo:hi]).sum().backward()
-            (full * grad).sum().backward()
-            with torch.no_grad():
-                for bag in ref.module._embedding_module.embedding_bags.values():
-                    bag.weight -= LR * bag.weight.grad / divide
-                    bag.weight.grad = None
-        for table, bag in sharded._embedding_module.embedding_bags.items():
-            whole = ref.module._embedding_module.embedding_bags[table].weight
-            for shard, weight in bag.local:
-                s = shard.spec
-                diff = (weight.weight.detach() - whole[s.row_offset : s.row_offset + s.rows]).abs().max()
-                result["weights"] = max(result["weights"], float(diff))
-        result["state"] += _state_mismatches(sharded, ref, rank)
-    result["open_slots"] = {t: int(v) for t, v in sharded._managed_collision_collection.open_slots().items()}
-    return result
 
 
 def _same_kjt(got: KeyedJaggedTensor, want: KeyedJaggedTensor) -> bool:
@@ -282,29 +327,32 @@ def _state_mismatches(sharded: Any, ref: Any, rank: int) -> int:
     return bad
 
 
-def _state_case(rank: int, world: int, build: Any) -> dict[str, Any]:
+def state_case(rank: int, world: int, build: Any, make: Callable[[int], Any], outputs: Outputs) -> dict[str, Any]:
+    """Three training batches, then the state dict (its keys, ``ShardedTensor`` sizes) loaded into a module built
+    from another seed: the same state dict again and, in eval mode, the same embeddings (``outputs`` of each)."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-    first = build(make_module(1))
+    first = build(make(1))
     lo, hi = rank * BATCH, (rank + 1) * BATCH
     for step in range(3):
         lengths, values = _batch(step, world)
-        pooled, _ = first(_slice(lengths, values, lo, hi))
-        pooled.wait().values().sum().backward()
+        out, _ = first(_slice(lengths, values, lo, hi))
+        sum(t.sum() for t in outputs(out)).backward()  # type: ignore[union-attr]
     state = first.state_dict()
-    second = build(make_module(2))
+    second = build(make(2))
     second.load_state_dict(state)
     again = second.state_dict()
     same = all(_local(state[k]).equal(_local(again[k])) for k in state)
     lengths, values = _batch(9, world)
     first.eval()  # eval: the non-persistent history (pending window) is not in the state dict, as in torchrec
     second.eval()
-    a = first(_slice(lengths, values, lo, hi))[0].wait().values()
-    b = second(_slice(lengths, values, lo, hi))[0].wait().values()
+    a = outputs(first(_slice(lengths, values, lo, hi))[0])
+    b = outputs(second(_slice(lengths, values, lo, hi))[0])
+    after = max(diff(x, y) for x, y in zip(a, b, strict=True))
     sharded_keys = sorted(k for k, v in state.items() if isinstance(v, ShardedTensor))
     sizes = {k: list(v.size()) for k, v in state.items() if isinstance(v, ShardedTensor)}
     return {"keys": sorted(state), "sharded_keys": sharded_keys, "sizes": sizes, "round_trip": same,
-            "after_load": float((a - b).abs().max())}  # fmt: skip
+            "after_load": after}  # fmt: skip
 
 
 def _local(value: Any) -> torch.Tensor:
@@ -313,75 +361,19 @@ def _local(value: Any) -> torch.Tensor:
     return value.local_shards()[0].tensor if isinstance(value, ShardedTensor) else value
 
 
-def _refusals(world: int, sharder: Any, env: Any) -> dict[str, str]:
+def refusals(world: int, sharder: Any, env: Any, module: Any) -> dict[str, str]:
+    """The messages of a plan with t1 table-wise, refused by the sharder's planning and by the sharded module (given
+    the inner module's plan, which the sharder does not vet)."""
     from tritonrec.dist import construct_module_sharding_plan, row_wise, table_wise
-    from tritonrec.dist.mc_embeddingbag import ShardedManagedCollisionEmbeddingBagCollection
 
-    module = make_module(1)
-    messages = {}
+    messages, per_table = {}, {"t0": row_wise(), "t1": table_wise(rank=0)}
     try:
-        construct_module_sharding_plan(
-            module, {"t0": row_wise(), "t1": table_wise(rank=0)}, sharder, world, world, "cpu"
-        )
+        construct_module_sharding_plan(module, per_table, sharder, world, world, "cpu")
     except ValueError as error:
         messages["plan"] = str(error)
-    ebc_plan = construct_module_sharding_plan(
-        module._embedding_module, {"t0": row_wise(), "t1": table_wise(rank=0)}, None, world, world, "cpu"
-    )
+    inner_plan = construct_module_sharding_plan(module._embedding_module, per_table, None, world, world, "cpu")
     try:
-        ShardedManagedCollisionEmbeddingBagCollection(module, ebc_plan, env, device="cpu")
+        sharder.shard(module, inner_plan, env, torch.device("cpu"))
     except ValueError as error:
         messages["shard"] = str(error)
     return messages
-
-
-class _BatchModel(torch.nn.Module):
-    """``(loss, output) = model(batch)``, a pipeline's model: the MC-EBC on ``batch.sparse_features``, a dense layer."""
-
-    def __init__(self, mc: Any) -> None:
-        super().__init__()
-        self.mc = mc
-        self.dense = torch.nn.Linear(11, 1)
-
-    def forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        embeddings, _ = self.mc(batch.sparse_features)
-        prediction = self.dense(embeddings.values()).squeeze(-1)
-        return ((prediction - batch.labels) ** 2).mean(), prediction.detach()
-
-
-def _pipeline_case(rank: int, world: int, sharder: Any) -> dict[str, Any]:
-    """TrainPipelineSparseDist over a DMP model holding the MC-EBC pipelines its input dist and trains as
-    TrainPipelineBase, bit for bit (the remap runs in compute, so prefetching the next input dist does not reorder
-    the MCH updates)."""
-    from tritonrec.data.batch import Batch
-    from tritonrec.dist import DistributedModelParallel
-    from tritonrec.dist.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
-
-    def data() -> Any:
-        for step in range(8):
-            lengths, values = _batch(step, world)
-            g = torch.Generator().manual_seed(step * 10 + rank)
-            yield Batch(torch.randn(BATCH, 5, generator=g), _slice(lengths, values, rank * BATCH, (rank + 1) * BATCH),
-                        torch.rand(BATCH, generator=g), torch.ones(BATCH, dtype=torch.bool))  # fmt: skip
-
-    out: dict[str, Any] = {}
-    for name, kind in (("base", TrainPipelineBase), ("sparse_dist", TrainPipelineSparseDist)):
-        torch.manual_seed(4)
-        dmp = DistributedModelParallel(_BatchModel(make_module(3)), device=torch.device("cpu"), sharders=[sharder])
-        for sharding in dmp.module.mc._embedding_module.shardings:
-            sharding.lookup.backend = "torch"
-        pipeline = kind(dmp, torch.optim.SGD(dmp.module.dense.parameters(), lr=0.1), torch.device("cpu"))
-        batches, losses = data(), []
-        while True:
-            try:
-                losses.append(float(pipeline.progress(batches)[0]))
-            except StopIteration:
-                break
-        state = {k: _local(v).clone() for k, v in dmp.state_dict().items()}
-        out[name] = {"losses": losses, "state": state, "pipelined": list(getattr(pipeline, "pipelined_modules", []))}
-    base, piped = out["base"], out["sparse_dist"]
-    return {
-        "losses_equal": base["losses"] == piped["losses"] and len(base["losses"]) == 8,
-        "state_differs": [k for k in base["state"] if not torch.equal(base["state"][k], piped["state"][k])],
-        "pipelined": piped["pipelined"],
-    }

@@ -1,0 +1,294 @@
+"""What the sharded managed-collision EC and EBC share (:mod:`tritonrec.dist.mc_embedding`,
+:mod:`tritonrec.dist.mc_embeddingbag`), row-wise only.
+
+Both wrap the inner sharded module (:class:`~tritonrec.dist.embedding.ShardedEmbeddingCollection` or
+:class:`~tritonrec.dist.embeddingbag.ShardedEmbeddingBagCollection`) whose row-wise sharding does the lookup, the
+output dist and the fused optimizer; on top of it they hold the :class:`ShardedManagedCollisionCollection` (the MCH
+modules of this rank's row shards), run its preprocess (``input_hash_func``, id range check) in ``input_dist``, bucket
+by raw-id range instead of by table row, run its remap as the inner module's ``input_transform`` (just before the
+lookup, so a pipeline prefetching the next input dist does not reorder the MCH updates), and, with
+``return_remapped_features``, send the remapped rows back to the samples' ranks.
+
+A subclass names the unsharded module type it takes (``_unsharded_type``) and fills the hooks where the EC and the
+EBC differ: how the inner module is built (``_shard_embedding_module``), which input it refuses (``_check_input``),
+what its output dist reads from the batch context (``_record_input``) and from each sharding context
+(``_record_sharding_input``, which also says whether the unbucketize permutation is needed).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, ClassVar, Generic, TypeVar
+
+import torch
+from torch import nn
+
+from tritonrec.data import KeyedJaggedTensor
+from tritonrec.dist.awaitable import Awaitable, LazyAwaitable, LazyNoWait
+from tritonrec.dist.embedding import ShardedEmbeddingCollection
+from tritonrec.dist.embeddingbag import ShardedEmbeddingBagCollection
+from tritonrec.dist.mc_sharding import (
+    RemappedFeaturesAwaitable,
+    ShardedManagedCollisionCollection,
+    check_row_wise_plan,
+)
+from tritonrec.dist.qcomm_protocol import QuantizedCommCodecs
+from tritonrec.dist.sharded_tables import InputDistAwaitable, input_dist_checks
+from tritonrec.dist.sharding.base import EmbeddingSharding
+from tritonrec.dist.sharding.common import ShardingContext, select_features
+from tritonrec.dist.sharding.rw import bucketize
+from tritonrec.dist.types import (
+    EmbeddingComputeKernel,
+    EmbeddingModuleShardingPlan,
+    FusedOptimizerModule,
+    ModuleSharder,
+    ParameterSharding,
+    ShardedModule,
+    ShardingEnv,
+    ShardingType,
+)
+from tritonrec.modules.mc_embedding_modules import (
+    ManagedCollisionEmbeddingBagCollection,
+    ManagedCollisionEmbeddingCollection,
+)
+
+
+class ManagedCollisionContext:
+    """Mixed in before the inner module's context: the rows the MCH modules handed to new ids this batch (local rows
+    per table) and, for ``return_remapped_features``, the preprocessed input and the pending reverse all-to-alls."""
+
+    sharding_contexts: list[ShardingContext]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.evictions_per_table: dict[str, torch.Tensor | None] = {}
+        self.mc_features: KeyedJaggedTensor | None = None  # preprocessed input (return_remapped_features)
+        self.remapped_returns: list[tuple[list[str], ShardingContext, Any]] = []
+
+
+_Inner = TypeVar("_Inner", ShardedEmbeddingCollection, ShardedEmbeddingBagCollection)
+_DistOut = TypeVar("_DistOut")
+_Embeddings = TypeVar("_Embeddings")
+_Ctx = TypeVar("_Ctx", bound=ManagedCollisionContext)
+
+
+class ShardedManagedCollisionModule(
+    ShardedModule[list[KeyedJaggedTensor], _DistOut, Any, _Ctx],
+    FusedOptimizerModule,
+    Generic[_Inner, _DistOut, _Embeddings, _Ctx],
+):
+    """Model-parallel managed-collision EC / EBC (see module docstring): ``_embedding_module`` is the inner sharded
+    module, ``_managed_collision_collection`` this rank's MCH modules; every table must be row-wise."""
+
+    _unsharded_type: ClassVar[type[nn.Module]]
+    _embedding_module: _Inner
+
+    def __init__(
+        self,
+        module: ManagedCollisionEmbeddingCollection | ManagedCollisionEmbeddingBagCollection,
+        table_name_to_parameter_sharding: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        fused_params: dict[str, Any] | None = None,
+        device: torch.device | str | None = None,
+        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+        module_fqn: str | None = None,
+    ) -> None:
+        super().__init__(qcomm_codecs_registry)
+        if not isinstance(module, self._unsharded_type):
+            raise TypeError(f"module must be a {self._unsharded_type.__name__}, got {type(module).__name__}")
+        if not isinstance(table_name_to_parameter_sharding, dict):
+            raise TypeError(
+                "table_name_to_parameter_sharding must be a dict, "
+                f"got {type(table_name_to_parameter_sharding).__name__}"
+            )
+        for table, sharding in table_name_to_parameter_sharding.items():
+            if getattr(sharding, "sharding_type", None) != ShardingType.ROW_WISE.value:
+                raise ValueError(
+                    f"{type(self).__name__} shards managed-collision tables row-wise only: table {table!r} has "
+                    f"sharding type {getattr(sharding, 'sharding_type', sharding)!r} (use row_wise())"
+                )
+        self._embedding_module = self._shard_embedding_module(
+            module._embedding_module,
+            table_name_to_parameter_sharding,
+            env,
+            fused_params,
+            device,
+            qcomm_codecs_registry,
+            module_fqn,
+        )
+        inner = self._embedding_module
+        check_row_wise_plan(inner._tables, type(self).__name__)
+        self._managed_collision_collection = ShardedManagedCollisionCollection(
+            module._managed_collision_collection, inner._tables, env.process_group, inner._device
+        )
+        self._return_remapped_features = module._return_remapped_features
+        self._select_cache: dict[Any, list[int]] = {}
+        self._allow_in_place_embed_weight_update = module._allow_in_place_embed_weight_update
+        # the MC step runs on each sharding's delivered KJT, just before its lookup
+        inner.input_transform = self._remap
+
+    @abc.abstractmethod
+    def _shard_embedding_module(
+        self,
+        module: nn.Module,
+        table_name_to_parameter_sharding: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        fused_params: dict[str, Any] | None,
+        device: torch.device | str | None,
+        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None,
+        module_fqn: str | None,
+    ) -> _Inner:
+        """The inner sharded module over the unsharded module's ``_embedding_module``."""
+
+    def _check_input(self, features: KeyedJaggedTensor) -> None:
+        """Refuse a batch the inner module cannot take (raised inside the input dist checks); none by default."""
+
+    @abc.abstractmethod
+    def _record_input(self, ctx: _Ctx, features: KeyedJaggedTensor) -> None:
+        """Put in ``ctx`` what the inner module's output dist reads of this rank's preprocessed batch."""
+
+    @abc.abstractmethod
+    def _record_sharding_input(
+        self, sharding: EmbeddingSharding, ctx: ShardingContext, selected: KeyedJaggedTensor
+    ) -> bool:
+        """Put in ``ctx`` what the sharding's output dist reads of its selected features; return whether the
+        unbucketize permutation (rows back in input order) is needed."""
+
+    def input_dist(self, ctx: _Ctx, features: KeyedJaggedTensor) -> Awaitable[Awaitable[list[KeyedJaggedTensor]]]:
+        inner = self._embedding_module
+        shardings = list(inner._shardings)
+        # a rank rejecting its batch joins the checks the others' all-to-alls run
+        with input_dist_checks(shardings, f"{type(self).__name__}.input_dist"):
+            if not isinstance(features, KeyedJaggedTensor):
+                raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
+            index = features.index_per_key()
+            missing = [f for f in inner._features if f not in index]
+            if missing:
+                raise ValueError(f"features is missing keys {missing} (it has {features.keys()})")
+            self._check_input(features)
+            if features.variable_stride_per_key():
+                raise NotImplementedError(
+                    f"{type(self).__name__} does not take a variable batch per feature (VBE) input"
+                )
+            with torch.no_grad():
+                selected = select_features(features, inner._features, self._select_cache)
+                features = self._managed_collision_collection.preprocess(selected)
+            ctx.mc_features = features
+            self._record_input(ctx, features)
+            ctx.sharding_contexts = [ShardingContext() for _ in shardings]
+            return InputDistAwaitable(
+                [self._rw_input_dist(s, features, c) for s, c in zip(shardings, ctx.sharding_contexts, strict=True)]
+            )
+
+    def _rw_input_dist(
+        self, sharding: EmbeddingSharding, features: KeyedJaggedTensor, ctx: ShardingContext
+    ) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+        """The row-wise sharding's input dist (:class:`~tritonrec.dist.sharding.rw.RwSharding`), bucketing by raw-id
+        range: ids keep their value up to the rank's block start (:meth:`ShardedManagedCollisionCollection.remap` adds
+        it back)."""
+        names = sharding.rank_features(sharding.rank)
+        selected = sharding.select(features, names)
+        ctx.variable_batch = False
+        ctx.lengths = selected.lengths()  # this rank's lengths: the sequence output's, the bag MEAN divisor
+        ctx.batch_size_per_feature_pre_a2a = selected.stride_per_key()
+        keep_permute = self._record_sharding_input(sharding, ctx, selected)
+        block_sizes = self._managed_collision_collection.block_sizes(names)
+        bucketized, ctx.unbucketize_permute = bucketize(
+            selected, block_sizes, sharding.world_size, keep_permute, sharding.lookup.backend
+        )
+        return sharding.all_to_all(bucketized, [len(names)] * sharding.world_size, ctx)
+
+    def _remap(self, ctx: _Ctx, sharding: Any, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        remapped = self._managed_collision_collection.remap(features)
+        if self._return_remapped_features:  # the rows go back to the samples' ranks
+            (index,) = [i for i, s in enumerate(self._embedding_module._shardings) if s is sharding]
+            context = ctx.sharding_contexts[index]
+            work = self._managed_collision_collection.return_dist(remapped, context, sharding.input_dist_pg)
+            ctx.remapped_returns.append((sharding.rank_features(sharding.rank), context, work))
+        # torchrec 1.8's unsharded eviction hook is a no-op: the rows are only reported
+        ctx.evictions_per_table.update(self._managed_collision_collection.evict())
+        return remapped
+
+    def compute(self, ctx: _Ctx, dist_input: list[KeyedJaggedTensor]) -> _DistOut:
+        return self._embedding_module.compute(ctx, dist_input)
+
+    def output_dist(
+        self, ctx: _Ctx, output: _DistOut
+    ) -> tuple[LazyAwaitable[_Embeddings], LazyAwaitable[KeyedJaggedTensor | None]]:
+        return self._embedding_module.output_dist(ctx, output), self._remapped_features(ctx)
+
+    def compute_and_output_dist(  # type: ignore[override]
+        self, ctx: _Ctx, input: list[KeyedJaggedTensor]
+    ) -> tuple[LazyAwaitable[_Embeddings], LazyAwaitable[KeyedJaggedTensor | None]]:
+        return self._embedding_module.compute_and_output_dist(ctx, input), self._remapped_features(ctx)
+
+    def _remapped_features(self, ctx: _Ctx) -> LazyAwaitable[KeyedJaggedTensor | None]:
+        if not self._return_remapped_features:
+            return LazyNoWait(None)
+        keys = self._managed_collision_collection._output_features
+        return RemappedFeaturesAwaitable(ctx.mc_features, keys, ctx.remapped_returns)  # type: ignore[arg-type]
+
+    @property
+    def fused_optimizer(self) -> torch.optim.Optimizer:
+        return self._embedding_module.fused_optimizer
+
+
+_Module = TypeVar("_Module", bound=nn.Module)
+
+
+class ManagedCollisionSharder(ModuleSharder[_Module]):
+    """Shards a managed-collision EC / EBC row-wise (the only sharding type it offers, as torchrec's) into
+    ``_sharded_type``, with the inner module's compute kernels and fused optimizer options.
+
+    Args:
+        fused_params: optimizer and lookup options (:mod:`tritonrec.dist.fused_params`).
+        qcomm_codecs_registry: comm op name -> codecs (the output dist's wire).
+    """
+
+    _sharded_type: ClassVar[type[ShardedManagedCollisionModule]]
+
+    def __init__(
+        self,
+        fused_params: dict[str, Any] | None = None,
+        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+    ) -> None:
+        super().__init__(qcomm_codecs_registry)
+        self._fused_params = fused_params
+
+    @property
+    def fused_params(self) -> dict[str, Any] | None:
+        return self._fused_params
+
+    def shard(
+        self,
+        module: _Module,
+        params: EmbeddingModuleShardingPlan,
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> ShardedManagedCollisionModule:
+        return self._sharded_type(
+            module, params, env, self._fused_params, device, self.qcomm_codecs_registry, module_fqn
+        )
+
+    @property
+    def module_type(self) -> type[_Module]:
+        return self._sharded_type._unsharded_type
+
+    def shardable_parameters(self, module: _Module) -> dict[str, nn.Parameter]:
+        if not isinstance(module, self.module_type):
+            raise TypeError(f"module must be a {self.module_type.__name__}, got {type(module).__name__}")
+        return self._table_weights(module._embedding_module)
+
+    @abc.abstractmethod
+    def _table_weights(self, module: Any) -> dict[str, nn.Parameter]:
+        """Table name -> weight of the unsharded module's inner embedding module."""
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        return [ShardingType.ROW_WISE.value]
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        return [EmbeddingComputeKernel.DENSE.value, EmbeddingComputeKernel.FUSED.value]
+
+
+__all__ = ["ManagedCollisionContext", "ManagedCollisionSharder", "ShardedManagedCollisionModule"]
