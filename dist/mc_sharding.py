@@ -37,6 +37,7 @@ from tritonrec.dist.sharding.common import ShardedTable, ShardingContext
 from tritonrec.dist.types import ShardingType
 from tritonrec.modules.mc_base import check_id_features
 from tritonrec.modules.mc_collection import ManagedCollisionCollection
+from tritonrec.modules.mc_modules import MCHManagedCollisionModule
 
 _LOCAL_BUFFERS = ("_output_segments_tensor", "_current_iter_tensor")  # torchrec keeps these rank-local
 
@@ -71,6 +72,12 @@ class ShardedManagedCollisionCollection(nn.Module):
         super().__init__()
         if not isinstance(module, ManagedCollisionCollection):
             raise TypeError(f"module must be a ManagedCollisionCollection, got {type(module).__name__}")
+        for name, table_module in module._managed_collision_modules.items():
+            if not isinstance(table_module, MCHManagedCollisionModule):  # its own bucketing, not this raw-id split
+                raise NotImplementedError(
+                    f"table {name!r}: sharding a {type(table_module).__name__} is not built; the sharded "
+                    "managed-collision modules take MCHManagedCollisionModule tables only"
+                )
         check_row_wise_plan(tables, type(self).__name__)
         self._pg = pg
         self._rank, self._world_size = dist.get_rank(pg), dist.get_world_size(pg)

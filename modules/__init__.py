@@ -43,6 +43,11 @@ from tritonrec.modules.mc_embedding_modules import (
     ManagedCollisionEmbeddingBagCollection,
     ManagedCollisionEmbeddingCollection,
 )
+from tritonrec.modules.mc_hash_zch import (
+    HashZchEvictionConfig,
+    HashZchEvictionPolicyName,
+    HashZchManagedCollisionModule,
+)
 from tritonrec.modules.mc_modules import (
     DistanceLFU_EvictionPolicy,
     LFU_EvictionPolicy,
@@ -86,6 +91,9 @@ __all__ = [
     "FeatureProcessedEmbeddingBagCollection",
     "FusedEmbeddingBagCollection",
     "FusedEmbeddingCollection",
+    "HashZchEvictionConfig",
+    "HashZchEvictionPolicyName",
+    "HashZchManagedCollisionModule",
     "InteractionArch",
     "InteractionDCNArch",
     "InteractionProjectionArch",

@@ -87,13 +87,16 @@ class ManagedCollisionCollection(nn.Module):
             raise ValueError(f"features is missing the managed-collision feature(s) {missing}; it has keys {keys}")
         per_feature = {f: features[f] for f in self._feature_names}
         remapped: list[torch.Tensor] = []
+        remapped_lengths: list[torch.Tensor] = []  # a module may drop ids (hash ZCH with disable_fallback)
         for table, table_features in self._table_to_features.items():
             parts = [per_feature[f] for f in table_features]
             ids = JaggedTensor(
                 values=torch.cat([p.values() for p in parts]), lengths=torch.cat([p.lengths() for p in parts])
             )
             module = self._managed_collision_modules[table]
-            remapped.append(module({table: ids}, mutate_miss_lengths=mutate_miss_lengths)[table].values())
+            out = module({table: ids}, mutate_miss_lengths=mutate_miss_lengths)[table]
+            remapped.append(out.values())
+            remapped_lengths.append(out.lengths())
         jagged = list(per_feature.values())
         weights = None if features.weights_or_none() is None else torch.cat([jt.weights() for jt in jagged])
         strides = features.stride_per_key_per_rank()
@@ -104,7 +107,7 @@ class ManagedCollisionCollection(nn.Module):
         return KeyedJaggedTensor(
             keys=self._feature_names,
             values=torch.cat(remapped) if remapped else features.values()[:0],
-            lengths=torch.cat([jt.lengths() for jt in jagged]) if jagged else features.lengths()[:0],
+            lengths=torch.cat(remapped_lengths) if remapped_lengths else features.lengths()[:0],
             weights=weights,
             stride=features.stride(),
             stride_per_key_per_rank=[strides[keys.index(f)] for f in self._feature_names] if strides else None,
