@@ -85,6 +85,25 @@ def _table_config(module: nn.Module, name: str) -> tuple[Any, bool]:
     return None, True
 
 
+def _tower_index(collection: EmbeddingTowerCollection, table: str) -> int | None:
+    """The index of the tower of ``collection`` whose embedding module holds ``table`` (``None``: none does)."""
+    for i, tower in enumerate(collection.towers):
+        if any(name.split(".")[-1] == table for name, _ in tower.embedding.named_modules()):
+            return i
+    return None
+
+
+def _tower_embedding(module: nn.Module, table: str) -> nn.Module:
+    """The embedding module of the tower of ``module`` (an :class:`EmbeddingTower` or a collection of them) that
+    holds ``table``; ``module`` itself when it is no tower."""
+    if isinstance(module, EmbeddingTower):
+        return module.embedding
+    if isinstance(module, EmbeddingTowerCollection):
+        index = _tower_index(module, table)
+        return module.towers[index].embedding if index is not None else module
+    return module
+
+
 def fused_optimizer_type(sharder: ModuleSharder[Any], module: nn.Module, param: nn.Parameter | None = None) -> Any:
     """The optimizer a fused kernel would apply to ``module``'s tables: the one ``apply_optimizer_in_backward`` put
     on ``param``, else the sharder's ``fused_params``, else the module's own fused optimizer (the inner EBC's, for a
@@ -107,9 +126,9 @@ def tower_dependency(path: str, module: nn.Module, table: str) -> str | None:
     if isinstance(module, EmbeddingTower):
         return path
     if isinstance(module, EmbeddingTowerCollection):
-        for i, tower in enumerate(module.towers):
-            if any(name.split(".")[-1] == table for name, _ in tower.embedding.named_modules()):
-                return f"{path}.tower_{i}"
+        index = _tower_index(module, table)
+        if index is not None:
+            return f"{path}.tower_{index}"
         raise ValueError(f"table {table!r} is in none of the towers of {path or 'the model'!r}")
     return None
 
@@ -188,14 +207,18 @@ class EmbeddingEnumerator:
         if param.dim() != 2:
             raise ValueError(f"table {name!r}: only 2-D [rows, dim] tables can be sharded, got {tuple(param.shape)}")
         rows, dim = param.shape
-        config, pooled = _table_config(module, name)
+        # a tower's tables are described by its embedding module (a tower lists no configs: without this its
+        # sequence tables were costed as pooled ones read by one feature)
+        lookup_module = _tower_embedding(module, name)
+        config, pooled = _table_config(lookup_module, name)
         features = max(1, len(config.feature_names)) if config is not None else 1
         output_dim = config.embedding_dim if config is not None else dim
-        weighted = bool(module.is_weighted()) if callable(getattr(module, "is_weighted", None)) else False
+        is_weighted = getattr(lookup_module, "is_weighted", None)
+        weighted = bool(is_weighted()) if callable(is_weighted) else False
         pooling = _per_feature(name, "pooling factors", c.pooling_factors if c else None, features, 1.0)
         poolings = _per_feature(name, "num_poolings", c.num_poolings if c else None, features, 1.0)
         batches = _per_feature(name, "batch sizes", c.batch_sizes if c else None, features, self._batch_size)
-        optimizer = fused_optimizer_type(sharder, module, param)
+        optimizer = fused_optimizer_type(sharder, lookup_module, param)  # a tower: its fused EBC/EC
         # the dense kernel would drop an optimizer applied in backward (the sharded module refuses that plan) or a
         # fused collection's own; both mark the table with _in_backward_optimizers
         in_backward = hasattr(param, "_in_backward_optimizers")

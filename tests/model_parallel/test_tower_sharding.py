@@ -7,11 +7,7 @@ tower_sharding_refusals.py."""
 
 from __future__ import annotations
 
-import atexit
 import functools
-import os
-import shutil
-import tempfile
 from typing import Any
 
 import pytest
@@ -46,6 +42,12 @@ def _run(rank: int, world: int) -> dict[str, Any]:
     suites: dict[str, Any] = {name: (case, (2,)) for name, case in tower_sharding_cases.CASES.items()}
     suites["refusals"] = (tower_sharding_refusals.run_refusals, (2,))
     suites["checkpoint"] = (tower_sharding_checkpoint_cases.run_checkpoint, (2,))
+    suites["tower_sharder_checkpoint"] = (
+        lambda rank, world: tower_sharding_checkpoint_cases.run_checkpoint(
+            rank, world, 1, tower_sharding_cases.tower_plan, "tower"
+        ),
+        (2,),
+    )
     suites["pipeline"] = (tower_sharding_pipeline_cases.run_pipeline, (2,))
     return run_suites(suites, rank, world)
 
@@ -54,11 +56,9 @@ def _run(rank: int, world: int) -> dict[str, Any]:
 def _spawned() -> list[dict[str, Any]]:
     """One spawn for this module and test_tower_sharding_checkpoint.py (which reads its ``checkpoint`` suite); the
     ranks save their checkpoints under a temporary directory they inherit through the environment."""
-    from tests.model_parallel.tower_sharding_checkpoint_cases import ROOT_ENV
+    from tests.model_parallel.tower_sharding_checkpoint_cases import make_checkpoint_root
 
-    root = tempfile.mkdtemp(prefix="tritonrec-tower-checkpoints-")
-    atexit.register(shutil.rmtree, root, ignore_errors=True)
-    os.environ[ROOT_ENV] = root
+    make_checkpoint_root()
     return spawn_ranks(_run, 2, timeout=SPAWN_TIMEOUT_S)
 
 

@@ -32,10 +32,15 @@ def _run(rank: int, world: int) -> dict[str, Any]:
 
 @functools.cache
 def _spawned() -> list[dict[str, Any]]:
+    """One spawn for this module and test_tower_sharding_hosts_checkpoint.py (its checkpoint and pipeline suites)."""
+    from tests.model_parallel.tower_sharding_checkpoint_cases import make_checkpoint_root
+
+    make_checkpoint_root()
     return spawn_ranks(_run, WORLD, timeout=SPAWN_TIMEOUT_S)
 
 
-def _results(case: str) -> list[Any]:
+def results(case: str) -> list[Any]:
+    """Per rank, what rank-side case ``case`` returned (the module's spawn runs once per session)."""
     return results_of(_spawned(), case, WORLD)
 
 
@@ -45,18 +50,18 @@ def _host_of_tower(case: str, tower: int) -> int:
 
 @pytest.mark.parametrize("case", ["in_order", "swapped", "planner"])
 def test_two_hosts_of_two_train_like_the_single_process_model(case: str) -> None:
-    results = _results(case)
-    for rank, got in enumerate(results):
+    per_rank = results(case)
+    for rank, got in enumerate(per_rank):
         assert got["loss"] <= TOLERANCE, f"rank {rank}: the loss differs by {got['loss']}"
         assert got["params"] <= TOLERANCE, f"rank {rank}: interaction / dense parameters differ by {got['params']}"
-    assert results[0]["keys_equal"], "the ranks' state-dict keys together are not the unsharded model's"
-    assert results[0]["state_dict"] <= TOLERANCE, f"the gathered state differs by {results[0]['state_dict']}"
-    assert results[0]["moved"] > 1e-4, "some weight did not train: the comparison would not test the sharded update"
+    assert per_rank[0]["keys_equal"], "the ranks' state-dict keys together are not the unsharded model's"
+    assert per_rank[0]["state_dict"] <= TOLERANCE, f"the gathered state differs by {per_rank[0]['state_dict']}"
+    assert per_rank[0]["moved"] > 1e-4, "some weight did not train: the comparison would not test the sharded update"
 
 
 @pytest.mark.parametrize("case", ["in_order", "swapped"])
 def test_each_tower_lives_on_both_ranks_of_its_host_only(case: str) -> None:
-    for rank, got in enumerate(_results(case)):
+    for rank, got in enumerate(results(case)):
         tower = next(t for t in range(2) if _host_of_tower(case, t) == rank // 2)
         assert got["interactions"] == [k for k in TOWER_KEYS[tower] if ".interaction." in k], rank
         assert got["local_keys"] == sorted(DENSE_KEYS + TOWER_KEYS[tower]), rank
@@ -66,9 +71,9 @@ def test_each_tower_lives_on_both_ranks_of_its_host_only(case: str) -> None:
 
 
 def test_planner_keeps_each_tower_on_one_host() -> None:
-    results = _results("planner")
-    planned = results[0]["planned"]
-    assert all(r["planned"] == planned for r in results), "the ranks got different plans"
+    per_rank = results("planner")
+    planned = per_rank[0]["planned"]
+    assert all(r["planned"] == planned for r in per_rank), "the ranks got different plans"
     hosts = [{rank // 2 for table in tables for rank in planned[table]} for tables in TOWER_TABLES_OF]
     assert all(len(h) == 1 for h in hosts), planned
     assert hosts[0] != hosts[1], f"both towers on one host: {planned}"

@@ -127,17 +127,19 @@ def planned_ranks(plan: Any) -> dict[str, list[int]]:
     return {table: shard_ranks(sharding) for table, sharding in plan.plan[TOWERS_PATH].items()}
 
 
-def tower_plan(model: nn.Module, world: int) -> Any:
-    """Each tower sharded by ``EmbeddingTowerSharder`` on its own: tower ``i`` on host ``i``."""
+def tower_plan(model: nn.Module, hosts: tuple[int, int], world: int, local: int = 1) -> Any:
+    """Each tower sharded by ``EmbeddingTowerSharder`` on its own: tower 0 table-row-wise on host ``hosts[0]``,
+    tower 1 table-column-wise on the ranks of host ``hosts[1]`` (``local`` ranks per host)."""
     from tritonrec.dist import ShardingPlan, construct_module_sharding_plan, table_column_wise, table_row_wise
     from tritonrec.dist.embedding_tower_sharding import EmbeddingTowerSharder
 
-    gens = [{t: table_row_wise(host_index=0) for t in TOWER_TABLES[0]},
-            {t: table_column_wise(ranks=[1]) for t in TOWER_TABLES[1]}]  # fmt: skip
+    column_ranks = [hosts[1] * local + i % local for i in range(2)]
+    gens = [{t: table_row_wise(host_index=hosts[0]) for t in TOWER_TABLES[0]},
+            {t: table_column_wise(ranks=column_ranks) for t in TOWER_TABLES[1]}]  # fmt: skip
     return ShardingPlan(
         {
             f"{TOWERS_PATH}.towers.{i}": construct_module_sharding_plan(
-                model.get_submodule(f"{TOWERS_PATH}.towers.{i}"), g, EmbeddingTowerSharder(), 1, world, "cpu"
+                model.get_submodule(f"{TOWERS_PATH}.towers.{i}"), g, EmbeddingTowerSharder(), local, world, "cpu"
             )
             for i, g in enumerate(gens)
         }
@@ -232,7 +234,7 @@ def run_tower_sharder(rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(3)
     model = TowerModel()
     reference = copy.deepcopy(model)
-    dmp = _wrap(model, tower_plan(model, world))
+    dmp = _wrap(model, tower_plan(model, (0, 1), world))
     dmp_dense, ref_dense = dense_optimizer(dmp.named_parameters()), dense_optimizer(reference.named_parameters())
     towers = [dmp.module.get_submodule(f"{TOWERS_PATH}.towers.{i}") for i in range(2)]
     return {

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 
-from tests.model_parallel.tower_sharding_cases import run_training
+from tests.model_parallel.tower_sharding_cases import run_training, tower_plan
+from tests.model_parallel.tower_sharding_checkpoint_cases import run_checkpoint
+from tests.model_parallel.tower_sharding_pipeline_cases import run_pipeline
 
 LOCAL = 2
 
@@ -25,4 +27,7 @@ CASES = {
     "in_order": lambda rank, world: run_training(rank, world, (0, 1), steps=3, local=LOCAL),
     "swapped": lambda rank, world: run_training(rank, world, (1, 0), steps=2, local=LOCAL),
     "planner": lambda rank, world: run_training(rank, world, None, steps=3, local=LOCAL),
+    "checkpoint": lambda rank, world: run_checkpoint(rank, world, local=LOCAL),
+    "tower_sharder_checkpoint": lambda rank, world: run_checkpoint(rank, world, LOCAL, tower_plan, "tower"),
+    "pipeline": lambda rank, world: run_pipeline(rank, world, local=LOCAL),
 }

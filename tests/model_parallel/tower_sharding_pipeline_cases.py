@@ -51,19 +51,20 @@ class TowerTrain(nn.Module):
         return loss, (loss.detach(), logits.detach(), batch.labels)
 
 
-def _build(world: int) -> tuple[Any, torch.optim.Optimizer]:
-    """(DMP with tower 0 table-row-wise on host 0 and tower 1 table-column-wise on host 1, dense Adagrad over the
-    rest), the same initial weights on every call."""
+def _build(world: int, local: int) -> tuple[Any, torch.optim.Optimizer]:
+    """(DMP with tower 0 table-row-wise on host 0 and tower 1 table-column-wise on host 1 (``local`` ranks per host),
+    dense Adagrad over the rest), the same initial weights on every call."""
     from tritonrec.dist import ShardingPlan, construct_module_sharding_plan, table_column_wise, table_row_wise
     from tritonrec.dist.embedding_tower_sharding import EmbeddingTowerCollectionSharder
     from tritonrec.optim.keyed import in_backward_optimizer_filter
 
     torch.manual_seed(5)
     model = TowerTrain()
+    column_ranks = [local + i % local for i in range(2)]
     gens = {f"t_{f}": table_row_wise(host_index=0) for f in TOWER_FEATURES[0]}
-    gens |= {f"t_{f}": table_column_wise(ranks=[1]) for f in TOWER_FEATURES[1]}
+    gens |= {f"t_{f}": table_column_wise(ranks=column_ranks) for f in TOWER_FEATURES[1]}
     sharder = EmbeddingTowerCollectionSharder()
-    plan = construct_module_sharding_plan(model.tower_arch, gens, sharder, 1, world, "cpu")
+    plan = construct_module_sharding_plan(model.tower_arch, gens, sharder, local, world, "cpu")
     dmp = _wrap(model, ShardingPlan({"tower_arch": plan}))
     dense = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
     return dmp, torch.optim.Adagrad(dense, lr=0.05)
@@ -78,15 +79,16 @@ def _losses(pipeline: Any, data: Any) -> list[float]:
             return losses
 
 
-def run_pipeline(rank: int, world: int) -> dict[str, Any]:
+def run_pipeline(rank: int, world: int, local: int = 1) -> dict[str, Any]:
+    """Both pipelines on ``world`` ranks, ``local`` per host (each rank its own batches)."""
     from tritonrec.dist.sharded_state import gather_unsharded_state_dict
     from tritonrec.dist.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
 
-    model, optimizer = _build(world)
+    model, optimizer = _build(world, local)
     initial = gather_unsharded_state_dict(model)
     base = _losses(TrainPipelineBase(model, optimizer, CPU), batches(rank, STEPS))
     base_state = gather_unsharded_state_dict(model)
-    model, optimizer = _build(world)
+    model, optimizer = _build(world, local)
     pipeline = TrainPipelineSparseDist(model, optimizer, CPU)
     losses = _losses(pipeline, batches(rank, STEPS))
     state = gather_unsharded_state_dict(model)

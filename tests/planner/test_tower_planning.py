@@ -123,3 +123,70 @@ def test_a_tower_too_large_for_any_host_names_the_tower(monkeypatch: pytest.Monk
 def test_tower_dependency_refuses_a_table_in_no_tower() -> None:
     with pytest.raises(ValueError, match="'nowhere'"):
         enumerators_module.tower_dependency("towers", Model(TOWERS).towers, "nowhere")
+
+
+def _sequence_options(module: nn.Module, sharder: object, topology: Topology) -> dict[tuple, object]:
+    """(sharding type, kernel, column blocks) -> table ``seq``'s option, estimated."""
+    from tritonrec.dist.planner import EmbeddingPerfEstimator, EmbeddingStorageEstimator
+
+    constraints = {"seq": ParameterConstraints(pooling_factors=[6.0, 2.0])}
+    estimators = [EmbeddingPerfEstimator(topology), EmbeddingStorageEstimator(topology)]
+    enumerator = EmbeddingEnumerator(topology, batch_size=8, constraints=constraints, estimator=estimators)
+    options = enumerator.enumerate(module, [sharder])  # type: ignore[list-item]
+    return {(o.sharding_type, o.compute_kernel, o.num_column_shards): o for o in options if o.name == "seq"}
+
+
+@pytest.mark.parametrize("per_tower", [False, True])
+def test_a_sequence_table_in_a_tower_is_costed_as_a_sequence_table(per_tower: bool) -> None:
+    """An EmbeddingCollection table (two features, 6 and 2 ids per sample) inside a tower gets the options, storage
+    and perf the planner gives the same table in a plain EmbeddingCollection under the same sharding types: one
+    output row per id, its features counted, not a pooled table's one row per bag."""
+    from tests.planner.planner_testing import PlanOnlySharder
+    from tritonrec.modules import EmbeddingCollection, EmbeddingConfig
+
+    def sequence() -> EmbeddingCollection:
+        config = EmbeddingConfig(num_embeddings=300, embedding_dim=DIM, name="seq", feature_names=["fa", "fb"])
+        return EmbeddingCollection([config], device="meta")
+
+    topology = Topology(4, "cpu", local_world_size=2)
+    tower = EmbeddingTower(sequence(), Interaction(DIM))
+    towered = EmbeddingTowerCollection([tower]) if not per_tower else tower
+    sharder = EmbeddingTowerSharder() if per_tower else EmbeddingTowerCollectionSharder()
+    got = _sequence_options(towered, sharder, topology)
+    plain = PlanOnlySharder(EmbeddingCollection, types=list(TOWER_SHARDING_TYPES), kernels=sharder.compute_kernels(
+        "table_row_wise", "cpu"))  # fmt: skip
+    want = _sequence_options(sequence(), plain, topology)
+    assert sorted(got) == sorted(want)
+    for key, option in got.items():
+        expected = want[key]
+        assert option.is_pooled is False and option.output_dim == expected.output_dim, key
+        assert option.input_lengths == expected.input_lengths, key
+        assert [s.storage for s in option.shards] == [s.storage for s in expected.shards], key
+        assert [s.perf for s in option.shards] == [s.perf for s in expected.shards], key
+
+
+def test_a_fused_table_in_a_tower_is_costed_with_its_optimizer_state() -> None:
+    """A fused EBC's table inside a tower gets the storage of the same table in a plain fused EBC (its full Adagrad
+    state counted, not the default optimizer's): the planner reads the fused optimizer of the tower's embedding
+    module, which the tower itself does not have."""
+    from tritonrec.dist.planner import EmbeddingStorageEstimator
+    from tritonrec.modules import FusedEmbeddingBagCollection
+
+    def fused() -> FusedEmbeddingBagCollection:
+        config = EmbeddingBagConfig(num_embeddings=300, embedding_dim=DIM, name="seq", feature_names=["fa"])
+        return FusedEmbeddingBagCollection([config], "EXACT_ADAGRAD", {"lr": 0.1}, device="meta")
+
+    def storages(module: nn.Module, sharder: object) -> dict[tuple, list]:
+        topology = Topology(4, "cpu", local_world_size=2)
+        enumerator = EmbeddingEnumerator(topology, batch_size=8, estimator=[EmbeddingStorageEstimator(topology)])
+        options = enumerator.enumerate(module, [sharder])  # type: ignore[list-item]
+        return {(o.sharding_type, o.compute_kernel): [s.storage for s in o.shards] for o in options}
+
+    got = storages(
+        EmbeddingTowerCollection([EmbeddingTower(fused(), Interaction(DIM))]), EmbeddingTowerCollectionSharder()
+    )
+    want = storages(fused(), EmbeddingBagCollectionSharder())
+    shared = sorted(set(got) & set(want))
+    assert shared, (sorted(got), sorted(want))
+    for key in shared:
+        assert got[key] == want[key], key
