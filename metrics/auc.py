@@ -25,14 +25,19 @@ LABELS = "labels"
 WEIGHTS = "weights"
 
 
-def compute_auc(
-    predictions: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, apply_bin: bool = False
-) -> torch.Tensor:
-    """[n_tasks, N] each -> [n_tasks] weighted AUC (float32, as torchrec's)."""
-    if apply_bin:  # torchrec's binarisation of soft labels
-        labels = (labels >= 0.039).to(labels.dtype)
+def roc_area(
+    predictions: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The weighted ROC core both AUROCs share (this metric's and the training job's
+    ``tritonrec.dist.train.metrics.auroc``): ``predictions``, ``labels`` (0/1), ``weights``: [..., N] ->
+    ``(area, positive_weight, negative_weight)``, each [...]. ``area`` is the trapezoid area under the curve of true-
+    against false-positive weight (sorting by prediction, descending; tied predictions enter as one step, so a tie
+    between a positive and a negative counts one half); the AUC is ``area / (positive_weight x negative_weight)``,
+    left to the callers with their own convention where that product is 0. Sums accumulate in the dtype of
+    ``labels * weights`` (float32 here, float64 in the job); N = 0 gives zeros."""
     if predictions.shape[-1] == 0:
-        return torch.full(predictions.shape[:-1], 0.5, device=predictions.device)
+        zeros = torch.zeros(predictions.shape[:-1], dtype=(labels * weights).dtype, device=predictions.device)
+        return zeros, zeros.clone(), zeros.clone()
     sorted_predictions, order = torch.sort(predictions, dim=-1, descending=True)
     sorted_labels = labels.gather(-1, order)
     sorted_weights = weights.gather(-1, order)
@@ -45,7 +50,19 @@ def compute_auc(
     cum_fp = cum_fp.gather(-1, group_end)
     zero = torch.zeros_like(cum_tp[..., :1])  # the curve starts at (0, 0)
     area = torch.trapezoid(torch.cat([zero, cum_tp], dim=-1), torch.cat([zero, cum_fp], dim=-1), dim=-1)
-    total = cum_fp[..., -1] * cum_tp[..., -1]
+    return area, cum_tp[..., -1], cum_fp[..., -1]
+
+
+def compute_auc(
+    predictions: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, apply_bin: bool = False
+) -> torch.Tensor:
+    """[n_tasks, N] each -> [n_tasks] weighted AUC (float32, as torchrec's); 0.5 where either class has no weight."""
+    if apply_bin:  # torchrec's binarisation of soft labels
+        labels = (labels >= 0.039).to(labels.dtype)
+    if predictions.shape[-1] == 0:
+        return torch.full(predictions.shape[:-1], 0.5, device=predictions.device)
+    area, positive, negative = roc_area(predictions, labels, weights)
+    total = negative * positive
     return torch.where(total == 0, 0.5, area / torch.where(total == 0, 1.0, total))
 
 
@@ -60,33 +77,33 @@ class AUCMetricComputation(RecMetricComputation):
         if grouped_auc:
             raise ValueError("grouped_auc=True is not supported")
         self._apply_bin = check_bool(apply_bin, "apply_bin")
-        self._num_samples = 0
         for name in (PREDICTIONS, LABELS, WEIGHTS):
             self._add_state(name, [], add_window_state=False, dist_reduce_fx="cat", persistent=False)
+
+    @property
+    def _num_samples(self) -> int:
+        """Samples kept, read from the list state itself, so states set by sync() or load_states() count too."""
+        return sum(part.shape[-1] for part in getattr(self, PREDICTIONS))
 
     def update(self, *, predictions: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> None:
         kept = [getattr(self, name) for name in (PREDICTIONS, LABELS, WEIGHTS)]
         for parts, value in zip(kept, (predictions, labels, weights), strict=True):
             parts.append(value.float())
-        self._num_samples += predictions.shape[-1]
         # drop whole old batches, then the oldest samples of the next one, until the window fits
-        while self._num_samples > self._window_size:
-            excess = self._num_samples - self._window_size
+        num_samples = self._num_samples
+        while num_samples > self._window_size:
+            excess = num_samples - self._window_size
             oldest = kept[0][0].shape[-1]
             for parts in kept:
                 if excess >= oldest:
                     parts.pop(0)
                 else:
                     parts[0] = parts[0][:, excess:]
-            self._num_samples -= min(excess, oldest)
+            num_samples -= min(excess, oldest)
 
     def _compute(self) -> list[MetricComputationReport]:
         states = [self._local_list_state(name) for name in (PREDICTIONS, LABELS, WEIGHTS)]
         return [MetricComputationReport(MetricName.AUC, MetricPrefix.WINDOW, compute_auc(*states, self._apply_bin))]
-
-    def reset(self) -> None:
-        super().reset()
-        self._num_samples = 0
 
 
 class AUCMetric(RecMetric):

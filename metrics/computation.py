@@ -92,6 +92,9 @@ class RecMetricComputation(nn.Module, abc.ABC):
         # follows .to(): where an empty list state is made on (AUC has no tensor state; on CUDA an empty CPU tensor
         # would enter NCCL's all-gather)
         self.register_buffer("_device_anchor", torch.zeros(0), persistent=False)
+        # sync()/unsync(): while synced the states hold their reduced values and _cache the local ones
+        self._is_synced = False
+        self._cache: dict[str, torch.Tensor | list[torch.Tensor]] | None = None
 
     @staticmethod
     def get_window_state_name(state_name: str) -> str:
@@ -155,24 +158,91 @@ class RecMetricComputation(nn.Module, abc.ABC):
         for name, fx in self._reductions.items():
             if fx == "cat":
                 setattr(self, name, [fn(t) for t in getattr(self, name)])
+        if self._cache is not None:  # the local states unsync() brings back move too
+            self._cache = {n: [fn(t) for t in v] if isinstance(v, list) else fn(v) for n, v in self._cache.items()}
         return self
+
+    def reduced_states(
+        self, process_group: dist.ProcessGroup | None = None
+    ) -> dict[str, torch.Tensor | list[torch.Tensor]]:
+        """Every state (window twins included) reduced over ``process_group`` (this computation's group when None): a
+        collective when torch.distributed is initialised, on every rank of the group. "sum" states [n_tasks] come back
+        summed over the ranks; "cat" states as ``[tensor [n_tasks, sum of the ranks' samples]]`` (rank order), or
+        ``[]`` when no rank holds a sample. New tensors: the local states are left untouched."""
+        group = process_group if process_group is not None else self._process_group
+        sums = {n: getattr(self, n) for n, fx in self._reductions.items() if fx == "sum"}
+        cats = {n: self._local_list_state(n) for n, fx in self._reductions.items() if fx == "cat"}
+        if group_world_size(group) > 1:
+            # every rank enters both collectives, even with no samples: skipping one would hang the others
+            reduced_sums = all_reduce_sums(sums, group) if sums else {}
+            gathered = all_gather_cat(cats, group) if cats else {}
+        else:
+            reduced_sums = {name: value.clone() for name, value in sums.items()}
+            gathered = {name: value.clone() for name, value in cats.items()}
+        out: dict[str, torch.Tensor | list[torch.Tensor]] = dict(reduced_sums)
+        for name, value in gathered.items():
+            out[name] = [value] if value.shape[-1] else []
+        return {name: out[name] for name in self._reductions}
+
+    def sync(self) -> None:
+        """Replace the states by their values reduced over the process group (a collective, on every rank), keeping
+        the local ones for :meth:`unsync`; ``local_compute()`` then reports global values. torchmetrics' semantics,
+        as torchrec: nothing happens when torch.distributed is not initialised; syncing twice is an error."""
+        if self._is_synced:
+            raise RecMetricException(f"{type(self).__name__} has already been synced: call unsync() first")
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        reduced = self.reduced_states()
+        self._cache = {name: getattr(self, name) for name in self._reductions}
+        for name, value in reduced.items():
+            setattr(self, name, value)
+        self._is_synced = True
+
+    def unsync(self) -> None:
+        """Restore the local states saved by :meth:`sync` (anything ``update`` added while synced is dropped, as in
+        torchmetrics)."""
+        if not self._is_synced or self._cache is None:
+            raise RecMetricException(f"{type(self).__name__} is not synced: nothing to unsync")
+        for name, value in self._cache.items():
+            setattr(self, name, value)
+        self._is_synced, self._cache = False, None
+
+    def load_states(self, states: dict[str, torch.Tensor | list[torch.Tensor]]) -> None:
+        """Set states from ``states`` ({state name: tensor, or list of tensors [n_tasks, n] for "cat" states}), e.g.
+        one task's entry of ``RecMetricModule.get_pre_compute_states()``. The values are copied, so later updates do
+        not write into ``states``; names not given keep their values."""
+        if not isinstance(states, dict):
+            raise TypeError(f"states must be a dict of state name -> tensor or list, got {type(states).__name__}")
+        for name, value in states.items():
+            fx = self._reductions.get(name)
+            if fx is None:
+                known = list(self._reductions)
+                raise ValueError(f"states: {type(self).__name__} has no state {name!r} (it has {known})")
+            if fx == "sum":
+                current = getattr(self, name)
+                if not isinstance(value, torch.Tensor) or value.shape != current.shape:
+                    got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                    raise ValueError(f"states[{name!r}] must be a tensor of shape {tuple(current.shape)}, got {got}")
+                setattr(self, name, value.detach().to(current.device, current.dtype).clone())
+            else:
+                if not isinstance(value, list) or not all(
+                    isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] == self._n_tasks for t in value
+                ):
+                    raise ValueError(f"states[{name!r}] must be a list of tensors [n_tasks={self._n_tasks}, n]")
+                setattr(self, name, [t.detach().to(self._device()).clone() for t in value])
 
     @contextmanager
     def _synced(self) -> Iterator[None]:
-        """Within this block the states read as their values reduced over the process group."""
-        if group_world_size(self._process_group) <= 1:
+        """Within this block the states read as their values reduced over the process group (already so after
+        :meth:`sync`: reducing again would count every rank world_size times)."""
+        if self._is_synced or group_world_size(self._process_group) <= 1:
             yield
             return
-        sums = {n: getattr(self, n) for n, fx in self._reductions.items() if fx == "sum"}
-        cats = {n: self._local_list_state(n) for n, fx in self._reductions.items() if fx == "cat"}
-        saved = {name: getattr(self, name) for name in [*sums, *cats]}
-        reduced = all_reduce_sums(sums, self._process_group) if sums else {}
-        gathered = all_gather_cat(cats, self._process_group) if cats else {}
+        reduced = self.reduced_states()
+        saved = {name: getattr(self, name) for name in reduced}
         try:
             for name, value in reduced.items():
                 setattr(self, name, value)
-            for name, value in gathered.items():
-                setattr(self, name, [value])
             yield
         finally:
             for name, value in saved.items():
@@ -189,6 +259,7 @@ class RecMetricComputation(nn.Module, abc.ABC):
         return self._compute()
 
     def reset(self) -> None:
+        self._is_synced, self._cache = False, None  # as torchmetrics: the reset states are local ones
         for name, default in self._defaults.items():
             if isinstance(default, torch.Tensor):
                 getattr(self, name).copy_(default)

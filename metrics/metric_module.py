@@ -10,8 +10,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from tritonrec.metrics._checks import check_int
+from tritonrec.metrics._sync import group_world_size
 from tritonrec.metrics.accuracy import AccuracyMetric
 from tritonrec.metrics.auc import AUCMetric
 from tritonrec.metrics.calibration import CalibrationMetric
@@ -26,7 +28,7 @@ from tritonrec.metrics.metrics_namespace import (
 from tritonrec.metrics.model_utils import parse_task_model_outputs
 from tritonrec.metrics.mse import MSEMetric
 from tritonrec.metrics.ne import NEMetric
-from tritonrec.metrics.rec_metric import RecMetric, RecMetricList
+from tritonrec.metrics.rec_metric import RecMetric, RecMetricException, RecMetricList
 from tritonrec.metrics.throughput import ThroughputMetric
 
 REC_METRICS_MAPPING: dict[RecMetricEnum, type[RecMetric]] = {
@@ -38,6 +40,9 @@ REC_METRICS_MAPPING: dict[RecMetricEnum, type[RecMetric]] = {
     RecMetricEnum.MAE: MAEMetric,
     RecMetricEnum.ACCURACY: AccuracyMetric,
 }
+
+# {metric namespace: {task name: {state name: tensor or list of tensors}}}
+PreComputeStates = dict[str, dict[str, dict[str, torch.Tensor | list[torch.Tensor]]]]
 
 STATE_METRICS_NAMESPACE_MAPPING: dict[StateMetricEnum, MetricNamespace] = {
     StateMetricEnum.OPTIMIZERS: MetricNamespace.OPTIMIZERS,
@@ -120,11 +125,76 @@ class RecMetricModule(nn.Module):
         """The rec metrics over this rank's data only (no collective)."""
         return self.rec_metrics.local_compute() if len(self.rec_metrics) else {}
 
+    def sync(self) -> None:
+        """Rec metric states become their values over all ranks until :meth:`unsync` (collective)."""
+        self.rec_metrics.sync()
+
+    def unsync(self) -> None:
+        self.rec_metrics.unsync()
+
     def reset(self) -> None:
         self.rec_metrics.reset()
 
     def get_required_inputs(self) -> list[str] | None:
         return self.rec_metrics.get_required_inputs()
+
+    def get_pre_compute_states(self, pg: dist.ProcessGroup | DeviceMesh | None = None) -> PreComputeStates:
+        """Every rec metric's states reduced over ``pg`` (the default group when None; a DeviceMesh's "shard"
+        dimension, as torchrec), identical on every rank: ``{metric namespace: {task name: {state name: value}}}``,
+        a value being a tensor [n_tasks] ("sum" states, window twins included) or ``[tensor [n_tasks, n]]`` / ``[]``
+        (AUC's kept samples, every rank's in rank order). Under FUSED_TASKS_COMPUTATION one computation holds every
+        task, so only the first task's name appears (torchrec's). The throughput metric adds its buffers, local
+        and not reduced, under ``{"throughput": {"throughput": {buffer name: tensor}}}``.
+
+        A collective on every rank when torch.distributed is initialised; without it, the local states (torchrec
+        requires an initialised group). Ranks may hold different AUC sample counts (torchrec's plain all-gather
+        needs equal ones)."""
+        group: dist.ProcessGroup | None
+        if isinstance(pg, DeviceMesh):
+            group = pg.get_group(mesh_dim="shard")
+        elif pg is None or isinstance(pg, dist.ProcessGroup):
+            group = pg if pg is not None else (dist.group.WORLD if group_world_size(None) > 1 else None)
+        else:
+            raise TypeError(f"pg must be a ProcessGroup, a DeviceMesh or None, got {type(pg).__name__}")
+        states: PreComputeStates = {}
+        for metric in self.rec_metrics.rec_metrics:
+            per_task = states.setdefault(metric._namespace.value, {})
+            for task, computation in zip(metric._tasks, metric._metrics_computations, strict=False):
+                # torchrec reduces over pg, not over each metric's own process_group (None here: a world of one)
+                per_task[task.name] = computation.reduced_states(group)
+        if self.throughput_metric is not None:
+            buffers = {name: buffer for name, buffer in self.throughput_metric.named_buffers()}
+            namespace = self.throughput_metric._namespace.value
+            states.setdefault(namespace, {})[self.throughput_metric._metric_name.value] = buffers
+        return states
+
+    def load_pre_compute_states(self, source: PreComputeStates) -> None:
+        """Set the states from ``source`` (``get_pre_compute_states()``'s output, possibly from another process), on
+        every rank, without collectives. Values are copied; ``compute()`` afterwards reduces them over the ranks
+        again, so ranks loading the same reduced states report them world_size times (torchrec's); ``sync()`` is not
+        needed: ``local_compute()`` reports the loaded (global) values."""
+        if not isinstance(source, dict):
+            raise TypeError(f"source must be the dict get_pre_compute_states() returns, got {type(source).__name__}")
+        for metric in self.rec_metrics.rec_metrics:
+            namespace = metric._namespace.value
+            if namespace not in source:
+                raise KeyError(f"source has no states for metric namespace {namespace!r} (it has {sorted(source)})")
+            for task, computation in zip(metric._tasks, metric._metrics_computations, strict=False):
+                if task.name not in source[namespace]:
+                    raise KeyError(f"source[{namespace!r}] has no states for task {task.name!r}")
+                computation.load_states(source[namespace][task.name])
+        if self.throughput_metric is not None:
+            namespace, name = self.throughput_metric._namespace.value, self.throughput_metric._metric_name.value
+            if name not in source.get(namespace, {}):
+                raise KeyError(f"source has no throughput states under [{namespace!r}][{name!r}]")
+            for buffer_name, buffer in self.throughput_metric.named_buffers():
+                buffer.copy_(source[namespace][name][buffer_name])
+
+    def shutdown(self) -> None:
+        """Nothing to release: no background work (torchrec's only logs)."""
+
+    def async_compute(self) -> dict[str, torch.Tensor | float]:
+        raise RecMetricException("async_compute is not supported in RecMetricModule")
 
 
 def _rec_metric_class(metric_enum: object) -> type[RecMetric]:

@@ -9,6 +9,8 @@ objects, which hold the states and the formula. Semantics kept from torchrec:
   ``MAX_BUFFER_COUNT`` batches), so the global window over all ranks holds about ``window_size`` samples;
 * ``compute()`` reduces the states over the process group first (a collective: call it on every rank), then evaluates
   the formula; only rank 0 reports unless ``compute_on_all_ranks``; ``local_compute()`` skips the reduction;
+* ``sync()`` replaces the states by their reduced values until ``unsync()`` (so ``local_compute()`` in between reports
+  global values on every rank);
 * keys are ``"{namespace}-{task}|{lifetime_|window_}{metric}"``;
 * checkpoints hold the persistent lifetime states (``state_dict`` keys ``_metrics_computations.{i}.{state}``); the
   window states are not persistent, so a restored metric restarts its window.
@@ -221,6 +223,18 @@ class RecMetric(nn.Module, abc.ABC):
         """{key: value} over this rank's states only."""
         return self._reports("local_compute")
 
+    def sync(self) -> None:
+        """Every computation's states become their values over all ranks (collective; see
+        :meth:`RecMetricComputation.sync`)."""
+        for computation in self._metrics_computations:
+            computation.sync()
+
+    def unsync(self) -> None:
+        """Back to the local states; computations that are not synced are left alone (torchrec's)."""
+        for computation in self._metrics_computations:
+            if computation._is_synced:
+                computation.unsync()
+
     def reset(self) -> None:
         for computation in self._metrics_computations:
             computation.reset()
@@ -255,6 +269,14 @@ class RecMetricList(nn.Module):
 
     def local_compute(self) -> dict[str, torch.Tensor]:
         return {key: value for metric in self.rec_metrics for key, value in metric.local_compute().items()}
+
+    def sync(self) -> None:
+        for metric in self.rec_metrics:
+            metric.sync()
+
+    def unsync(self) -> None:
+        for metric in self.rec_metrics:
+            metric.unsync()
 
     def reset(self) -> None:
         for metric in self.rec_metrics:

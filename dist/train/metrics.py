@@ -1,9 +1,11 @@
 """Binary classification metrics in torch: AUROC (exact, tie-aware, weighted) and a streaming accumulator.
 
 AUROC is the probability that a random positive scores above a random negative (ties count one half). Sorting the
-scores once and grouping equal scores gives it exactly: for each group of tied scores, its positive weight times
-(the negative weight scored strictly below + half the group's own negative weight), summed and divided by
-``W_pos * W_neg``. Weights let padded rows (weight 0) drop out without copying.
+scores once and stepping through each group of tied scores at once gives it exactly: the trapezoid area under the
+weighted ROC curve (true- against false-positive weight) over ``W_pos * W_neg``. That curve is computed by
+``tritonrec.metrics.auc.roc_area``, which ``tritonrec.metrics``' AUC uses too (one core: a fix there fixes both);
+this module keeps its own conventions: float64 sums and NaN for a one-class input. Weights let padded rows
+(weight 0) drop out without copying.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import math
 import torch
 
 from tritonrec.kernels.checks import check_optional_int
+from tritonrec.metrics.auc import roc_area
 
 
 def _vector(value: object, name: str) -> torch.Tensor:
@@ -56,21 +59,16 @@ def _check_scores_labels(
 
 def auroc(scores: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None) -> float:
     """Area under the ROC curve of ``scores [N]`` (logits or probabilities) for ``labels [N]`` (0/1), with optional
-    non-negative sample ``weights [N]``. NaN when either class has zero total weight (AUROC is undefined there)."""
+    non-negative sample ``weights [N]``. NaN when either class has zero total weight (AUROC is undefined there;
+    ``tritonrec.metrics``' AUC reports 0.5 instead). The curve is ``tritonrec.metrics.auc.roc_area``'s, shared with
+    that metric, here accumulated in float64."""
     scores, labels, weights = _check_scores_labels(scores, labels, weights)
-    order = torch.argsort(scores)
-    sorted_scores = scores[order]
-    positive = (labels * weights)[order]
-    negative = ((1.0 - labels) * weights)[order]
-    _, group = torch.unique_consecutive(sorted_scores, return_inverse=True)
-    num_groups = int(group[-1].item()) + 1 if group.numel() else 0
-    pos_per_group = torch.zeros(num_groups, dtype=torch.float64, device=scores.device).index_add_(0, group, positive)
-    neg_per_group = torch.zeros(num_groups, dtype=torch.float64, device=scores.device).index_add_(0, group, negative)
-    neg_below = torch.cumsum(neg_per_group, 0) - neg_per_group
-    total_pos, total_neg = float(pos_per_group.sum()), float(neg_per_group.sum())
+    # float64 holds every narrower float exactly: same order, same ties, and the sums accumulate in float64
+    area, positive, negative = roc_area(scores.to(torch.float64)[None], labels[None], weights[None])
+    total_pos, total_neg = float(positive[0]), float(negative[0])
     if total_pos == 0.0 or total_neg == 0.0:
         return math.nan
-    return float((pos_per_group * (neg_below + 0.5 * neg_per_group)).sum()) / (total_pos * total_neg)
+    return float(area[0]) / (total_pos * total_neg)
 
 
 class AUROCMetric:

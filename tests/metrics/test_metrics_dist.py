@@ -1,6 +1,8 @@
 """2 gloo ranks: the values reduced across ranks equal one process's values over the union of both ranks' data
 (each step's batches concatenated, the same global window); local_compute sees only the rank's own data; only rank 0
-reports without compute_on_all_ranks; a checkpoint restores the lifetime values. One spawn serves every case."""
+reports without compute_on_all_ranks; a checkpoint restores the lifetime values; sync() makes local_compute report
+the formulas over the union until unsync(); get_pre_compute_states() holds the union's sums and samples on every
+rank. One spawn serves every case."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ import pytest
 import torch
 from dist_utils import run_ranks
 
-from tests.metrics.dist_cases import BATCH, build, rank_stream, run_rank
+from tests.metrics.dist_cases import BATCH, TASKS, WINDOW, build, rank_stream
+from tests.metrics.dist_sync_cases import run_all, uneven_stream
+from tests.metrics.reference import accuracy, auc, calibration, cat_steps, ctr, mae, mse, ne, rmse
 from tritonrec.metrics import RecComputeMode
 
 pytestmark = pytest.mark.dist
@@ -22,7 +26,7 @@ MODES = [RecComputeMode.UNFUSED_TASKS_COMPUTATION, RecComputeMode.FUSED_TASKS_CO
 
 @functools.cache
 def _results() -> list[dict[str, Any]]:
-    return run_ranks(run_rank, WORLD, timeout=120.0)
+    return run_ranks(run_all, WORLD, timeout=120.0)
 
 
 def _single_process(mode: RecComputeMode, steps: list[dict[str, torch.Tensor]]) -> list[dict[str, float]]:
@@ -81,3 +85,82 @@ def test_restored_lifetime_values_are_reduced_over_the_ranks(mode: RecComputeMod
         lifetime = {key: value for key, value in want.items() if "|lifetime_" in key}
         _assert_close({key: restored[key] for key in lifetime}, lifetime)
         assert math.isnan(restored["ne-t0|window_ne"])  # the window restarts empty: 0 / 0, as torchrec
+
+
+REFERENCES = {"ne": ne, "ctr": ctr, "calibration": calibration, "accuracy": accuracy, "mse": mse, "rmse": rmse,
+              "mae": mae, "auc": auc}  # fmt: skip
+
+
+def _formulas_over_the_union() -> dict[str, float]:
+    """Every key from the reference formulas: lifetime over both ranks' whole streams, window over each rank's last
+    WINDOW / WORLD samples (the local windows), AUC window only (torchrec's)."""
+    per_rank = [rank_stream(rank) for rank in range(WORLD)]
+    local_window = WINDOW // WORLD
+    want = {}
+    for t, task in enumerate(TASKS):
+        for scope in ("lifetime", "window"):
+            start = -local_window if scope == "window" else 0
+            p, y, w = (torch.cat([cat_steps(steps, f"{role}{t}")[start:] for steps in per_rank]) for role in "plw")
+            for name, reference in REFERENCES.items():
+                if name == "auc" and scope == "lifetime":
+                    continue
+                namespace = "mse" if name == "rmse" else name
+                want[f"{namespace}-{task.name}|{scope}_{name}"] = reference(p, y, w)
+    return want
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+def test_synced_local_compute_reports_the_formulas_over_the_union_until_unsync(mode: RecComputeMode) -> None:
+    want = _formulas_over_the_union()
+    for result in _results():
+        cases = result["sync"][mode.name]
+        synced = cases["synced_local"]
+        _assert_close(synced, want)
+        # compute() while synced evaluates the synced states without reducing them a second time
+        assert cases["synced_compute"] == synced
+        assert "already been synced" in cases["sync_twice"]
+        # unsync brings back the rank's own states; the update made while synced is gone (torchmetrics')
+        assert cases["unsynced_local"] == cases["local"]
+        # a fresh module loading the pre-compute states reports the same global values, with no collective
+        assert cases["loaded_local"] == cases["synced_local"]
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+def test_pre_compute_states_hold_the_unions_sums_on_every_rank(mode: RecComputeMode) -> None:
+    results = [result["sync"][mode.name] for result in _results()]
+    per_rank = [rank_stream(rank) for rank in range(WORLD)]
+    fused = mode == RecComputeMode.FUSED_TASKS_COMPUTATION
+    for t in range(len(TASKS)):
+        y, w = (torch.cat([cat_steps(steps, f"{role}{t}") for steps in per_rank]).double() for role in "lw")
+        for result in results:
+            ctr_states = result["states"]["ctr"]["t0" if fused else f"t{t}"]
+            row = t if fused else 0
+            assert float(ctr_states["ctr_num"][row]) == pytest.approx(float((w * y).sum()), rel=1e-6)
+            assert float(ctr_states["ctr_denom"][row]) == pytest.approx(float(w.sum()), rel=1e-6)
+    for result in results:
+        for states in (result["states"], result["mesh_states"]):
+            _assert_same_states(states, results[0]["states"])
+
+
+def _assert_same_states(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for namespace in want:
+        if namespace == "throughput":
+            continue
+        for task in want[namespace]:
+            assert got[namespace][task].keys() == want[namespace][task].keys()
+            for name, value in want[namespace][task].items():
+                other = got[namespace][task][name]
+                if isinstance(value, list):
+                    assert len(other) == len(value) and all(map(torch.equal, other, value)), (namespace, name)
+                else:
+                    assert torch.equal(other, value), (namespace, task, name)
+
+
+def test_pre_compute_states_gather_auc_samples_of_unequal_counts_in_rank_order() -> None:
+    for result in _results():
+        states = result["sync"]["uneven_auc"]
+        for name, role in (("predictions", "p"), ("labels", "l"), ("weights", "w")):
+            want = torch.cat([cat_steps(uneven_stream(rank), f"{role}0") for rank in range(WORLD)])
+            assert len(states[name]) == 1
+            assert torch.equal(states[name][0], want[None].float())
