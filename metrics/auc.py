@@ -86,6 +86,11 @@ class AUCMetricComputation(RecMetricComputation):
         return sum(part.shape[-1] for part in getattr(self, PREDICTIONS))
 
     def update(self, *, predictions: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> None:
+        self._refuse_if_synced()
+        nan = torch.isnan(predictions)
+        if bool(nan.any()):  # the curve sorts predictions: a NaN has no place in that order (torchrec's value is
+            task, sample = (int(i) for i in nan.nonzero()[0])  # an artefact of its sort), so refuse it by name
+            raise ValueError(f"AUC predictions must not be NaN, got NaN at predictions[{task}, {sample}]")
         kept = [getattr(self, name) for name in (PREDICTIONS, LABELS, WEIGHTS)]
         for parts, value in zip(kept, (predictions, labels, weights), strict=True):
             parts.append(value.float())

@@ -128,6 +128,7 @@ class RecMetricComputation(nn.Module, abc.ABC):
 
     def _accumulate(self, states: dict[str, torch.Tensor], num_samples: int) -> None:
         """Add one batch's per-task sums to the lifetime states and their windows."""
+        self._refuse_if_synced()
         for name, value in states.items():
             state = getattr(self, name)
             state += value
@@ -198,9 +199,15 @@ class RecMetricComputation(nn.Module, abc.ABC):
             setattr(self, name, value)
         self._is_synced = True
 
+    def _refuse_if_synced(self) -> None:
+        """An update while synced would go into the all-rank states that :meth:`unsync` throws away, and its window
+        contribution would stay in the window's per-batch buffer, subtracted later from states that never held it
+        (torchrec 1.8 then reports a wrong window value forever): refused."""
+        if self._is_synced:
+            raise RecMetricException(f"{type(self).__name__}.update while synced: call unsync() first")
+
     def unsync(self) -> None:
-        """Restore the local states saved by :meth:`sync` (anything ``update`` added while synced is dropped, as in
-        torchmetrics)."""
+        """Restore the local states saved by :meth:`sync` (updates are refused while synced)."""
         if not self._is_synced or self._cache is None:
             raise RecMetricException(f"{type(self).__name__} is not synced: nothing to unsync")
         for name, value in self._cache.items():

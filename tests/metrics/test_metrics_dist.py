@@ -119,7 +119,8 @@ def test_synced_local_compute_reports_the_formulas_over_the_union_until_unsync(m
         # compute() while synced evaluates the synced states without reducing them a second time
         assert cases["synced_compute"] == synced
         assert "already been synced" in cases["sync_twice"]
-        # unsync brings back the rank's own states; the update made while synced is gone (torchmetrics')
+        assert "update while synced: call unsync() first" in cases["update_while_synced"]
+        # unsync brings back the rank's own states (the update tried while synced was refused)
         assert cases["unsynced_local"] == cases["local"]
         # a fresh module loading the pre-compute states reports the same global values, with no collective
         assert cases["loaded_local"] == cases["synced_local"]

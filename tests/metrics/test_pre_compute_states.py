@@ -185,3 +185,13 @@ def test_bad_source_is_refused_naming_what_is_wrong(
 def test_bad_process_group_is_refused() -> None:
     with pytest.raises(TypeError, match="pg must be a ProcessGroup, a DeviceMesh or None, got int"):
         _module().get_pre_compute_states(pg=3)  # type: ignore[arg-type]
+
+
+def test_nan_auc_predictions_are_refused_by_position() -> None:
+    """A NaN has no place in the sorted curve (torchrec's value then depends on its sort): refused, naming where."""
+    from tritonrec.metrics import AUCMetric
+
+    metric = AUCMetric(world_size=1, my_rank=0, batch_size=4, tasks=TASKS[:1], window_size=12)
+    labels, weights = torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.ones(4)
+    with pytest.raises(ValueError, match=r"NaN at predictions\[0, 2\]"):
+        metric.update(predictions=torch.tensor([0.1, 0.2, float("nan"), 0.4]), labels=labels, weights=weights)
