@@ -32,10 +32,10 @@ from tritonrec.dist.awaitable import Awaitable, LazyAwaitable
 from tritonrec.dist.embedding import EmbeddingCollectionAwaitable, EmbeddingCollectionContext, sequence_input_features
 from tritonrec.dist.embeddingbag import feature_row_limits
 from tritonrec.dist.quant_embeddingbag import _shard_tables
-from tritonrec.dist.quant_state import QuantShardView, load_quant_tables, local_quant_views, save_quant_tables
+from tritonrec.dist.quant_state import ProcessGroupQuantState, QuantShardView, check_quant_plan
 from tritonrec.dist.sharded_state import drop_internal_keys, ignore_internal_keys
 from tritonrec.dist.sharded_tables import input_dist_checks, run_input_dists
-from tritonrec.dist.sharding import CwSharding, LocalShard, RwSharding, ShardedTable, TwCwSharding, sharded_tables
+from tritonrec.dist.sharding import CwSharding, LocalShard, RwSharding, TwCwSharding, sharded_tables
 from tritonrec.dist.sharding.common import ShardingContext, group_by_sharding_type
 from tritonrec.dist.types import (
     EmbeddingComputeKernel,
@@ -161,7 +161,8 @@ class _Cast(LazyAwaitable[dict[str, JaggedTensor]]):
 
 
 class ShardedQuantEmbeddingCollection(
-    ShardedModule[list[KeyedJaggedTensor], list[Any], dict[str, JaggedTensor], EmbeddingCollectionContext]
+    ProcessGroupQuantState,
+    ShardedModule[list[KeyedJaggedTensor], list[Any], dict[str, JaggedTensor], EmbeddingCollectionContext],
 ):
     """Sharded :class:`QuantEmbeddingCollection` over a process group (see module docstring).
 
@@ -172,6 +173,8 @@ class ShardedQuantEmbeddingCollection(
         device: where this rank's shards live and its outputs arrive (default: the module's device).
         qcomm_codecs_registry: codecs of the sequence all-to-all.
     """
+
+    _state_attribute = "embeddings"
 
     def __init__(
         self,
@@ -190,17 +193,7 @@ class ShardedQuantEmbeddingCollection(
                 f"env=ShardingEnv.from_process_group(pg), got {env!r} (from_local: "
                 f"ShardedQuantEmbeddingCollectionLocal, which QuantEmbeddingCollectionSharder.shard picks)"
             )
-        for name, sharding in table_name_to_parameter_sharding.items():
-            if sharding.sharding_type not in QUANT_SEQUENCE_SHARDING_TYPES:
-                raise ValueError(
-                    f"table {name!r}: sharding type {sharding.sharding_type} is not supported for quantized sequence "
-                    f"tables (supported: {QUANT_SEQUENCE_SHARDING_TYPES})"
-                )
-            if sharding.compute_kernel != EmbeddingComputeKernel.QUANT.value:
-                kernel = sharding.compute_kernel
-                raise ValueError(
-                    f"table {name!r}: compute_kernel must be 'quant' for a quantized table, got {kernel!r}"
-                )
+        check_quant_plan(table_name_to_parameter_sharding, QUANT_SEQUENCE_SHARDING_TYPES, "sequence tables")
         self._device = torch.device(device) if device is not None else module.device
         self._configs = module.embedding_configs()
         self._tables = sharded_tables(self._configs, table_name_to_parameter_sharding, env.world_size)
@@ -271,35 +264,6 @@ class ShardedQuantEmbeddingCollection(
 
     def need_indices(self) -> bool:
         return self._need_indices
-
-    def output_dtype(self) -> torch.dtype:
-        """The output rows' dtype, the unsharded module's."""
-        return self._output_dtype
-
-    def copy(self, device: torch.device) -> ShardedQuantEmbeddingCollection:
-        """``self`` (torchrec's ``ModuleNoCopyMixin``): the shards already sit on their devices."""
-        return self
-
-    def sharded_tables(self) -> list[ShardedTable]:
-        return self._tables
-
-    @property
-    def shardings(self) -> list:
-        return list(self._shardings)
-
-    def _local_views(self) -> list[tuple[ShardedTable, list[QuantShardView], int]]:
-        return local_quant_views(self._tables, self._shardings)
-
-    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
-        save_quant_tables(
-            destination, prefix, "embeddings", self._local_views(), self._device.type, self._env.process_group
-        )
-
-    def _load_from_state_dict(  # type: ignore[override]
-        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-    ) -> None:
-        """Checks every table's entries first (``ValueError`` naming the key), then copies into this rank's shards."""
-        load_quant_tables(state_dict, prefix, "embeddings", self._local_views(), strict, missing_keys, unexpected_keys)
 
 
 class QuantEmbeddingCollectionSharder(ModuleSharder[QuantEmbeddingCollection]):

@@ -28,11 +28,10 @@ from tritonrec.dist.dist_data import KJTOneToAll, rank_device
 from tritonrec.dist.embedding import EmbeddingCollectionContext, sequence_input_features
 from tritonrec.dist.embeddingbag import feature_row_limits
 from tritonrec.dist.quant_embedding import QUANT_SEQUENCE_SHARDING_TYPES, QuantSequenceLookup, Source
-from tritonrec.dist.quant_state import QuantShardView, load_quant_tables, table_state
+from tritonrec.dist.quant_state import QuantShardView, check_quant_plan, load_quant_tables, table_state
 from tritonrec.dist.sharding.common import LocalShard, ShardedTable, select_features, sharded_tables
 from tritonrec.dist.sharding.rw import bucketize, row_boundaries
 from tritonrec.dist.types import (
-    EmbeddingComputeKernel,
     ParameterSharding,
     ShardedModule,
     ShardingEnv,
@@ -185,17 +184,7 @@ class ShardedQuantEmbeddingCollectionLocal(
                 f"ShardedQuantEmbeddingCollectionLocal shards over one process's devices: pass "
                 f"env=ShardingEnv.from_local(world_size, 0), got {env!r}"
             )
-        for name, sharding in table_name_to_parameter_sharding.items():
-            if sharding.sharding_type not in QUANT_SEQUENCE_SHARDING_TYPES:
-                raise ValueError(
-                    f"table {name!r}: sharding type {sharding.sharding_type} is not supported for quantized sequence "
-                    f"tables (supported: {QUANT_SEQUENCE_SHARDING_TYPES})"
-                )
-            if sharding.compute_kernel != EmbeddingComputeKernel.QUANT.value:
-                kernel = sharding.compute_kernel
-                raise ValueError(
-                    f"table {name!r}: compute_kernel must be 'quant' for a quantized table, got {kernel!r}"
-                )
+        check_quant_plan(table_name_to_parameter_sharding, QUANT_SEQUENCE_SHARDING_TYPES, "sequence tables")
         self._device = torch.device(device) if device is not None else module.device
         self._configs = module.embedding_configs()
         self._tables = sharded_tables(self._configs, table_name_to_parameter_sharding, env.world_size)

@@ -22,7 +22,7 @@ from tritonrec.dist.all_to_one import EmbeddingsAllToOne, EmbeddingsAllToOneRedu
 from tritonrec.dist.awaitable import Awaitable, LazyAwaitable, NoWait
 from tritonrec.dist.dist_data import KJTOneToAll, rank_device
 from tritonrec.dist.embeddingbag import _column_order, check_index_bounds, feature_row_limits
-from tritonrec.dist.quant_state import QuantShardView, load_quant_tables, table_state
+from tritonrec.dist.quant_state import QuantShardView, check_quant_plan, load_quant_tables, table_state
 from tritonrec.dist.sharding.common import (
     LocalShard,
     ShardedTable,
@@ -218,12 +218,7 @@ class ShardedQuantEmbeddingBagCollection(ShardedModule[Any, Any, KeyedTensor, Nu
         if not isinstance(env, ShardingEnv) or env.process_group is not None:
             raise ValueError("ShardedQuantEmbeddingBagCollection shards over one process's devices: pass "
                              "env=ShardingEnv.from_local(world_size, 0)")  # fmt: skip
-        for name, sharding in table_name_to_parameter_sharding.items():
-            if sharding.sharding_type not in QUANT_SHARDING_TYPES:
-                raise ValueError(
-                    f"table {name!r}: {sharding.sharding_type} is not supported for quantized tables (supported: "
-                    f"{QUANT_SHARDING_TYPES})"
-                )
+        check_quant_plan(table_name_to_parameter_sharding, QUANT_SHARDING_TYPES, "tables")
         # the module's own device: a QuantEmbeddingBagCollection has no ``device`` attribute, its buffers say where
         self._device = (
             torch.device(device)

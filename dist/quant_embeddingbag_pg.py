@@ -40,10 +40,10 @@ from tritonrec.dist.embeddingbag import (
     feature_row_limits,
 )
 from tritonrec.dist.quant_embeddingbag import QUANT_SHARDING_TYPES, _shard_tables
-from tritonrec.dist.quant_state import QuantShardView, load_quant_tables, local_quant_views, save_quant_tables
+from tritonrec.dist.quant_state import ProcessGroupQuantState, QuantShardView, check_quant_plan
 from tritonrec.dist.sharded_state import drop_internal_keys, ignore_internal_keys
 from tritonrec.dist.sharded_tables import input_dist_checks, run_input_dists
-from tritonrec.dist.sharding import CwSharding, LocalShard, RwSharding, ShardedTable, TwCwSharding, sharded_tables
+from tritonrec.dist.sharding import CwSharding, LocalShard, RwSharding, TwCwSharding, sharded_tables
 from tritonrec.dist.sharding.common import ShardingContext, group_by_sharding_type
 from tritonrec.dist.types import EmbeddingComputeKernel, ParameterSharding, ShardedModule, ShardingEnv
 from tritonrec.kernels.embedding import BoundsCheckMode, QuantizedTables, quantized_pooled_lookup
@@ -154,7 +154,8 @@ class _Cast(LazyAwaitable[KeyedTensor]):
 
 
 class ShardedQuantEmbeddingBagCollectionPG(
-    ShardedModule[list[KeyedJaggedTensor], list[torch.Tensor], KeyedTensor, EmbeddingBagCollectionContext]
+    ProcessGroupQuantState,
+    ShardedModule[list[KeyedJaggedTensor], list[torch.Tensor], KeyedTensor, EmbeddingBagCollectionContext],
 ):
     """Sharded :class:`QuantEmbeddingBagCollection` over a process group (see module docstring).
 
@@ -165,6 +166,8 @@ class ShardedQuantEmbeddingBagCollectionPG(
         device: where this rank's shards live and its outputs arrive (default: the module's device).
         qcomm_codecs_registry: codecs of the pooled all-to-all / reduce-scatter.
     """
+
+    _state_attribute = "embedding_bags"
 
     def __init__(
         self,
@@ -182,17 +185,7 @@ class ShardedQuantEmbeddingBagCollectionPG(
                 f"{type(self).__name__} shards over the ranks of a process group: pass "
                 f"env=ShardingEnv.from_process_group(pg), got {env!r}"
             )
-        for name, sharding in table_name_to_parameter_sharding.items():
-            if sharding.sharding_type not in QUANT_SHARDING_TYPES:
-                raise ValueError(
-                    f"table {name!r}: {sharding.sharding_type} is not supported for quantized tables (supported: "
-                    f"{QUANT_SHARDING_TYPES})"
-                )
-            if sharding.compute_kernel != EmbeddingComputeKernel.QUANT.value:
-                kernel = sharding.compute_kernel
-                raise ValueError(
-                    f"table {name!r}: compute_kernel must be 'quant' for a quantized table, got {kernel!r}"
-                )
+        check_quant_plan(table_name_to_parameter_sharding, QUANT_SHARDING_TYPES, "tables")
         if device is None:  # the module's storage device (a QuantEBC has no ``device`` attribute)
             device = next((b.device for b in module.buffers()), torch.device("cpu"))
         self._device = torch.device(device)
@@ -274,37 +267,6 @@ class ShardedQuantEmbeddingBagCollectionPG(
 
     def is_weighted(self) -> bool:
         return self._is_weighted
-
-    def output_dtype(self) -> torch.dtype:
-        """The pooled output's dtype, the unsharded module's."""
-        return self._output_dtype
-
-    def copy(self, device: torch.device) -> ShardedQuantEmbeddingBagCollectionPG:
-        """``self`` (torchrec's ``ModuleNoCopyMixin``): the shards already sit on their devices."""
-        return self
-
-    def sharded_tables(self) -> list[ShardedTable]:
-        return self._tables
-
-    @property
-    def shardings(self) -> list:
-        return list(self._shardings)
-
-    def _local_views(self) -> list[tuple[ShardedTable, list[QuantShardView], int]]:
-        return local_quant_views(self._tables, self._shardings)
-
-    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
-        save_quant_tables(
-            destination, prefix, "embedding_bags", self._local_views(), self._device.type, self._env.process_group
-        )
-
-    def _load_from_state_dict(  # type: ignore[override]
-        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-    ) -> None:
-        """Checks every table's entries first (``ValueError`` naming the key), then copies into this rank's shards."""
-        load_quant_tables(
-            state_dict, prefix, "embedding_bags", self._local_views(), strict, missing_keys, unexpected_keys
-        )
 
 
 __all__ = ["QUANT_POOLED_SHARDINGS", "QuantPooledLookup", "ShardedQuantEmbeddingBagCollectionPG"]

@@ -17,9 +17,9 @@ here has no process group (one process holds every shard): read it with ``local_
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,7 @@ from torch.distributed._shard.sharded_tensor import (
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
 from tritonrec.dist.sharding.common import ShardedTable, ShardSpec
-from tritonrec.dist.types import ShardingType
+from tritonrec.dist.types import EmbeddingComputeKernel, ShardingType
 from tritonrec.kernels.embedding import QuantizedTables
 from tritonrec.kernels.embedding.quantized import row_bytes
 from tritonrec.modules.embedding_configs import QUANT_BITS
@@ -241,8 +241,68 @@ def load_quant_tables(
                 target.copy_(source)
 
 
+def check_quant_plan(plan: Mapping[str, Any], supported: Sequence[str], tables: str) -> None:
+    """Every table of ``plan`` (table -> ParameterSharding) has a sharding type in ``supported`` and the ``quant``
+    compute kernel; else a ``ValueError`` naming the table (``tables``: "tables" / "sequence tables")."""
+    for name, sharding in plan.items():
+        if sharding.sharding_type not in supported:
+            raise ValueError(
+                f"table {name!r}: sharding type {sharding.sharding_type} is not supported for quantized {tables} "
+                f"(supported: {list(supported)})"
+            )
+        if sharding.compute_kernel != EmbeddingComputeKernel.QUANT.value:
+            raise ValueError(
+                f"table {name!r}: compute_kernel must be 'quant' for a quantized table, got {sharding.compute_kernel!r}"
+            )
+
+
+class ProcessGroupQuantState:
+    """Mixed in before ``ShardedModule`` by the process-group-sharded quantized EC and EBC: their accessors and their
+    state dict, each table's buffers under ``{prefix}{_state_attribute}.{table}.`` as ShardedTensors over the group.
+    The class sets ``_tables``, ``_shardings``, ``_output_dtype``, ``_device`` and ``_env``."""
+
+    _state_attribute: ClassVar[str]  # "embeddings" (EC) / "embedding_bags" (EBC): torchrec's key segment
+    _tables: list[ShardedTable]
+    _shardings: list[Any]
+    _output_dtype: torch.dtype
+    _device: torch.device
+    _env: Any
+
+    def output_dtype(self) -> torch.dtype:
+        """The output's dtype, the unsharded module's."""
+        return self._output_dtype
+
+    def copy(self, device: torch.device) -> Any:
+        """``self`` (torchrec's ``ModuleNoCopyMixin``): the shards already sit on their devices."""
+        return self
+
+    def sharded_tables(self) -> list[ShardedTable]:
+        return self._tables
+
+    @property
+    def shardings(self) -> list:
+        return list(self._shardings)
+
+    def _local_views(self) -> list[tuple[ShardedTable, list[QuantShardView], int]]:
+        return local_quant_views(self._tables, self._shardings)
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        pg = self._env.process_group
+        save_quant_tables(destination, prefix, self._state_attribute, self._local_views(), self._device.type, pg)
+
+    def _load_from_state_dict(  # type: ignore[no-untyped-def]
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
+        """Checks every table's entries first (``ValueError`` naming the key), then copies into this rank's shards."""
+        load_quant_tables(
+            state_dict, prefix, self._state_attribute, self._local_views(), strict, missing_keys, unexpected_keys
+        )
+
+
 __all__ = [
+    "ProcessGroupQuantState",
     "QuantShardView",
+    "check_quant_plan",
     "global_sharded_state",
     "load_quant_tables",
     "local_quant_views",

@@ -99,7 +99,7 @@ def test_unsupported_sharding_types_are_refused_by_name(kind: str) -> None:
     module = quant_ebc(data_types()["int8"], seed=1)
     plan = _table_wise_plan(module)
     plan["t2"] = ParameterSharding(kind, "quant", ranks=[0])
-    with pytest.raises(ValueError, match=rf"table 't2': {kind} is not supported for quantized tables"):
+    with pytest.raises(ValueError, match=rf"table 't2': sharding type {kind} is not supported for quantized tables"):
         QuantEmbeddingBagCollectionSharder().shard(module, plan, _fake_pg_env())
 
 
