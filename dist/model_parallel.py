@@ -37,6 +37,7 @@ from tritonrec.dist.data_parallel import (
     DefaultDataParallelWrapper,
     compressed_allreduce_hook,
     join_name,
+    per_parameter_allreduce_hook,
     sharded_parameter_names,
 )
 from tritonrec.dist.model_parallel_args import check_sharders, dense_only_constraints, resolve_env, sharder_for
@@ -67,6 +68,7 @@ __all__ = [
     "compressed_allreduce_hook",
     "get_module",
     "get_unwrapped_module",
+    "per_parameter_allreduce_hook",
 ]
 
 

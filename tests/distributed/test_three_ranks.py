@@ -16,6 +16,8 @@ exact, a sum of two terms does not depend on their order, and ``x / 2`` is exact
 * A DMP checkpoint saved table-wise by 2 ranks (a subgroup) loads on 3 ranks row-wise, table-row-wise and
   column-wise (4 blocks on 3 ranks) into identical checkpoints, and training resumed on a 3 / 3 / 2 batch split
   matches the uninterrupted single-process model; the planner's plan trains like the single-process model.
+* A fresh DDP (a resumed job) reduces the dense gradients in the order the uninterrupted one does: one all-reduce per
+  parameter, the default above 2 ranks, where bucket all-reduces sum in an order that follows the bucket layout.
 * The planner calibration's group timing builds the column-wise types at 3 ranks (it skipped them: 3 column blocks
   do not divide its table's width 8).
 """
@@ -162,6 +164,26 @@ def test_planner_plan_trains_like_one_process() -> None:
 def test_calibration_times_the_column_wise_types() -> None:
     for rank, kinds in enumerate(_results("calibration")):
         assert kinds == ["column_wise", "table_column_wise"], f"rank {rank}: timed {kinds}"
+
+
+def test_a_fresh_ddp_reduces_like_the_uninterrupted_one() -> None:
+    """Resume exactness of the dense part at 3 ranks: one all-reduce per parameter (the default, also under bf16)
+    makes the resumed steps equal; bucket all-reduces differ in the last bit (the control: the check can fail)."""
+    for rank, diffs in enumerate(_results("ddp_resume")):
+        assert diffs["default"] == 0.0, f"rank {rank}: resumed steps differ by {diffs['default']}"
+        assert diffs["bf16"] == 0.0, f"rank {rank}: resumed bf16 steps differ by {diffs['bf16']}"
+        assert diffs["bucketed"] > 0.0, f"rank {rank}: bucket all-reduces no longer depend on the layout"
+
+
+def test_the_job_resumes_exactly_on_three_ranks() -> None:
+    """The README's promise at more than 2 ranks: the resumed job's losses (steps 4-6 retrained) are the
+    uninterrupted job's, bit for bit, and so are its AUROCs."""
+    reports = _results("job_resume")[0]
+    full, resumed = reports["full"], reports["resumed"]
+    assert full["world_size"] == resumed["world_size"] == 3
+    assert resumed["history"]["step"] == full["history"]["step"] == [1, 2, 3, 4, 5, 6]
+    assert resumed["history"]["loss"] == full["history"]["loss"]
+    assert (resumed["train_auroc"], resumed["eval_auroc"]) == (full["train_auroc"], full["eval_auroc"])
 
 
 def test_plans_refuse_a_local_size_that_does_not_divide_the_world(monkeypatch: pytest.MonkeyPatch) -> None:
