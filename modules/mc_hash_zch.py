@@ -10,7 +10,7 @@ One identity per row, ``_hash_zch_identities [zch_size, 1]`` (-1 = free). An id 
   that expired before now and before its own expiry (reported by :meth:`evict`); hits and claims set the expiry.
 * Eval, ``is_inference`` and features named ``*_readonly`` only look up, over all ``max_probe`` probes.
 * An id with no row after ``max_probe`` probes gets its first probe, or with ``disable_fallback`` -1: dropped, bag
-  lengths shortened (row 0 and lengths kept with ``no_bag``).
+  lengths shortened (row 0 and lengths kept with ``no_bag``; a weighted feature that would lose ids raises).
 
 fbgemm inserts on the GPU, one thread per id racing with compare-and-swap. Here races are settled one probe round
 at a time: in round ``k`` every id still looking examines its ``k``-th probe, hits go first, then each contested
@@ -26,13 +26,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from enum import Enum, unique
-from itertools import pairwise
 from typing import Any, NamedTuple
 
 import torch
 
 from tritonrec.data import JaggedTensor
-from tritonrec.kernels.checks import check_int
+from tritonrec.kernels.checks import check_int, value_checks_enabled
+from tritonrec.modules import mc_hash_zch_checks as checks
 from tritonrec.modules.mc_base import ManagedCollisionModule, check_id_features
 
 __all__ = ["HashZchEvictionConfig", "HashZchEvictionPolicyName", "HashZchManagedCollisionModule", "murmur_hash3_2x64"]
@@ -179,14 +179,16 @@ class HashZchManagedCollisionModule(ManagedCollisionModule):
         input_hash_size: ids lie in ``[0, input_hash_size)`` and are bucketed by range; 0 buckets by ``id % buckets``.
         output_segments: row boundaries of the buckets, ``[0, ..., zch_size]`` of the unsharded table.
         is_inference: lookup only, no metadata kept (and none loaded).
-        eviction_policy_name / eviction_config: ``SINGLE_TTL_EVICTION`` with ``single_ttl`` hours.
+        eviction_policy_name / eviction_config: ``SINGLE_TTL_EVICTION`` with ``single_ttl`` hours (in ``[0, int32 max
+            - current hour]``: expiry hours are int32).
         inference_dispatch_div_train_world_size: hash ``x // buckets`` (or ``x % width``), as row-wise dists do.
         start_bucket / end_bucket: the buckets of this shard (set by ``rebuild_with_output_id_range``).
         disable_fallback: unplaced ids map to -1 and are dropped (see ``no_bag``) instead of to their first probe.
         no_bag: with ``disable_fallback``, unplaced ids map to row 0 and lengths are kept.
         persist_hash_zch_bucket: keep ``_hash_zch_bucket [1, 1]`` in the state dict.
     Other torchrec arguments are accepted with their defaults only (see the module docstring).
-    State dict: ``_hash_zch_identities`` (a frozen Parameter, as torchrec), ``_hash_zch_metadata``, ``..._bucket``.
+    State dict: ``_hash_zch_identities`` (a frozen Parameter, as torchrec), ``_hash_zch_metadata``, ``..._bucket``;
+    a checkpoint of another ``zch_size`` or ``total_num_buckets`` is refused (see ``mc_hash_zch_checks``).
     """
 
     IDENTITY_BUFFER: str = "_hash_zch_identities"
@@ -207,27 +209,12 @@ class HashZchManagedCollisionModule(ManagedCollisionModule):
         if unknown:
             raise TypeError(f"HashZchManagedCollisionModule got unknown keyword argument(s) {unknown}")
         self_args = {k: v for k, v in locals().items() if k not in ("self", "unknown", "__class__")}
-        zch_size = check_int(zch_size, "zch_size", 1)
-        buckets = check_int(total_num_buckets, "total_num_buckets", 1)
-        if output_segments is None:
-            if zch_size % buckets:
-                raise ValueError(f"zch_size={zch_size} is not a multiple of total_num_buckets={buckets}")
-            output_segments = [zch_size // buckets * b for b in range(buckets + 1)]
-        segments = [check_int(s, "output_segments[i]", 0) for s in output_segments]
-        if len(segments) != buckets + 1 or any(b <= a for a, b in pairwise(segments)):
-            raise ValueError(f"output_segments must be {buckets + 1} increasing boundaries, got {output_segments!r}")
-        start = check_int(start_bucket, "start_bucket", 0, buckets - 1)
-        end = check_int(buckets if end_bucket is None else end_bucket, "end_bucket", start + 1, buckets)
-        if (rows := segments[end] - segments[start]) != zch_size:
-            raise ValueError(f"zch_size={zch_size} != {rows} rows of buckets [{start}, {end}) in output_segments")
-        if eviction_policy_name not in (None, HashZchEvictionPolicyName.SINGLE_TTL_EVICTION):
-            raise NotImplementedError(f"eviction_policy_name={eviction_policy_name} (only SINGLE_TTL_EVICTION)")
-        if eviction_policy_name is not None and getattr(eviction_config, "single_ttl", None) is None:
-            raise ValueError(f"SINGLE_TTL_EVICTION needs eviction_config.single_ttl, got {eviction_config=}")
-        defaults = {"opt_in_prob": -1, "percent_reserved_slots": 0, "track_id_freq": False, "write_runtime_meta_dim": 0}
-        for arg, default in defaults.items():
-            if self_args[arg] != default:
-                raise NotImplementedError(f"HashZchManagedCollisionModule: {arg}={self_args[arg]!r} (only {default!r})")
+        zch_size, buckets, segments, start, end = checks.check_layout(
+            zch_size, total_num_buckets, output_segments, start_bucket, end_bucket
+        )
+        single_ttl = checks.check_eviction(eviction_policy_name, eviction_config, self._current_hour())
+        checks.check_unsupported(self_args)
+        read_only_suffix = checks.check_read_only_suffix(read_only_suffix)
         super().__init__(device, segments, skip_state_validation=True, read_only_suffix=read_only_suffix,
                          enable_per_feature_lookups=enable_per_feature_lookups)  # fmt: skip
         self._init_args = self_args  # what rebuild_with_output_id_range passes on
@@ -237,6 +224,7 @@ class HashZchManagedCollisionModule(ManagedCollisionModule):
         self._input_hash_size = check_int(input_hash_size, "input_hash_size", 0)
         self._is_inference, self._name, self._tb_logging_frequency = bool(is_inference), name, tb_logging_frequency
         self._eviction_policy_name, self._eviction_config = eviction_policy_name, eviction_config
+        self._single_ttl = single_ttl
         self._div_by_buckets = bool(inference_dispatch_div_train_world_size)
         self._disable_fallback, self._no_bag = bool(disable_fallback), bool(no_bag)
         self._persist_hash_zch_bucket = bool(persist_hash_zch_bucket)
@@ -246,20 +234,21 @@ class HashZchManagedCollisionModule(ManagedCollisionModule):
             torch.full((zch_size, 1), -1, dtype=torch.int64, device=self._device), requires_grad=False
         )
         evicting = eviction_policy_name is not None and not self._is_inference
-        metadata = torch.full((zch_size, 1), -1, dtype=torch.int32, device=self._device) if evicting else None
+        metadata = torch.full((zch_size, 1), -1, dtype=checks.METADATA_DTYPE, device=self._device) if evicting else None
         self.register_buffer(self.METADATA_BUFFER, metadata)
         self.register_buffer(self.BUCKET_BUFFER, torch.tensor([[buckets]]), persistent=self._persist_hash_zch_bucket)
         sizes = torch.diff(torch.tensor(segments, dtype=torch.int64))
-        # bucket row offsets relative to this shard's first row (ids of other shards never reach it)
+        # bucket row offsets relative to this shard's first row (_buckets_of refuses ids of other shards)
         self.register_buffer("_bucket_sizes", sizes.to(self._device), persistent=False)
         self.register_buffer("_bucket_offsets", torch.tensor(segments[:-1], device=self._device) - segments[start],
                              persistent=False)  # fmt: skip
-        self._register_load_state_dict_pre_hook(self._drop_metadata_when_inferring, with_module=True)
+        self._register_load_state_dict_pre_hook(self._check_checkpoint, with_module=True)
 
     @staticmethod
-    def _drop_metadata_when_inferring(module: HashZchManagedCollisionModule, state_dict: dict, prefix: str,
-                                      *args: Any) -> None:  # fmt: skip
-        """Training checkpoints carry metadata; an inference module keeps none (as torchrec)."""
+    def _check_checkpoint(module: HashZchManagedCollisionModule, state_dict: dict, prefix: str, *args: Any) -> None:
+        """A checkpoint of another layout is refused by name; training checkpoints carry metadata, which an
+        inference module drops (as torchrec)."""
+        checks.check_checkpoint(state_dict, prefix, module._zch_size, module._buckets)
         if module._hash_zch_metadata is None:
             state_dict.pop(prefix + HashZchManagedCollisionModule.METADATA_BUFFER, None)
 
@@ -267,8 +256,10 @@ class HashZchManagedCollisionModule(ManagedCollisionModule):
         """Hours since the epoch: the TTL clock (a method so tests can pin it)."""
         return int(time.time() / 3600)
 
-    def _buckets_of(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``[N]`` int64 ids -> (ids to hash, ``[N]`` bucket sizes, ``[N]`` bucket row offsets on this shard)."""
+    def _buckets_of(self, values: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[N]`` int64 ids of feature ``name`` -> (ids to hash, ``[N]`` bucket sizes, ``[N]`` bucket row offsets on
+        this shard); a shard refuses ids of other shards' buckets."""
+        raw = values
         if self._input_hash_size == 0:
             bucket = values % self._buckets
             if self._div_by_buckets:
@@ -278,13 +269,16 @@ class HashZchManagedCollisionModule(ManagedCollisionModule):
             bucket = values // width
             if self._div_by_buckets:
                 values = values % width
+        if self.is_sharded and value_checks_enabled():
+            where = f"features[{name!r}].values()"
+            checks.check_shard_buckets(bucket, raw, where, self._start_bucket, self._end_bucket)
         return values, self._bucket_sizes[bucket], self._bucket_offsets[bucket]
 
-    def _remap_ids(self, values: torch.Tensor, readonly: bool) -> torch.Tensor:
-        """``[N]`` raw ids -> ``[N]`` local rows (-1 = unplaced, only with ``disable_fallback``); inserts unless
-        ``readonly``, queuing evicted rows for :meth:`evict`."""
+    def _remap_ids(self, values: torch.Tensor, readonly: bool, name: str) -> torch.Tensor:
+        """``[N]`` raw ids of feature ``name`` -> ``[N]`` local rows (-1 = unplaced, only with ``disable_fallback``);
+        inserts unless ``readonly``, queuing evicted rows for :meth:`evict`."""
         raw = values.to(torch.int64)
-        ids, sizes, offsets = self._buckets_of(raw)  # the identity stored is the id as hashed (bucket transform)
+        ids, sizes, offsets = self._buckets_of(raw, name)  # the identity stored is the id as hashed (bucket transform)
         first = _unsigned_mod(murmur_hash3_2x64(ids), sizes)
         table = self._hash_zch_identities.data.view(-1)
         if readonly:
@@ -297,9 +291,9 @@ class HashZchManagedCollisionModule(ManagedCollisionModule):
             order = torch.argsort(first_seen)  # distinct ids in order of first occurrence: who wins a race
             at = first_seen[order]
             metadata, expiry, now = self._hash_zch_metadata, None, -1
-            if metadata is not None and self._eviction_config is not None:
+            if metadata is not None and self._single_ttl is not None:
                 now = self._current_hour()
-                expiry = torch.full_like(at, now + int(self._eviction_config.single_ttl or 0), dtype=torch.int32)
+                expiry = torch.full_like(at, checks.check_expiry(self._single_ttl, now), dtype=checks.METADATA_DTYPE)
                 metadata = metadata.view(-1)
             probes = ZchProbes(ids[at], first[at], sizes[at], offsets[at])
             placed, evicted = zch_probe(probes, table, self._max_probe, True, metadata, expiry, now)
@@ -313,7 +307,7 @@ class HashZchManagedCollisionModule(ManagedCollisionModule):
         write_weights: torch.Tensor | None = None,
     ) -> dict[str, JaggedTensor]:  # fmt: skip
         """``{name: JaggedTensor}`` of raw ids ``[N]`` -> same keys, values = int64 rows (plus the shard's global
-        offset); lengths and weights pass through, except ids dropped by ``disable_fallback``."""
+        offset); lengths and weights pass through, except lengths of ids dropped by ``disable_fallback``."""
         if write_weights is not None:
             raise NotImplementedError("write_weights needs runtime metadata, which is not supported")
         if self._disable_fallback and not self._no_bag and not mutate_miss_lengths:  # would leave bags too long
@@ -323,15 +317,15 @@ class HashZchManagedCollisionModule(ManagedCollisionModule):
         with torch.no_grad():
             for name, feature in features.items():
                 readonly = not self.training or self._is_inference or name.lower().endswith(self._read_only_suffix)
-                rows = self._remap_ids(feature.values().to(self._device), readonly)
+                rows = self._remap_ids(feature.values().to(self._device), readonly, name)
                 lengths, weights = feature.lengths(), feature.weights_or_none()
                 if self._disable_fallback:
                     hit = rows >= 0
                     if self._no_bag:
                         rows = torch.where(hit, rows, 0)
                     else:
+                        checks.check_dropped_weights(f"features[{name!r}]", weights, hit)
                         rows = rows[hit]
-                        weights = None if weights is None else weights[hit.to(weights.device)]
                         bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device),
                                                       lengths.to(torch.int64))  # fmt: skip
                         lengths = torch.zeros_like(lengths).index_add_(0, bag, hit.to(lengths))  # kept ids per bag
