@@ -57,6 +57,16 @@ class WindowBuffer:
         while self._window_used_size > self._max_size:
             self._remove_oldest(window_state)
 
+    def restart_from(self, window_state: torch.Tensor) -> None:
+        """The window now holds ``window_state`` (a loaded sum): the per-batch contributions held so far are not in
+        it, so they are forgotten, and the sum, which cannot be split back into batches, counts as one contribution
+        of a full window, evicted whole by the next batch (torchrec keeps a loaded window sum forever)."""
+        self._buffers.clear()
+        self._used_sizes.clear()
+        self._buffers.append(window_state.clone())
+        self._used_sizes.append(self._max_size)
+        self._window_used_size = self._max_size
+
     @property
     def buffers(self) -> deque[torch.Tensor]:
         return self._buffers
@@ -170,6 +180,7 @@ class RecMetricComputation(nn.Module, abc.ABC):
         collective when torch.distributed is initialised, on every rank of the group. "sum" states [n_tasks] come back
         summed over the ranks; "cat" states as ``[tensor [n_tasks, sum of the ranks' samples]]`` (rank order), or
         ``[]`` when no rank holds a sample. New tensors: the local states are left untouched."""
+        self._refuse_if_synced("reduced_states")
         group = process_group if process_group is not None else self._process_group
         sums = {n: getattr(self, n) for n, fx in self._reductions.items() if fx == "sum"}
         cats = {n: self._local_list_state(n) for n, fx in self._reductions.items() if fx == "cat"}
@@ -199,12 +210,14 @@ class RecMetricComputation(nn.Module, abc.ABC):
             setattr(self, name, value)
         self._is_synced = True
 
-    def _refuse_if_synced(self) -> None:
+    def _refuse_if_synced(self, action: str = "update") -> None:
         """An update while synced would go into the all-rank states that :meth:`unsync` throws away, and its window
         contribution would stay in the window's per-batch buffer, subtracted later from states that never held it
-        (torchrec 1.8 then reports a wrong window value forever): refused."""
+        (torchrec 1.8 then reports a wrong window value forever): refused. So are reducing the synced states again
+        (each rank's data counted world_size times, as torchrec 1.8's get_pre_compute_states after sync() gives) and
+        loading states that unsync() would throw away; ``action`` names the call refused."""
         if self._is_synced:
-            raise RecMetricException(f"{type(self).__name__}.update while synced: call unsync() first")
+            raise RecMetricException(f"{type(self).__name__}.{action} while synced: call unsync() first")
 
     def unsync(self) -> None:
         """Restore the local states saved by :meth:`sync` (updates are refused while synced)."""
@@ -217,7 +230,9 @@ class RecMetricComputation(nn.Module, abc.ABC):
     def load_states(self, states: dict[str, torch.Tensor | list[torch.Tensor]]) -> None:
         """Set states from ``states`` ({state name: tensor, or list of tensors [n_tasks, n] for "cat" states}), e.g.
         one task's entry of ``RecMetricModule.get_pre_compute_states()``. The values are copied, so later updates do
-        not write into ``states``; names not given keep their values."""
+        not write into ``states``; names not given keep their values. A loaded window sum stays in the window until
+        the next update, which replaces it (see :meth:`WindowBuffer.restart_from`)."""
+        self._refuse_if_synced("load_states")
         if not isinstance(states, dict):
             raise TypeError(f"states must be a dict of state name -> tensor or list, got {type(states).__name__}")
         for name, value in states.items():
@@ -231,6 +246,8 @@ class RecMetricComputation(nn.Module, abc.ABC):
                     got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                     raise ValueError(f"states[{name!r}] must be a tensor of shape {tuple(current.shape)}, got {got}")
                 setattr(self, name, value.detach().to(current.device, current.dtype).clone())
+                if name in self._batch_window_buffers:
+                    self._batch_window_buffers[name].restart_from(getattr(self, name))
             else:
                 if not isinstance(value, list) or not all(
                     isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] == self._n_tasks for t in value

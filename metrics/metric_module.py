@@ -122,7 +122,9 @@ class RecMetricModule(nn.Module):
         return ret
 
     def local_compute(self) -> dict[str, torch.Tensor]:
-        """The rec metrics over this rank's data only (no collective)."""
+        """The rec metrics over this rank's data only (no collective), keyed as torchrec's:
+        ``"{namespace}-{task}|local_{prefix}{metric}"`` (``"ne-t0|local_window_ne"``); no throughput or state
+        metrics (torchrec's)."""
         return self.rec_metrics.local_compute() if len(self.rec_metrics) else {}
 
     def sync(self) -> None:
@@ -148,7 +150,9 @@ class RecMetricModule(nn.Module):
 
         A collective on every rank when torch.distributed is initialised; without it, the local states (torchrec
         requires an initialised group). Ranks may hold different AUC sample counts (torchrec's plain all-gather
-        needs equal ones)."""
+        needs equal ones). Refused while synced (after :meth:`sync`, before :meth:`unsync`): the states then already
+        span every rank, and reducing them again counts each rank world_size times (torchrec 1.8 does)."""
+        self._refuse_if_synced("get_pre_compute_states")
         group: dist.ProcessGroup | None
         if isinstance(pg, DeviceMesh):
             group = pg.get_group(mesh_dim="shard")
@@ -172,7 +176,10 @@ class RecMetricModule(nn.Module):
         """Set the states from ``source`` (``get_pre_compute_states()``'s output, possibly from another process), on
         every rank, without collectives. Values are copied; ``compute()`` afterwards reduces them over the ranks
         again, so ranks loading the same reduced states report them world_size times (torchrec's); ``sync()`` is not
-        needed: ``local_compute()`` reports the loaded (global) values."""
+        needed: ``local_compute()`` reports the loaded (global) values. A loaded window sum leaves the window at the
+        next update (it cannot be split into batches; torchrec keeps it forever); AUC's loaded samples are trimmed
+        one by one as usual. Refused while synced: :meth:`unsync` would throw the loaded states away."""
+        self._refuse_if_synced("load_pre_compute_states")
         if not isinstance(source, dict):
             raise TypeError(f"source must be the dict get_pre_compute_states() returns, got {type(source).__name__}")
         for metric in self.rec_metrics.rec_metrics:
@@ -189,6 +196,14 @@ class RecMetricModule(nn.Module):
                 raise KeyError(f"source has no throughput states under [{namespace!r}][{name!r}]")
             for buffer_name, buffer in self.throughput_metric.named_buffers():
                 buffer.copy_(source[namespace][name][buffer_name])
+
+    def _refuse_if_synced(self, action: str) -> None:
+        """Checked on every rank before any collective, so a refusal leaves no rank waiting in one."""
+        for metric in self.rec_metrics.rec_metrics:
+            if any(computation._is_synced for computation in metric._metrics_computations):
+                raise RecMetricException(
+                    f"RecMetricModule.{action} while synced (metric {metric._namespace.value!r}): call unsync() first"
+                )
 
     def shutdown(self) -> None:
         """Nothing to release: no background work (torchrec's only logs)."""

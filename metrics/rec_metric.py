@@ -11,7 +11,9 @@ objects, which hold the states and the formula. Semantics kept from torchrec:
   the formula; only rank 0 reports unless ``compute_on_all_ranks``; ``local_compute()`` skips the reduction;
 * ``sync()`` replaces the states by their reduced values until ``unsync()`` (so ``local_compute()`` in between reports
   global values on every rank);
-* keys are ``"{namespace}-{task}|{lifetime_|window_}{metric}"``;
+* keys are ``"{namespace}-{task}|{lifetime_|window_}{metric}"``; ``local_compute()``'s carry ``local_`` before the
+  prefix, ``"{namespace}-{task}|local_{lifetime_|window_}{metric}"`` (torchrec's), so local and global values logged
+  side by side never share a key;
 * checkpoints hold the persistent lifetime states (``state_dict`` keys ``_metrics_computations.{i}.{state}``); the
   window states are not persistent, so a restored metric restarts its window.
 """
@@ -33,7 +35,11 @@ from tritonrec.metrics.computation import RecMetricComputation
 from tritonrec.metrics.computation import RecMetricException as RecMetricException
 from tritonrec.metrics.computation import WindowBuffer as WindowBuffer
 from tritonrec.metrics.metrics_config import RecComputeMode, RecTaskInfo
-from tritonrec.metrics.metrics_namespace import MetricNamespaceBase, compose_metric_key
+from tritonrec.metrics.metrics_namespace import (
+    MetricNamespaceBase,
+    compose_customized_metric_key,
+    compose_metric_namespace,
+)
 
 RecModelOutput = torch.Tensor | dict[str, torch.Tensor]
 
@@ -203,25 +209,29 @@ class RecMetric(nn.Module, abc.ABC):
                 )
 
     def _reports(self, scope: str) -> dict[str, torch.Tensor]:
+        """Every computation's ``{scope}compute()`` reports by key; ``scope`` ("" or "local_") also starts the
+        metric part of the key, as torchrec's ``_tasks_iter``: ``"ne-t0|local_window_ne"``."""
         ret: dict[str, torch.Tensor] = {}
         for i, computation in enumerate(self._metrics_computations):
-            for report in getattr(computation, scope)():
+            for report in getattr(computation, f"{scope}compute")():
                 tasks = self._tasks if self._fused else [self._tasks[i]]
                 for j, task in enumerate(tasks):
                     value = report.value[j] if self._fused else report.value
-                    key = compose_metric_key(
-                        self._namespace, task.name, report.name, report.metric_prefix, report.description
+                    key = compose_customized_metric_key(
+                        compose_metric_namespace(self._namespace, task.name),
+                        f"{scope}{report.metric_prefix}{report.name}",
+                        report.description,
                     )
                     ret[key] = value
         return ret
 
     def compute(self) -> dict[str, torch.Tensor]:
         """{key: value} over all ranks (a collective: every rank must call it; non-reporting ranks get {})."""
-        return self._reports("compute")
+        return self._reports("")
 
     def local_compute(self) -> dict[str, torch.Tensor]:
-        """{key: value} over this rank's states only."""
-        return self._reports("local_compute")
+        """{key: value} over this rank's states only, keys ``"{namespace}-{task}|local_{prefix}{metric}"``."""
+        return self._reports("local_")
 
     def sync(self) -> None:
         """Every computation's states become their values over all ranks (collective; see

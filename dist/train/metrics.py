@@ -29,8 +29,8 @@ def _vector(value: object, name: str) -> torch.Tensor:
 def _check_scores_labels(
     scores: object, labels: object, weights: object | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Scores (float), labels (0/1) and weights (non-negative; ones when None) of one shape; labels and weights
-    returned as float64."""
+    """Scores (float, not NaN), labels (0/1) and weights (finite, non-negative; ones when None) of one shape; labels
+    and weights returned as float64."""
     scores, labels = _vector(scores, "scores"), _vector(labels, "labels")
     if not scores.is_floating_point():
         raise TypeError(f"scores must be a float tensor, got dtype {scores.dtype}")
@@ -48,9 +48,12 @@ def _check_scores_labels(
     if bool(bad.any()):
         where = int(bad.nonzero()[0].item())
         raise ValueError(f"labels must be 0 or 1, got labels[{where}] = {labels[where].item()}")
-    if bool((weights < 0).any()):
-        where = int((weights < 0).nonzero()[0].item())
-        raise ValueError(f"weights must be non-negative, got weights[{where}] = {weights[where].item()}")
+    # a NaN weight makes every later cumulative sum NaN and an infinite one gives inf / inf: either turns the AUROC
+    # into NaN silently, so the first bad weight is refused by position, as a NaN score is
+    bad = ~torch.isfinite(weights) | (weights < 0)
+    if bool(bad.any()):
+        where = int(bad.nonzero()[0].item())
+        raise ValueError(f"weights must be finite and non-negative, got weights[{where}] = {weights[where].item()}")
     if bool(torch.isnan(scores).any()):
         where = int(torch.isnan(scores).nonzero()[0].item())
         raise ValueError(f"scores must not be NaN, got NaN at scores[{where}]")
@@ -59,9 +62,10 @@ def _check_scores_labels(
 
 def auroc(scores: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None) -> float:
     """Area under the ROC curve of ``scores [N]`` (logits or probabilities) for ``labels [N]`` (0/1), with optional
-    non-negative sample ``weights [N]``. NaN when either class has zero total weight (AUROC is undefined there;
-    ``tritonrec.metrics``' AUC reports 0.5 instead). The curve is ``tritonrec.metrics.auc.roc_area``'s, shared with
-    that metric, here accumulated in float64."""
+    finite, non-negative sample ``weights [N]`` (the first NaN, infinite or negative weight is refused by position).
+    NaN when either class has zero total weight (AUROC is undefined there; ``tritonrec.metrics``' AUC reports 0.5
+    instead). The curve is ``tritonrec.metrics.auc.roc_area``'s, shared with that metric, here accumulated in
+    float64."""
     scores, labels, weights = _check_scores_labels(scores, labels, weights)
     # float64 holds every narrower float exactly: same order, same ties, and the sums accumulate in float64
     area, positive, negative = roc_area(scores.to(torch.float64)[None], labels[None], weights[None])

@@ -25,8 +25,9 @@ from tritonrec.metrics import (
 from tritonrec.metrics.computation import RecMetricComputation, WindowBuffer
 
 TASK = RecTaskInfo(name="click", label_name="label", prediction_name="prediction", weight_name="weight")
-WINDOW_KEY = "ne-click|window_ne"
-LIFETIME_KEY = "ne-click|lifetime_ne"
+# local_compute()'s keys: torchrec's "local_" comes before the window_ / lifetime_ prefix
+WINDOW_KEY = "ne-click|local_window_ne"
+LIFETIME_KEY = "ne-click|local_lifetime_ne"
 
 
 def ne_module(window_samples: int, step_samples: int) -> RecMetricModule:

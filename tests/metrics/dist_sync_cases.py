@@ -39,13 +39,26 @@ def _sync_cases(rank: int, world: int, mode: RecComputeMode) -> dict[str, Any]:
         out["update_while_synced"] = "no error"
     except RecMetricException as error:
         out["update_while_synced"] = str(error)
+    fresh = build(world, rank, BATCH, mode)
+    # while synced the states already span the ranks: reducing them again would count each rank world_size times
+    # (torchrec 1.8's get_pre_compute_states does), and states loaded then would be thrown away by unsync()
+    refused = {
+        "states_while_synced": module.get_pre_compute_states,
+        "load_while_synced": lambda: module.load_pre_compute_states(fresh.get_pre_compute_states()),
+    }
+    for name, call in refused.items():
+        try:
+            call()
+            out[name] = "no error"
+        except RecMetricException as error:
+            out[name] = str(error)
+    out["synced_local_after_refusals"] = _floats(module.local_compute())
     module.unsync()
     module.unsync()  # not synced any more: a no-op, as torchrec's RecMetric.unsync
     out["unsynced_local"] = _floats(module.local_compute())
     states = module.get_pre_compute_states()
     out["states"] = states
     out["mesh_states"] = module.get_pre_compute_states(init_device_mesh("cpu", (world,), mesh_dim_names=("shard",)))
-    fresh = build(world, rank, BATCH, mode)
     fresh.load_pre_compute_states(states)
     out["loaded_local"] = _floats(fresh.local_compute())
     return out

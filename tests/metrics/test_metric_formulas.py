@@ -158,4 +158,26 @@ def test_non_reporting_rank_gets_nothing_unless_compute_on_all_ranks() -> None:
     for metric in (quiet, loud):
         metric.update(predictions={"t0": torch.rand(4)}, labels={"t0": torch.ones(4)}, weights=None)
     assert quiet.compute() == {} and quiet.local_compute()
-    assert set(loud.compute()) == set(quiet.local_compute())
+    assert {key.replace("|", "|local_") for key in loud.compute()} == set(quiet.local_compute())
+
+
+# recorded from torchrec 1.8: NEMetric(include_logloss=True).local_compute() after one update, both task layouts
+TORCHREC_NE_LOCAL_KEYS = {
+    f"ne-t{t}|local_{scope}_{name}" for t in range(2) for scope in ("lifetime", "window") for name in ("ne", "logloss")
+}
+
+
+@pytest.mark.parametrize("mode", [RecComputeMode.UNFUSED_TASKS_COMPUTATION, RecComputeMode.FUSED_TASKS_COMPUTATION])
+@pytest.mark.parametrize("name", [*sorted(CASES), "auc"])
+def test_local_compute_keys_carry_torchrecs_local_prefix(name: str, mode: RecComputeMode) -> None:
+    """torchrec's local_compute() puts "local_" before the window_ / lifetime_ prefix; compute() has none."""
+    cls, kwargs = (AUCMetric, {}) if name == "auc" else CASES[name][:2]
+    metric = _build(cls, mode, **kwargs)
+    predictions, labels, weights = _task_inputs(stream(seed=5, steps=1, batch=BATCH)[0])
+    metric.update(predictions=predictions, labels=labels, weights=weights)
+    local, reduced = metric.local_compute(), metric.compute()
+    assert set(local) == {key.replace("|", "|local_") for key in reduced}
+    for key, value in reduced.items():  # one process: the same values under both keys
+        torch.testing.assert_close(local[key.replace("|", "|local_")], value, rtol=0, atol=0, equal_nan=True)
+    if name == "ne":
+        assert set(local) == TORCHREC_NE_LOCAL_KEYS

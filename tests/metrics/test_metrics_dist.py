@@ -1,8 +1,8 @@
 """2 gloo ranks: the values reduced across ranks equal one process's values over the union of both ranks' data
 (each step's batches concatenated, the same global window); local_compute sees only the rank's own data; only rank 0
 reports without compute_on_all_ranks; a checkpoint restores the lifetime values; sync() makes local_compute report
-the formulas over the union until unsync(); get_pre_compute_states() holds the union's sums and samples on every
-rank. One spawn serves every case."""
+the formulas over the union until unsync() (get_pre_compute_states() and load_pre_compute_states() are refused until
+then); get_pre_compute_states() holds the union's sums and samples on every rank. One spawn serves every case."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def _formulas_over_the_union() -> dict[str, float]:
                 if name == "auc" and scope == "lifetime":
                     continue
                 namespace = "mse" if name == "rmse" else name
-                want[f"{namespace}-{task.name}|{scope}_{name}"] = reference(p, y, w)
+                want[f"{namespace}-{task.name}|local_{scope}_{name}"] = reference(p, y, w)  # local_compute's keys
     return want
 
 
@@ -117,9 +117,13 @@ def test_synced_local_compute_reports_the_formulas_over_the_union_until_unsync(m
         synced = cases["synced_local"]
         _assert_close(synced, want)
         # compute() while synced evaluates the synced states without reducing them a second time
-        assert cases["synced_compute"] == synced
+        assert {key.replace("|", "|local_"): value for key, value in cases["synced_compute"].items()} == synced
         assert "already been synced" in cases["sync_twice"]
         assert "update while synced: call unsync() first" in cases["update_while_synced"]
+        for name, action in (("states_while_synced", "get"), ("load_while_synced", "load")):
+            message = f"RecMetricModule.{action}_pre_compute_states while synced (metric 'ne'): call unsync() first"
+            assert cases[name] == message
+        assert cases["synced_local_after_refusals"] == synced  # the refusals left the synced states as they were
         # unsync brings back the rank's own states (the update tried while synced was refused)
         assert cases["unsynced_local"] == cases["local"]
         # a fresh module loading the pre-compute states reports the same global values, with no collective

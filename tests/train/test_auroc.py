@@ -76,7 +76,24 @@ def test_streaming_window_and_state() -> None:
         (([0.1, 0.2], torch.zeros(2)), TypeError, "scores must be a torch.Tensor, got list"),
         ((torch.tensor([1, 2]), torch.zeros(2)), TypeError, "scores must be a float tensor, got dtype torch.int64"),
         ((torch.tensor([0.1, math.nan]), torch.zeros(2)), ValueError, r"must not be NaN, got NaN at scores\[1\]"),
-        ((torch.zeros(2), torch.zeros(2), -torch.ones(2)), ValueError, r"must be non-negative, got weights\[0\]"),
+        ((torch.zeros(2), torch.zeros(2), -torch.ones(2)), ValueError, r"non-negative, got weights\[0\] = -1.0"),
+        # NaN / infinite weights made the AUROC NaN silently: refused at the first bad position, as NaN scores are
+        (
+            (torch.zeros(3), torch.zeros(3), torch.tensor([1.0, 1.0, math.nan])),
+            ValueError,
+            r"weights must be finite and non-negative, got weights\[2\] = nan",
+        ),
+        (
+            (torch.zeros(3), torch.zeros(3), torch.tensor([1.0, math.inf, math.nan])),
+            ValueError,
+            r"weights must be finite and non-negative, got weights\[1\] = inf",
+        ),
+        ((torch.zeros(2), torch.zeros(2), torch.tensor([-math.inf, 1.0])), ValueError, r"got weights\[0\] = -inf"),
+        (
+            (torch.zeros(3), torch.zeros(3), torch.tensor([0.5, math.nan, -1.0], dtype=torch.float16)),
+            ValueError,
+            r"got weights\[1\] = nan",
+        ),
         ((torch.zeros(2), torch.zeros(2), torch.ones(3)), ValueError, r"weights must match scores' shape \(2,\)"),
     ],
 )
