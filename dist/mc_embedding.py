@@ -12,9 +12,10 @@ The lookup, the sequence all-to-all and the fused optimizer are the row-wise sha
 bucketing differs: by raw-id range instead of by table row. ``forward`` returns ``(dict awaitable, None awaitable)``
 as torchrec's, or with ``return_remapped_features=True`` the remapped KJT of this rank's samples (global rows, sent
 back by the reverse all-to-all); VBE inputs are refused. With ``need_indices`` the output's weights are this rank's
-input ids after ``input_hash_func`` (not the remapped rows). A row given to a new id keeps its weights and optimizer
-state, as our unsharded module and torchrec 1.8's unsharded one. What this shares with the MC-EBC lives in
-:mod:`tritonrec.dist.mc_sharded_base`.
+input ids after ``input_hash_func`` (not the remapped rows). A row given to a new id is reset before the lookup
+(``init_fn`` redraw, fused optimizer state zeroed) as torchrec's sharded module does
+(:mod:`tritonrec.dist.mc_row_reset`; the unsharded module keeps it unless built with ``reset_evicted_rows=True``).
+What this shares with the MC-EBC lives in :mod:`tritonrec.dist.mc_sharded_base`.
 
 State dict: ``_embedding_module.embeddings.<table>.weight`` and
 ``_managed_collision_collection._managed_collision_modules.<table>.<buffer>`` (torchrec's keys).

@@ -12,8 +12,9 @@ The lookup, the reduce-scatter and the fused optimizer are the row-wise sharding
 the bucketing differs: by raw-id range instead of by table row. ``forward`` returns ``(KeyedTensor awaitable,
 None awaitable)`` as torchrec's, or with ``return_remapped_features=True`` the remapped KJT of this rank's samples
 (global rows, sent back by the reverse all-to-all, :class:`~tritonrec.dist.mc_sharding.RemappedFeaturesAwaitable`).
-A row given to a new id keeps its weights and optimizer state, as our unsharded module and torchrec 1.8's unsharded
-one (torchrec's sharded module re-initialises such rows with ``init_fn`` instead). What this shares with the MC-EC
+A row given to a new id is reset before the lookup (``init_fn`` redraw, fused optimizer state zeroed) as torchrec's
+sharded module does (:mod:`tritonrec.dist.mc_row_reset`; the unsharded module keeps it unless built with
+``reset_evicted_rows=True``). What this shares with the MC-EC
 lives in :mod:`tritonrec.dist.mc_sharded_base`.
 
 State dict: ``_embedding_module.embedding_bags.<table>.weight`` and

@@ -6,7 +6,9 @@ Both wrap the inner sharded module (:class:`~tritonrec.dist.embedding.ShardedEmb
 output dist and the fused optimizer; on top of it they hold the :class:`ShardedManagedCollisionCollection` (the MCH
 modules of this rank's row shards), run its preprocess (``input_hash_func``, id range check) in ``input_dist``, bucket
 by raw-id range instead of by table row, run its remap as the inner module's ``input_transform`` (just before the
-lookup, so a pipeline prefetching the next input dist does not reorder the MCH updates), and, with
+lookup, so a pipeline prefetching the next input dist does not reorder the MCH updates), reset the rows the remap
+handed to new ids (``init_fn`` redraw, fused optimizer state zeroed: :mod:`tritonrec.dist.mc_row_reset`, torchrec's
+``_evict``) before the lookup reads them, and, with
 ``return_remapped_features``, send the remapped rows back to the samples' ranks.
 
 A subclass names the unsharded module type it takes (``_unsharded_type``) and fills the hooks where the EC and the
@@ -27,6 +29,7 @@ from tritonrec.data import KeyedJaggedTensor
 from tritonrec.dist.awaitable import Awaitable, LazyAwaitable, LazyNoWait
 from tritonrec.dist.embedding import ShardedEmbeddingCollection
 from tritonrec.dist.embeddingbag import ShardedEmbeddingBagCollection
+from tritonrec.dist.mc_row_reset import reset_evicted_rows
 from tritonrec.dist.mc_sharding import (
     RemappedFeaturesAwaitable,
     ShardedManagedCollisionCollection,
@@ -205,8 +208,11 @@ class ShardedManagedCollisionModule(
             context = ctx.sharding_contexts[index]
             work = self._managed_collision_collection.return_dist(remapped, context, sharding.input_dist_pg)
             ctx.remapped_returns.append((sharding.rank_features(sharding.rank), context, work))
-        # torchrec 1.8's unsharded eviction hook is a no-op: the rows are only reported
-        ctx.evictions_per_table.update(self._managed_collision_collection.evict())
+        # as torchrec's sharded module: the rows handed to new ids are reset before this batch's lookup reads them
+        evictions = self._managed_collision_collection.evict()
+        lookups = [s.lookup for s in self._embedding_module._shardings]
+        reset_evicted_rows(lookups, evictions, self._allow_in_place_embed_weight_update)
+        ctx.evictions_per_table.update(evictions)
         return remapped
 
     def compute(self, ctx: _Ctx, dist_input: list[KeyedJaggedTensor]) -> _DistOut:

@@ -88,17 +88,22 @@ class ManagedCollisionCollection(nn.Module):
         per_feature = {f: features[f] for f in self._feature_names}
         remapped: list[torch.Tensor] = []
         remapped_lengths: list[torch.Tensor] = []  # a module may drop ids (hash ZCH with disable_fallback)
+        weighted = features.weights_or_none() is not None
+        remapped_weights: list[torch.Tensor] = []  # the module sees the weights, so it can keep them aligned
         for table, table_features in self._table_to_features.items():
             parts = [per_feature[f] for f in table_features]
             ids = JaggedTensor(
-                values=torch.cat([p.values() for p in parts]), lengths=torch.cat([p.lengths() for p in parts])
+                values=torch.cat([p.values() for p in parts]),
+                lengths=torch.cat([p.lengths() for p in parts]),
+                weights=torch.cat([p.weights() for p in parts]) if weighted else None,
             )
             module = self._managed_collision_modules[table]
             out = module({table: ids}, mutate_miss_lengths=mutate_miss_lengths)[table]
             remapped.append(out.values())
             remapped_lengths.append(out.lengths())
-        jagged = list(per_feature.values())
-        weights = None if features.weights_or_none() is None else torch.cat([jt.weights() for jt in jagged])
+            if weighted:
+                remapped_weights.append(out.weights())
+        weights = (torch.cat(remapped_weights) if remapped_weights else features.weights()[:0]) if weighted else None
         strides = features.stride_per_key_per_rank()
         inverse = features.inverse_indices_or_none()
         if inverse is not None:  # keep the rows of the keys that remain

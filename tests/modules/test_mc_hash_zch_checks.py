@@ -178,3 +178,23 @@ def test_shard_refuses_ids_of_other_buckets(ihs: int, ids: list[int], match: str
 def test_bad_arguments_named(kwargs: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         HashZchManagedCollisionModule(**({"zch_size": 8, "device": "cpu", "total_num_buckets": 2} | kwargs))
+
+
+def test_collection_hands_the_weights_to_its_modules() -> None:
+    """Through a ManagedCollisionCollection the module sees the weights: a drop raises the module's own error (it was
+    a KJT constructor error about the weights' length), and weights of kept ids come back in feature order."""
+    from tritonrec.data import KeyedJaggedTensor
+    from tritonrec.modules import EmbeddingBagConfig, ManagedCollisionCollection
+
+    def configs(rows: int) -> list[EmbeddingBagConfig]:
+        return [EmbeddingBagConfig(name="t", num_embeddings=rows, embedding_dim=4, feature_names=["f0", "f1"])]
+
+    ids = torch.arange(10, 30)
+    weights = torch.arange(20, dtype=torch.float32)
+    kjt = KeyedJaggedTensor(keys=["f0", "f1"], values=ids, lengths=torch.ones(20, dtype=torch.int64), weights=weights)
+    dropping = ManagedCollisionCollection({"t": _module(2, 1, 1, disable_fallback=True)}, configs(2))
+    with pytest.raises(ValueError, match=r"features\['t'\] has weights and disable_fallback dropped \d+ of its 20 ids"):
+        dropping(kjt)
+    roomy = ManagedCollisionCollection({"t": _module(64, 1, 64, disable_fallback=True)}, configs(64))
+    out = roomy(kjt)
+    assert torch.equal(out.weights(), weights) and out.keys() == ["f0", "f1"]

@@ -238,3 +238,130 @@ def test_load_into_a_trained_module_resumes_like_a_fresh_one() -> None:
     for ids in stream[4:]:
         assert torch.equal(_run(live, ids), _run(fresh, ids))
     assert all(torch.equal(a, b) for a, b in zip(live.state_dict().values(), fresh.state_dict().values(), strict=True))
+
+
+# ------------------------------------------------------------------------------------------- evicted rows (MC-EBC/EC)
+_EVICTION_BATCHES = [[1, 1, 1, 2, 2, 3], [1, 1, 2, 2, 3, 3], [7, 7, 7, 7, 8, 8, 8, 8, 9, 9, 9]]  # fill, keep, evict
+
+
+def _fill_half(rows: torch.Tensor) -> torch.Tensor:
+    """A deterministic ``init_fn`` (so a redrawn row is known exactly)."""
+    return rows.fill_(0.5)
+
+
+def _mc_lookup(kind: str, reset: bool = False, in_place: bool = False) -> torch.nn.Module:
+    """An MC-EBC / MC-EC over one 4-row table (LFU, merge every batch) with weights ``arange`` (every row distinct)."""
+    from tritonrec.modules import (
+        EmbeddingBagCollection,
+        EmbeddingBagConfig,
+        EmbeddingCollection,
+        EmbeddingConfig,
+        ManagedCollisionCollection,
+        ManagedCollisionEmbeddingBagCollection,
+        ManagedCollisionEmbeddingCollection,
+    )
+
+    config_type = EmbeddingBagConfig if kind == "ebc" else EmbeddingConfig
+    configs = [config_type(num_embeddings=4, embedding_dim=2, name="t0", feature_names=["f0"], init_fn=_fill_half)]
+    mcc = ManagedCollisionCollection(
+        {"t0": MCHManagedCollisionModule(4, "cpu", LFU_EvictionPolicy(), 1, input_hash_size=1000)}, configs
+    )
+    inner = (EmbeddingBagCollection if kind == "ebc" else EmbeddingCollection)(configs, backend="torch")
+    wrapper = ManagedCollisionEmbeddingBagCollection if kind == "ebc" else ManagedCollisionEmbeddingCollection
+    module = wrapper(inner, mcc, True, in_place, reset_evicted_rows=reset)
+    with torch.no_grad():
+        _weight(module).copy_(torch.arange(8.0).view(4, 2))
+    return module
+
+
+def _weight(module: torch.nn.Module) -> torch.Tensor:
+    inner = module._embedding_module
+    return (inner.embedding_bags if hasattr(inner, "embedding_bags") else inner.embeddings)["t0"].weight
+
+
+def _spied_evictions(module: torch.nn.Module) -> list[torch.Tensor | None]:
+    """Records what each forward's ``evict()`` returned for t0."""
+    mcc, seen = module._managed_collision_collection, []
+    original = mcc.evict
+
+    def spy() -> dict[str, torch.Tensor | None]:
+        out = original()
+        seen.append(None if out["t0"] is None else out["t0"].clone())
+        return out
+
+    mcc.evict = spy
+    return seen
+
+
+def _kjt(ids: list[int]) -> object:
+    from tritonrec.data import KeyedJaggedTensor
+
+    return KeyedJaggedTensor(keys=["f0"], values=torch.tensor(ids), lengths=torch.tensor([len(ids)]))
+
+
+@pytest.mark.parametrize("kind", ["ebc", "ec"])
+def test_evicted_rows_keep_their_weights_by_default_as_torchrec(kind: str) -> None:
+    """torchrec 1.8's unsharded MC modules leave a row handed to a new id as it is (their ``evict`` hook is a stub):
+    same remapped rows and ``evict()`` rows as torchrec's, every weight unchanged bit for bit."""
+    tr = pytest.importorskip("torchrec")
+    from torchrec.modules import mc_embedding_modules as tr_mce
+    from torchrec.modules import mc_modules as tr_mc
+
+    ours = _mc_lookup(kind)
+    config_type = tr.EmbeddingBagConfig if kind == "ebc" else tr.EmbeddingConfig
+    configs = [config_type(num_embeddings=4, embedding_dim=2, name="t0", feature_names=["f0"])]
+    mcm = tr_mc.MCHManagedCollisionModule(
+        zch_size=4, device=torch.device("cpu"), eviction_policy=tr_mc.LFU_EvictionPolicy(), eviction_interval=1,
+        input_hash_size=1000,
+    )  # fmt: skip
+    mcc = tr_mc.ManagedCollisionCollection({"t0": mcm}, configs)
+    if kind == "ebc":
+        theirs = tr_mce.ManagedCollisionEmbeddingBagCollection(tr.EmbeddingBagCollection(configs), mcc, True)
+    else:
+        theirs = tr_mce.ManagedCollisionEmbeddingCollection(tr.EmbeddingCollection(configs), mcc, True)
+    their_weight = _weight(theirs)
+    with torch.no_grad():
+        their_weight.copy_(torch.arange(8.0).view(4, 2))
+    seen_ours, seen_theirs = _spied_evictions(ours), _spied_evictions(theirs)
+    for ids in _EVICTION_BATCHES:
+        _, got = ours(_kjt(ids))
+        _, want = theirs(tr.KeyedJaggedTensor(keys=["f0"], values=torch.tensor(ids), lengths=torch.tensor([len(ids)])))
+        assert got.values().tolist() == want.values().tolist()
+    assert [s.tolist() for s in seen_ours] == [s.tolist() for s in seen_theirs] == [[0, 1, 2], [], [2]]
+    assert torch.equal(_weight(ours).detach(), torch.arange(8.0).view(4, 2))
+    assert torch.equal(their_weight.detach(), torch.arange(8.0).view(4, 2))
+
+
+@pytest.mark.parametrize("kind", ["ebc", "ec"])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_reset_evicted_rows_redraws_the_rows_handed_to_new_ids_before_the_lookup(kind: str, in_place: bool) -> None:
+    """``reset_evicted_rows=True`` (torchrec's sharded semantics): the rows ``evict()`` reports are ``init_fn``'s,
+    every other row is unchanged bit for bit, and the batch's lookup already reads the redrawn rows."""
+    module = _mc_lookup(kind, reset=True, in_place=in_place)
+    seen = _spied_evictions(module)
+    weight = _weight(module)
+    for ids in _EVICTION_BATCHES:
+        before = weight.detach().clone()
+        version = weight._version
+        embeddings, remapped = module(_kjt(ids))
+        rows = seen[-1]
+        assert rows is not None
+        kept = torch.ones(4, dtype=torch.bool)
+        kept[rows] = False
+        assert torch.equal(weight.detach()[rows], torch.full((rows.numel(), 2), 0.5))
+        assert torch.equal(weight.detach()[kept], before[kept])
+        assert (weight._version == version) == (in_place or rows.numel() == 0)
+        looked_up = embeddings.values() if kind == "ebc" else embeddings["f0"].values()
+        rows_read = weight.detach()[remapped.values()]
+        assert torch.equal(looked_up.detach(), rows_read.sum(0, keepdim=True) if kind == "ebc" else rows_read)
+    assert [s.tolist() for s in seen] == [[0, 1, 2], [], [2]]
+
+
+def test_reset_evicted_rows_must_be_a_bool() -> None:
+    from tritonrec.modules import ManagedCollisionEmbeddingBagCollection
+
+    module = _mc_lookup("ebc")
+    with pytest.raises(TypeError, match="reset_evicted_rows"):
+        ManagedCollisionEmbeddingBagCollection(
+            module._embedding_module, module._managed_collision_collection, reset_evicted_rows="yes"
+        )

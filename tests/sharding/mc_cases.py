@@ -1,7 +1,8 @@
 """Rank-side cases for the sharded managed-collision EBC (row-wise), against torchrec's decomposition written out:
 per table, one unsharded MCH module per rank, rebuilt over that rank's rows (``rebuild_with_output_id_range``),
 fed the global batch's raw ids of that rank's raw-id range (features in config order, each feature's ids rank by
-rank), and one unsharded EBC looking the remapped global batch up (fused SGD written out as ``w -= lr * grad``)."""
+rank), and one unsharded EBC looking the remapped global batch up (fused SGD written out as ``w -= lr * grad``);
+the rows each rank's module hands to new ids get ``init_fn``'s rows before the lookup (torchrec's sharded module)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ Outputs = Callable[[Any], list[torch.Tensor]]  # an MC module's embeddings (or t
 
 def _hash(ids: torch.Tensor, size: int) -> torch.Tensor:
     return (ids * 7 + 3) % size
+
+
+def reset_init(rows: torch.Tensor) -> torch.Tensor:
+    """The tables' ``init_fn`` after the initial draw: a function of the shape only, so every redraw is reproducible."""
+    g = torch.Generator().manual_seed(1000 * rows.shape[0] + rows.shape[1])
+    return rows.copy_(torch.rand(rows.shape, generator=g) - 0.5)
 
 
 def managed_collision(configs: list[Any]) -> Any:
@@ -51,6 +58,8 @@ def make_module(seed: int, pooling: str = "SUM", remapped: bool = False) -> Any:
         ),
     ]
     ebc = EmbeddingBagCollection(configs, backend="torch")
+    for config in configs:
+        config.init_fn = reset_init
     return ManagedCollisionEmbeddingBagCollection(ebc, managed_collision(configs), return_remapped_features=remapped)
 
 
@@ -111,9 +120,18 @@ class Reference:
                 jt = JaggedTensor(values=stream, lengths=torch.tensor([stream.numel()]))
                 out = mch.remap(mch.profile({table: jt}))[table].values()
                 per_rank[(table, r)] = out
+                self.reset(table, mch.evict())
                 for (i, p), part in zip(picks, out.split([p.numel() for _, p in picks]), strict=True):
                     rows[i][p] = part
         return rows, per_rank
+
+    def reset(self, table: str, rows: torch.Tensor | None) -> None:
+        """torchrec's sharded eviction: the (global) rows a rank's module handed to new ids get ``init_fn``'s rows."""
+        inner = self.module._embedding_module
+        weight = (inner.embedding_bags if hasattr(inner, "embedding_bags") else inner.embeddings)[table].weight
+        if rows is not None:
+            with torch.no_grad():
+                weight[rows] = reset_init(weight[rows].clone())
 
     def set_mode(self, training: bool) -> None:
         for modules in self.mch.values():
@@ -121,16 +139,16 @@ class Reference:
                 m.train(training)
 
 
-def shard_setup(sharder_type: Any, world: int) -> tuple[Any, Any, Callable[[Any], Any]]:
-    """A ``sharder_type`` sharder (fused SGD at ``LR``), the WORLD group's env, and ``build(module)``: a copy of the
-    module sharded row-wise by it, torch lookups."""
+def shard_setup(sharder_type: Any, world: int, optim: str = "EXACT_SGD") -> tuple[Any, Any, Callable[[Any], Any]]:
+    """A ``sharder_type`` sharder (fused ``optim``, SGD by default, at ``LR``), the WORLD group's env, and
+    ``build(module)``: a copy of the module sharded row-wise by it, torch lookups."""
     import torch.distributed as dist
 
     from tritonrec.dist import ShardingEnv, construct_module_sharding_plan, row_wise
     from tritonrec.kernels.embedding import OptimType
 
     env = ShardingEnv.from_process_group(dist.group.WORLD)
-    sharder = sharder_type(fused_params={"optimizer": OptimType.EXACT_SGD, "learning_rate": LR, "backend": "torch"})
+    sharder = sharder_type(fused_params={"optimizer": OptimType[optim], "learning_rate": LR, "backend": "torch"})
 
     def build(module: Any) -> Any:
         plan = construct_module_sharding_plan(
@@ -159,8 +177,10 @@ def run_suite(rank: int, world: int) -> dict[str, Any]:
 
     out["pipeline"] = pipeline_case(rank, world, sharder)
     from tests.sharding.mc_ec_cases import run_ec_suite  # the MC-EC's cases, in this one spawn
+    from tests.sharding.mc_reset_cases import run_reset_suite
 
     out["ec"] = run_ec_suite(rank, world)
+    out["reset"] = run_reset_suite(rank, world)
     return out
 
 

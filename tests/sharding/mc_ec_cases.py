@@ -16,6 +16,7 @@ from tests.sharding.mc_cases import (
     dmp_case,
     managed_collision,
     refusals,
+    reset_init,
     shard_setup,
     state_case,
 )
@@ -35,6 +36,8 @@ def make_ec_module(seed: int, remapped: bool = False) -> Any:
         EmbeddingConfig(num_embeddings=8, embedding_dim=DIM, name="t1", feature_names=["f2"]),
     ]
     ec = EmbeddingCollection(configs, backend="torch")
+    for config in configs:
+        config.init_fn = reset_init
     return ManagedCollisionEmbeddingCollection(ec, managed_collision(configs), return_remapped_features=remapped)
 
 

@@ -1,9 +1,10 @@
 """Sharded managed-collision EBC (row-wise) on 2 gloo ranks against torchrec's decomposition written out (per table
 one rebuilt MCH module per rank over its raw-id range, one unsharded EBC): remapped rows, pooled outputs (SUM and
-MEAN), fused SGD updates and MCH state over a stream of batches with inserts and evictions and one eval step; the
-state dict (torchrec's keys, ``ShardedTensor`` buffers) round trip; non-row-wise plans refused by table name. The same
-for the sharded MC-EC (sequence embeddings per feature, each rank's samples). Rank-side code: mc_cases.py and
-mc_ec_cases.py (one spawn for the module)."""
+MEAN), fused SGD updates and MCH state over a stream of batches with inserts and evictions (rows handed to new ids
+redrawn with ``init_fn``, as torchrec's sharded module) and one eval step; the state dict (torchrec's keys,
+``ShardedTensor`` buffers) round trip; non-row-wise plans refused by table name. The same for the sharded MC-EC
+(sequence embeddings per feature, each rank's samples). The reset of evicted rows' fused optimizer state (rowwise
+Adagrad, Adam). Rank-side code: mc_cases.py, mc_ec_cases.py and mc_reset_cases.py (one spawn for the module)."""
 
 from __future__ import annotations
 
@@ -134,3 +135,17 @@ def test_sparse_dist_pipeline_pipelines_it_and_trains_as_the_base_pipeline() -> 
         assert got["pipelined"] == ["mc"], f"rank {rank}: pipelined {got['pipelined']}"
         assert got["losses_equal"], f"rank {rank}: the pipelined losses differ from TrainPipelineBase's"
         assert got["state_differs"] == [], f"rank {rank}: state differs in {got['state_differs']}"
+
+
+@pytest.mark.parametrize("kind", ["ebc", "ec"])
+@pytest.mark.parametrize("optimizer", ["EXACT_ROWWISE_ADAGRAD", "ADAM"])
+def test_evicted_rows_are_reset_with_their_optimizer_state(kind: str, optimizer: str) -> None:
+    """torchrec's sharded reset, on each rank's own shard: the rows handed to new ids hold ``init_fn``'s rows and
+    zero optimizer state after the forward, every other row and its state is unchanged bit for bit."""
+    for rank, results in enumerate(_results()):
+        got = results["reset"][f"{kind}_{optimizer}"]
+        assert got["reset"] > 0, f"rank {rank}: no row was handed to a new id"
+        assert got["bad_reset"] == 0, f"rank {rank}: {got['bad_reset']} reset rows differ from init_fn / zero state"
+        assert got["changed"] == 0, f"rank {rank}: {got['changed']} untouched rows changed in the forward"
+        states = {"EXACT_ROWWISE_ADAGRAD": ["momentum1"], "ADAM": ["momentum1", "momentum2"]}[optimizer]
+        assert got["state_names"] == sorted(["weight", *states]), got["state_names"]
