@@ -23,9 +23,8 @@ if TYPE_CHECKING:
 __all__ = [
     "DataParallelWrapper",
     "DefaultDataParallelWrapper",
-    "averaging_allreduce_hook",
     "compressed_allreduce_hook",
-    "per_parameter_allreduce_hook",
+    "deterministic_allreduce_hook",
     "sharded_buffer_names",
     "sharded_parameter_names",
 ]
@@ -44,61 +43,61 @@ _NO_FORWARD_BUFFER_SYNC = (
 def compressed_allreduce_hook(dtype: torch.dtype) -> Any:
     """A DDP comm hook averaging each gradient bucket in ``dtype`` (torch's fp16 / bf16 compress hooks, for every
     backend: torch's bf16 hook refuses gloo, whose bf16 all-reduce works)."""
-    return averaging_allreduce_hook(dtype, per_parameter=False)
+
+    def hook(pg: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        compressed = buffer.to(dtype).div_(dist.get_world_size(pg))
+        future = dist.all_reduce(compressed, group=pg, async_op=True).get_future()  # type: ignore[union-attr]
+
+        def decompress(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            buffer.copy_(done.value()[0])
+            return buffer
+
+        return future.then(decompress)
+
+    return _annotated(hook)
 
 
-def per_parameter_allreduce_hook(dtype: torch.dtype | None = None) -> Any:
-    """A DDP comm hook averaging each parameter's gradient in its own all-reduce (in ``dtype``; ``None``: the
-    gradient's own), so the sum's order no longer depends on DDP's bucket layout.
+def deterministic_allreduce_hook(dtype: torch.dtype | None = None) -> Any:
+    """A DDP comm hook averaging each gradient bucket in a fixed order: every rank's bucket (divided by the world
+    size, in ``dtype`` on the wire when given) is all-gathered, and each rank sums the parts in rank order
+    (``((g_0 + g_1) + g_2) + ...``, in the bucket's dtype), so every element's sum is the same whatever its place in
+    the bucket, and the same on every rank.
 
     Why: an all-reduce over more than 2 ranks sums each element in an order that follows its offset in the reduced
     buffer (a ring splits the buffer into chunks). DDP reduces its first iterations in an initial bucket layout and
-    later ones in the layout the gradients arrived in, so a freshly built DDP (a resumed run) sums its first steps in
-    another order than the uninterrupted run did at the same steps: a difference of a few ULPs. Reduced on its own, a
-    parameter's gradient is always the same buffer, whatever bucket holds it. With 2 ranks a sum has one order
-    (a + b == b + a), so bucket all-reduces are already exact there.
+    later ones in the layout the gradients arrived in, so a freshly built DDP (a resumed job) sums its first steps in
+    another order than the uninterrupted run did at the same steps: a few ULPs apart. With 2 ranks a sum has one order
+    (a + b == b + a), so a plain all-reduce is already exact there. Cost: one collective per bucket, as DDP's, that
+    receives ``world`` buckets instead of reducing one (fine for the dense part of a recommendation model; on a
+    3-rank gloo run of the DLRM anchor's dense layers, a few ms per step).
     """
-    return averaging_allreduce_hook(dtype, per_parameter=True)
-
-
-def averaging_allreduce_hook(dtype: torch.dtype | None, per_parameter: bool) -> Any:
-    """The DDP comm hook behind :func:`compressed_allreduce_hook` and :func:`per_parameter_allreduce_hook`: each
-    part (the bucket, or each parameter's slice of it) is divided by the world size and all-reduced (in ``dtype``
-    when given), asynchronously; the bucket is complete when every part is back."""
 
     def hook(pg: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
         world = dist.get_world_size(pg)
-        parts = _parameter_slices(bucket, buffer) if per_parameter else [buffer]
-        sent = [part.div_(world) if dtype is None else part.to(dtype).div_(world) for part in parts]
-        futures = [dist.all_reduce(t, group=pg, async_op=True).get_future() for t in sent]  # type: ignore[union-attr]
+        sent = buffer.div_(world) if dtype is None else buffer.to(dtype).div_(world)  # read before overwritten
+        gathered = sent.new_empty(world * sent.numel())
+        work = dist.all_gather_into_tensor(gathered, sent, group=pg, async_op=True)
+        future = work.get_future()  # type: ignore[union-attr]
 
-        def written(_: Any) -> torch.Tensor:
-            if dtype is not None:
-                for part, reduced in zip(parts, sent, strict=True):
-                    part.copy_(reduced)
+        def summed(_: Any) -> torch.Tensor:
+            parts = gathered.view(world, -1)
+            buffer.copy_(parts[0])
+            for rank in range(1, world):
+                buffer.add_(parts[rank])  # in rank order, element by element: the layout cannot change it
             return buffer
 
-        if len(futures) == 1:
-            return futures[0].then(written)
-        return torch.futures.collect_all(futures).then(written)
+        return future.then(summed)
 
+    return _annotated(hook)
+
+
+def _annotated(hook: Any) -> Any:
     # DDP checks the hook's annotations as objects; this module's are strings (postponed evaluation)
     hook.__annotations__ = {"pg": dist.ProcessGroup, "bucket": dist.GradBucket,
                             "return": torch.futures.Future[torch.Tensor]}  # fmt: skip
     return hook
-
-
-def _parameter_slices(bucket: dist.GradBucket, buffer: torch.Tensor) -> list[torch.Tensor]:
-    """The bucket's flat buffer cut into its parameters' gradients, in the bucket's order (DDP packs them one after
-    the other; checked, as a padded layout would misplace every later slice)."""
-    sizes = [p.numel() for p in bucket.parameters()]
-    if sum(sizes) != buffer.numel():
-        raise RuntimeError(
-            f"DDP bucket {bucket.index()} holds {buffer.numel()} gradient elements, its parameters {sum(sizes)}: "
-            "cannot reduce them one by one"
-        )
-    return list(buffer.split(sizes)) if sizes else []
 
 
 class DataParallelWrapper(abc.ABC):
@@ -118,10 +117,11 @@ class DefaultDataParallelWrapper(DataParallelWrapper):
         find_unused_parameters: let DDP look for parameters a step did not use.
         allreduce_comm_precision: ``None`` (fp32 all-reduce), ``"fp16"`` or ``"bf16"`` (each bucket averaged in that
             dtype by :func:`compressed_allreduce_hook`; on gloo too).
-        per_parameter_allreduce: reduce each parameter's gradient on its own (:func:`per_parameter_allreduce_hook`),
-            so every step sums in the same order whatever DDP's bucket layout: a resumed run (a fresh DDP) then
-            trains bit for bit as the uninterrupted one. ``None`` (default): on when the group has more than 2
-            ranks, the only case where the layout changes the sum; it costs one all-reduce per parameter.
+        deterministic_allreduce: average the buckets with :func:`deterministic_allreduce_hook` (all-gather, then a
+            sum in rank order), so every step sums in the same order whatever DDP's bucket layout: a resumed job (a
+            fresh DDP) then trains bit for bit as the uninterrupted one. ``None`` (default): on for a gloo group of
+            more than 2 ranks, where the layout changes the sum and the gather's memory is host memory; off
+            otherwise (NCCL users with large dense parts choose it explicitly).
         params_to_ignore: further parameter names to keep out of DDP.
         ddp_kwargs: further ``DistributedDataParallel`` arguments.
     """
@@ -132,7 +132,7 @@ class DefaultDataParallelWrapper(DataParallelWrapper):
         static_graph: bool = True,
         find_unused_parameters: bool = False,
         allreduce_comm_precision: str | None = None,
-        per_parameter_allreduce: bool | None = None,
+        deterministic_allreduce: bool | None = None,
         params_to_ignore: list[str] | None = None,
         ddp_kwargs: dict[str, Any] | None = None,
     ) -> None:
@@ -145,12 +145,12 @@ class DefaultDataParallelWrapper(DataParallelWrapper):
             raise ValueError(
                 f"allreduce_comm_precision must be None, 'fp16' or 'bf16', got {allreduce_comm_precision!r}"
             )
-        if per_parameter_allreduce is not None and not isinstance(per_parameter_allreduce, bool):
+        if deterministic_allreduce is not None and not isinstance(deterministic_allreduce, bool):
             raise TypeError(
-                "per_parameter_allreduce must be None or a bool, "
-                f"got per_parameter_allreduce={per_parameter_allreduce!r}"
+                "deterministic_allreduce must be None or a bool, "
+                f"got deterministic_allreduce={deterministic_allreduce!r}"
             )
-        self._per_parameter_allreduce = per_parameter_allreduce
+        self._deterministic_allreduce = deterministic_allreduce
         self._bucket_cap_mb = bucket_cap_mb
         self._static_graph = static_graph
         self._find_unused_parameters = find_unused_parameters
@@ -180,11 +180,14 @@ class DefaultDataParallelWrapper(DataParallelWrapper):
             **self._ddp_kwargs,
         )
         dtype = None if self._allreduce_comm_precision is None else _COMM_DTYPES[self._allreduce_comm_precision]
-        per_parameter = self._per_parameter_allreduce
-        if per_parameter is None:
-            per_parameter = dist.get_world_size(env.process_group) > 2
-        if per_parameter or dtype is not None:
-            ddp.register_comm_hook(env.process_group, averaging_allreduce_hook(dtype, per_parameter))
+        deterministic = self._deterministic_allreduce
+        if deterministic is None:
+            group = env.process_group
+            deterministic = dist.get_world_size(group) > 2 and dist.get_backend(group) == dist.Backend.GLOO
+        if deterministic:
+            ddp.register_comm_hook(env.process_group, deterministic_allreduce_hook(dtype))
+        elif dtype is not None:
+            ddp.register_comm_hook(env.process_group, compressed_allreduce_hook(dtype))
         dmp._dmp_wrapped_module = ddp
 
 

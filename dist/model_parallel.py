@@ -36,8 +36,8 @@ from tritonrec.dist.data_parallel import (
     DataParallelWrapper,
     DefaultDataParallelWrapper,
     compressed_allreduce_hook,
+    deterministic_allreduce_hook,
     join_name,
-    per_parameter_allreduce_hook,
     sharded_parameter_names,
 )
 from tritonrec.dist.model_parallel_args import check_sharders, dense_only_constraints, resolve_env, sharder_for
@@ -66,9 +66,9 @@ __all__ = [
     "DefaultDataParallelWrapper",
     "DistributedModelParallel",
     "compressed_allreduce_hook",
+    "deterministic_allreduce_hook",
     "get_module",
     "get_unwrapped_module",
-    "per_parameter_allreduce_hook",
 ]
 
 

@@ -4,7 +4,8 @@ gradients is not fixed by commutativity).
 A DMP over a dense-only model trains 6 steps; a second DMP, built fresh from the first one's weights after step 3,
 trains steps 3-5 on the same batches, as a resumed job does. DDP reduces a fresh wrapper's first iterations in its
 initial bucket layout and the uninterrupted one's in the rebuilt layout; with bucket all-reduces the gradients of the
-two then differ in the last bit, with one all-reduce per parameter (the default above 2 ranks) they are equal.
+two then differ in the last bit; with the deterministic all-reduce (all-gather, sum in rank order: the default
+for gloo above 2 ranks) they are equal.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ STEPS, RESUME_AT = 6, 3
 # each case: DefaultDataParallelWrapper arguments
 RESUME_CASES: dict[str, dict[str, Any]] = {
     "default": {},
-    "bucketed": {"per_parameter_allreduce": False},
+    "bucketed": {"deterministic_allreduce": False},
     "bf16": {"allreduce_comm_precision": "bf16"},
 }
 

@@ -16,8 +16,9 @@ exact, a sum of two terms does not depend on their order, and ``x / 2`` is exact
 * A DMP checkpoint saved table-wise by 2 ranks (a subgroup) loads on 3 ranks row-wise, table-row-wise and
   column-wise (4 blocks on 3 ranks) into identical checkpoints, and training resumed on a 3 / 3 / 2 batch split
   matches the uninterrupted single-process model; the planner's plan trains like the single-process model.
-* A fresh DDP (a resumed job) reduces the dense gradients in the order the uninterrupted one does: one all-reduce per
-  parameter, the default above 2 ranks, where bucket all-reduces sum in an order that follows the bucket layout.
+* A fresh DDP (a resumed job) reduces the dense gradients in the order the uninterrupted one does: the deterministic
+  all-reduce (all-gather, sum in rank order), the default for gloo above 2 ranks, where plain all-reduces sum in an
+  order that follows the bucket layout.
 * The planner calibration's group timing builds the column-wise types at 3 ranks (it skipped them: 3 column blocks
   do not divide its table's width 8).
 """
@@ -167,8 +168,9 @@ def test_calibration_times_the_column_wise_types() -> None:
 
 
 def test_a_fresh_ddp_reduces_like_the_uninterrupted_one() -> None:
-    """Resume exactness of the dense part at 3 ranks: one all-reduce per parameter (the default, also under bf16)
-    makes the resumed steps equal; bucket all-reduces differ in the last bit (the control: the check can fail)."""
+    """Resume exactness of the dense part at 3 ranks: the deterministic all-reduce (the default, also under bf16)
+    makes the resumed steps equal; plain bucket all-reduces differ in the last bit (the control: the check can
+    fail)."""
     for rank, diffs in enumerate(_results("ddp_resume")):
         assert diffs["default"] == 0.0, f"rank {rank}: resumed steps differ by {diffs['default']}"
         assert diffs["bf16"] == 0.0, f"rank {rank}: resumed bf16 steps differ by {diffs['bf16']}"

@@ -182,9 +182,9 @@ def test_bad_input_without_process_group() -> None:
     with pytest.raises(TypeError, match="static_graph must be a bool, got static_graph=1"):
         DefaultDataParallelWrapper(static_graph=1)  # type: ignore[arg-type]
     with pytest.raises(
-        TypeError, match="per_parameter_allreduce must be None or a bool, got per_parameter_allreduce='on'"
+        TypeError, match="deterministic_allreduce must be None or a bool, got deterministic_allreduce='on'"
     ):
-        DefaultDataParallelWrapper(per_parameter_allreduce="on")  # type: ignore[arg-type]
+        DefaultDataParallelWrapper(deterministic_allreduce="on")  # type: ignore[arg-type]
 
 
 @pytest.mark.dist

@@ -11,8 +11,8 @@ The same cases run on 4 ranks as 2 hosts of 2 (tower_sharding_host_cases.py) and
 Before loading, the fresh DMP runs :data:`PRIMING_PASSES` backward pass (no optimizer step): it moves the fused
 tables' weights, optimizer state and ``step`` away from the saved ones, so a load that left any of them alone would
 show. One pass leaves the fresh DDP (``static_graph``) in its initial bucket layout at the first resumed step, where
-the DMP that kept training reduces in the rebuilt one (test_three_ranks.py checks that the default one all-reduce per
-parameter above 2 ranks makes the layout not matter).
+the DMP that kept training reduces in the rebuilt one (test_three_ranks.py checks that the default deterministic
+all-reduce above 2 gloo ranks makes the layout not matter).
 """
 
 from __future__ import annotations
