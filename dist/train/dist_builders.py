@@ -25,11 +25,13 @@ from tritonrec.dist.sharding_plan import (
 )
 from tritonrec.dist.train.builders import DENSE_OPTIMIZERS
 from tritonrec.dist.train.config import OptimConfig, TrainConfig
+from tritonrec.dist.train.job_config import PIPELINE_KINDS, PipelineConfig
 from tritonrec.dist.train_pipeline import (
     PipelineStage,
     SparseDataDistUtil,
     StagedTrainPipeline,
     TrainPipelineBase,
+    TrainPipelineSemiSync,
     TrainPipelineSparseDist,
 )
 from tritonrec.dist.train_pipeline.pipelines import backward
@@ -118,12 +120,18 @@ def build_sharded_dense_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.o
 
 
 class StepRunner:
-    """One training step per :meth:`step` through the configured pipeline: ``base``, ``sparse_dist`` or ``staged``
-    (a data-copy stage and the sparse input-dist stage; the forward, backward and optimizer step run here).
-    :meth:`pause` gives the model its own forward back (evaluation between steps); the next step resumes."""
+    """One training step per :meth:`step` through the configured pipeline: ``base``, ``sparse_dist``, ``staged`` (a
+    data-copy stage and the sparse input-dist stage; the forward, backward and optimizer step run here) or
+    ``semi_sync``. :meth:`pause` gives the model its own forward back (evaluation between steps); the next step
+    resumes.
 
-    def __init__(self, kind: str, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                 host_prefetch: int) -> None:  # fmt: skip
+    ``trained_steps``: the steps the job trained before this runner (a resume, or a restart after a checkpoint), so
+    ``pipeline.start_batch`` counts the job's steps, not the runner's.
+    """
+
+    def __init__(self, pipeline: PipelineConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 device: torch.device, trained_steps: int = 0) -> None:  # fmt: skip
+        kind, host_prefetch = pipeline.kind, pipeline.host_prefetch
         self.kind = kind
         self._model, self._optimizer = model, optimizer
         self._sdd: SparseDataDistUtil | None = None
@@ -133,6 +141,11 @@ class StepRunner:
             self._pipeline = TrainPipelineBase(model, optimizer, device, host_prefetch=host_prefetch)
         elif kind == "sparse_dist":
             self._pipeline = TrainPipelineSparseDist(model, optimizer, device, host_prefetch=host_prefetch)
+        elif kind == "semi_sync":
+            start_batch = max(0, pipeline.start_batch - trained_steps)  # the pipeline counts its batches from 0
+            self._pipeline = TrainPipelineSemiSync(model, optimizer, device, start_batch=start_batch,
+                                                   stash_gradients=pipeline.stash_gradients, strict=True,
+                                                   host_prefetch=host_prefetch)  # fmt: skip
         elif kind == "staged":
             self._sdd = SparseDataDistUtil(model, new_stream(device))
             copy_stream = new_stream(device)
@@ -142,7 +155,14 @@ class StepRunner:
                               fill_callback=self._sdd.wait_sdd_fill_callback),
             ], host_prefetch=host_prefetch)  # fmt: skip
         else:
-            raise ValueError(f"pipeline.kind must be one of ['base', 'sparse_dist', 'staged'], got {kind!r}")
+            raise ValueError(f"pipeline.kind must be one of {list(PIPELINE_KINDS)}, got pipeline.kind={kind!r}")
+
+    @property
+    def restarts_at_checkpoint(self) -> bool:
+        """Whether the job replaces this runner after each checkpoint (see :meth:`drain`): semi-sync's batch in
+        flight holds a lookup of the tables before the step's update, which no checkpoint holds, so a resumed job
+        could not look it up again; the job restarts the pipeline at every checkpoint instead, as a resume does."""
+        return self.kind == "semi_sync"
 
     def step(self, batches: Iterator[Any]) -> Any:
         """Train one batch; returns the model's output ``(loss, logits, labels)``; StopIteration at the data's end."""
@@ -162,6 +182,14 @@ class StepRunner:
         self._seen_pipelined = self._seen_pipelined or self._sdd.pipelined_modules
         return output
 
+    def drain(self) -> None:
+        """Before a checkpoint; nothing for the pipelines other than semi-sync. A semi-sync runner takes no step
+        after it (the job restarts or ends): the dense gradients stashed by its last step are applied now (with
+        ``stash_gradients``), so the checkpoint holds every trained step's update, and its batches in flight are
+        waited for (their collectives end on every rank before the next runner's start) and dropped."""
+        if isinstance(self._pipeline, TrainPipelineSemiSync):
+            self._pipeline.flush()
+
     @property
     def pipelined_modules(self) -> list[str]:
         """The sharded modules whose input dist the pipeline prefetched (empty for ``base`` or a fallback)."""
@@ -170,7 +198,7 @@ class StepRunner:
     def pause(self) -> None:
         if self._sdd is not None:
             self._sdd.detach()
-        elif isinstance(self._pipeline, TrainPipelineSparseDist):
+        elif isinstance(self._pipeline, TrainPipelineSparseDist):  # semi_sync too (a subclass)
             self._pipeline.detach()
 
     def close(self) -> None:

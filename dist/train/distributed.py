@@ -85,8 +85,7 @@ def train_distributed(
         batcher.set_state(job.data_state_for(rank, world, cfg.batch_size, endless))
         history.load_state_dict(job.state["history"])
 
-    feed = BatchFeed(iterate_batches(batcher, sources.train, cfg.batch_size, cfg.drop_remainder), batcher)
-    runner = StepRunner(cfg.pipeline.kind, dmp, dense_optimizer, device, cfg.pipeline.host_prefetch)
+    feed, runner = _start_pipeline(cfg, batcher, sources.train, dmp, dense_optimizer, device, start)
     metrics_sync = RankMetrics(history, side)
     agreement = JobStepAgreement(stop, side, device)
     manager = CheckpointManager(out_dir / "checkpoints")
@@ -124,12 +123,17 @@ def train_distributed(
                 history.record_eval(step, result)
                 report.eval_point(step, history.recent_loss(), result)
             if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or last:
+                runner.drain()
                 metrics_sync.sync()
                 positions: list[Any] = [None] * world
                 dist.all_gather_object(positions, position, group=side)
                 job.update(step, world, cfg.batch_size, positions, history.state_dict(), fingerprint, chunk,
                            optim_fingerprint(cfg.optim))  # fmt: skip
                 checkpoint = manager.save(step, dmp, {"dense": dense_optimizer}, {"job": job})
+                if runner.restarts_at_checkpoint and not last:  # as a job resuming from this checkpoint starts
+                    runner.close()
+                    batcher.set_state(position)
+                    feed, runner = _start_pipeline(cfg, batcher, sources.train, dmp, dense_optimizer, device, step)
             if stopped and step < cfg.steps:
                 report.message(f"{stop.name} at step {step}: final checkpoint {checkpoint}")
                 break
@@ -160,6 +164,22 @@ def train_distributed(
     if cfg.plot:
         plot_curves(out_dir / "curves.png", history, f"{cfg.name}: {cfg.model.arch} on {cfg.data.kind}, {world} ranks")
     return metrics
+
+
+def _start_pipeline(
+    cfg: TrainConfig,
+    batcher: Batcher,
+    source: Any,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    trained_steps: int,
+) -> tuple[BatchFeed, StepRunner]:
+    """The training batches from ``batcher``'s position and a new step runner for the steps after ``trained_steps``:
+    at the job's start (or resume) and, for a pipeline that :attr:`~StepRunner.restarts_at_checkpoint`, after each
+    checkpoint, so that an uninterrupted job and one resumed from any of its checkpoints train the same way."""
+    feed = BatchFeed(iterate_batches(batcher, source, cfg.batch_size, cfg.drop_remainder), batcher)
+    return feed, StepRunner(cfg.pipeline, model, optimizer, device, trained_steps)
 
 
 def _check_resume_state(cfg: TrainConfig, path: Path, job: JobState, world: int) -> None:

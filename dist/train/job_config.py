@@ -6,6 +6,7 @@ collectives (``qcomm/``) and where the step series go (``logger/``). Each is a f
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from hydra.core.config_store import ConfigStore
@@ -13,7 +14,7 @@ from hydra.core.config_store import ConfigStore
 from tritonrec.kernels.checks import check_int
 
 SHARDING_KINDS = ("auto", "tw", "rw", "cw", "twrw", "dp")
-PIPELINE_KINDS = ("base", "sparse_dist", "staged")
+PIPELINE_KINDS = ("base", "sparse_dist", "staged", "semi_sync")
 QCOMM_PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "int8", "mx4")
 LOGGER_KINDS = ("none", "csv", "tensorboard")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -40,8 +41,12 @@ class ShardingConfig:
 class PipelineConfig:
     """The train pipeline of the distributed job (tritonrec.dist.train_pipeline)."""
 
-    kind: str = "sparse_dist"  # base, sparse_dist (input dist of batch i+1 during batch i), staged
+    kind: str = "sparse_dist"  # base, sparse_dist (input dist of batch i+1 during batch i), staged, semi_sync
     host_prefetch: int = 2  # host batches a background thread produces ahead (0: none)
+    # semi_sync only (TrainPipelineSemiSync): the steps before start_batch train synchronously (torchrec's default
+    # 900), the later ones look up batch i+1's embeddings before batch i's update (one step stale)
+    start_batch: int = 900
+    stash_gradients: bool = False  # semi_sync only: from start_batch on, the dense update applies a step late
 
 
 @dataclass
@@ -76,6 +81,25 @@ def _int_at_least(value: object, minimum: int, name: str) -> None:
     check_int(value, name, minimum, what=f"an int >= {minimum}")
 
 
+def check_semi_sync_options(pipeline: PipelineConfig) -> None:
+    """``start_batch`` a non-negative int and ``stash_gradients`` a bool, changed from their defaults only under
+    ``pipeline=semi_sync`` (no other pipeline reads them: a silently ignored option would hide a mistake)."""
+    _int_at_least(pipeline.start_batch, 0, "pipeline.start_batch")
+    if not isinstance(pipeline.stash_gradients, bool):
+        raise TypeError(f"pipeline.stash_gradients must be a bool, got pipeline.stash_gradients="
+                        f"{pipeline.stash_gradients!r}")  # fmt: skip
+    if pipeline.kind == "semi_sync":
+        return
+    for name in ("start_batch", "stash_gradients"):
+        value = getattr(pipeline, name)
+        if value != getattr(PipelineConfig, name):
+            raise ValueError(
+                f"pipeline.{name}={value!r} applies to pipeline=semi_sync only, and pipeline.kind="
+                f"{pipeline.kind!r}: choose pipeline=semi_sync, or leave pipeline.{name} at its default "
+                f"{getattr(PipelineConfig, name)!r}"
+            )
+
+
 def check_job_configs(dist: DistConfig, sharding: ShardingConfig, pipeline: PipelineConfig, qcomm: QCommConfig,
                       logger: LoggerConfig) -> None:  # fmt: skip
     """Every field of the distributed configs, named in the error (before any output folder is made)."""
@@ -85,6 +109,7 @@ def check_job_configs(dist: DistConfig, sharding: ShardingConfig, pipeline: Pipe
     _one_of(sharding.kind, SHARDING_KINDS, "sharding.kind")
     _one_of(pipeline.kind, PIPELINE_KINDS, "pipeline.kind")
     _int_at_least(pipeline.host_prefetch, 0, "pipeline.host_prefetch")
+    check_semi_sync_options(pipeline)
     _one_of(qcomm.forward, QCOMM_PRECISIONS, "qcomm.forward")
     _one_of(qcomm.backward, QCOMM_PRECISIONS, "qcomm.backward")
     _one_of(logger.kind, LOGGER_KINDS, "logger.kind")
@@ -100,7 +125,7 @@ def distributed_only_choices(
     chosen = []
     if sharding.kind != ShardingConfig.kind:
         chosen.append(f"sharding={sharding.kind}")
-    if pipeline.kind != PipelineConfig.kind or pipeline.host_prefetch != PipelineConfig.host_prefetch:
+    if any(getattr(pipeline, f.name) != f.default for f in dataclasses.fields(PipelineConfig)):
         chosen.append(f"pipeline={pipeline.kind}")
     if (qcomm.forward, qcomm.backward) != (QCommConfig.forward, QCommConfig.backward):
         chosen.append(f"qcomm={qcomm.forward}/{qcomm.backward}")
@@ -114,6 +139,7 @@ __all__ = [
     "QCommConfig",
     "ShardingConfig",
     "check_job_configs",
+    "check_semi_sync_options",
     "distributed_only_choices",
     "register_job_configs",
 ]

@@ -327,6 +327,27 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             self._step(context, losses, semi)
         return output
 
+    def flush(self) -> None:
+        """End this pipeline's work before a checkpoint it will not train past (ours; torchrec has none): the
+        gradients stashed by the last step are applied (``stash_gradients``), so the state holds every trained
+        step's update, and the batches in flight are waited for (their collectives end on every rank) and dropped.
+        Build a new pipeline to train on; it counts ``start_batch`` from 0."""
+        if self._gradients:
+            for name, param in self._model.named_parameters():
+                param.grad = self._gradients.pop(name, None)
+            self._optimizer.step()  # type: ignore[union-attr]
+            self._optimizer.zero_grad(set_to_none=True)  # type: ignore[union-attr]
+        for context in self.contexts:
+            for name, request in context.input_dist_splits_requests.items():
+                context.input_dist_tensors_requests[name] = request.wait()
+            context.input_dist_splits_requests.clear()
+            for requests in (context.input_dist_tensors_requests, getattr(context, "embedding_a2a_requests", {})):
+                for request in requests.values():
+                    request.wait()
+                requests.clear()
+        self.batches.clear()
+        self.contexts.clear()
+
     def reset(self) -> None:
         super().reset()
         self._stopped = False

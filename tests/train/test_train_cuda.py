@@ -10,6 +10,7 @@ without a GPU.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -45,17 +46,21 @@ def check_pipelines_agree(device: str, backend: str, root: Path) -> None:
     from tritonrec.dist.train.job_config import PipelineConfig, QCommConfig, ShardingConfig
 
     results = {}
-    for pipeline in ("base", "sparse_dist", "staged"):
+    for pipeline in ("base", "sparse_dist", "staged", "semi_sync"):  # semi_sync: synchronous before step 900
         results[pipeline] = job_metrics(device, backend, root / pipeline, pipeline=PipelineConfig(kind=pipeline))
         assert results[pipeline]["device"].startswith(device)
-    assert results["sparse_dist"]["pipelined_modules"] and results["staged"]["pipelined_modules"]
-    for pipeline in ("sparse_dist", "staged"):
+    assert all(results[p]["pipelined_modules"] for p in ("sparse_dist", "staged", "semi_sync"))
+    for pipeline in ("sparse_dist", "staged", "semi_sync"):
         assert comparable(results[pipeline]) == comparable(results["base"]), pipeline
     # row-wise with fp16 on the wire, through the staged pipeline: trains, finite
     coded = job_metrics(device, backend, root / "rw_fp16", pipeline=PipelineConfig(kind="staged"),
                         sharding=ShardingConfig(kind="rw"), qcomm=QCommConfig("fp16", "fp16"))  # fmt: skip
     assert coded["qcomm"] == "fp16/fp16"
     assert (root / "rw_fp16" / "metrics.json").is_file()
+    # semi-synchronous from step 3 (lookups one update behind), stashed dense gradients: trains, finite
+    semi = PipelineConfig(kind="semi_sync", start_batch=2, stash_gradients=True)
+    stale = job_metrics(device, backend, root / "semi_sync_stale", pipeline=semi)
+    assert all(math.isfinite(loss) for loss in stale["history"]["loss"])
 
 
 def check_nan_step_is_named(device: str, backend: str, root: Path) -> tuple[str, int]:

@@ -33,7 +33,7 @@ def _names(group: str) -> list[str]:
 
 def test_the_new_groups_hold_every_option() -> None:
     assert _names("sharding") == ["auto", "cw", "dp", "rw", "tw", "twrw"]
-    assert _names("pipeline") == ["base", "sparse_dist", "staged"]
+    assert _names("pipeline") == ["base", "semi_sync", "sparse_dist", "staged"]
     assert _names("qcomm") == ["bf16", "fp16", "fp8", "int8", "mx4", "none"]
     assert _names("logger") == ["csv", "none", "tensorboard"]
 

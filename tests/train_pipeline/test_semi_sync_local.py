@@ -104,6 +104,27 @@ def test_detach_and_attach_between_steps_keep_the_training() -> None:
     assert losses == straight
 
 
+def test_flush_applies_the_stashed_gradients_and_drops_the_batches_in_flight() -> None:
+    """What the job calls before a checkpoint it restarts after: the last step's stashed dense gradients are
+    stepped now (a checkpoint without them would lose a step's update) and nothing stays in flight."""
+    model = ToyModel()
+    pipeline = TrainPipelineSemiSync(model, torch.optim.SGD(model.linear.parameters(), lr=LR), CPU, start_batch=0,
+                                     stash_gradients=True)  # fmt: skip
+    data = toy_batches(8)
+    for _ in range(3):
+        pipeline.progress(data)
+    stashed = {n: g.clone() for n, g in pipeline._gradients.items() if g is not None and n.startswith("linear.")}
+    assert stashed.keys() == {"linear.weight", "linear.bias"}
+    before = _weights(model)
+    pipeline.flush()
+    assert not pipeline.batches and not pipeline.contexts and not pipeline._gradients
+    after = _weights(model)
+    for name, value in after.items():
+        want = before[name] - LR * stashed[name] if name in stashed else before[name]
+        assert torch.equal(value, want), name
+    pipeline.close()
+
+
 def test_evaluation_mode_runs_every_batch_and_changes_nothing() -> None:
     model = ToyModel()
     model.eval()
