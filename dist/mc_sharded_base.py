@@ -4,8 +4,9 @@
 Both wrap the inner sharded module (:class:`~tritonrec.dist.embedding.ShardedEmbeddingCollection` or
 :class:`~tritonrec.dist.embeddingbag.ShardedEmbeddingBagCollection`) whose row-wise sharding does the lookup, the
 output dist and the fused optimizer; on top of it they hold the :class:`ShardedManagedCollisionCollection` (the MCH
-modules of this rank's row shards), run its preprocess (``input_hash_func``, id range check) in ``input_dist``, bucket
-by raw-id range instead of by table row, run its remap as the inner module's ``input_transform`` (just before the
+or hash ZCH modules of this rank's row shards), run its preprocess (``input_hash_func``, id range check) in
+``input_dist``, bucket by raw-id range (hash ZCH: by bucket, :mod:`tritonrec.dist.mc_hash_zch_sharding`) instead of by
+table row, run its remap as the inner module's ``input_transform`` (just before the
 lookup, so a pipeline prefetching the next input dist does not reorder the MCH updates), reset the rows the remap
 handed to new ids (``init_fn`` redraw, fused optimizer state zeroed: :mod:`tritonrec.dist.mc_row_reset`, torchrec's
 ``_evict``) before the lookup reads them, and, with
@@ -29,6 +30,7 @@ from tritonrec.data import KeyedJaggedTensor
 from tritonrec.dist.awaitable import Awaitable, LazyAwaitable, LazyNoWait
 from tritonrec.dist.embedding import ShardedEmbeddingCollection
 from tritonrec.dist.embeddingbag import ShardedEmbeddingBagCollection
+from tritonrec.dist.mc_hash_zch_sharding import bucketize_by_rank, destinations
 from tritonrec.dist.mc_row_reset import reset_evicted_rows
 from tritonrec.dist.mc_sharding import (
     RemappedFeaturesAwaitable,
@@ -195,10 +197,16 @@ class ShardedManagedCollisionModule(
         ctx.lengths = selected.lengths()  # this rank's lengths: the sequence output's, the bag MEAN divisor
         ctx.batch_size_per_feature_pre_a2a = selected.stride_per_key()
         keep_permute = self._record_sharding_input(sharding, ctx, selected)
-        block_sizes = self._managed_collision_collection.block_sizes(names)
-        bucketized, ctx.unbucketize_permute = bucketize(
-            selected, block_sizes, sharding.world_size, keep_permute, sharding.lookup.backend
-        )
+        mcc = self._managed_collision_collection
+        routes = mcc.routes(names)
+        if routes is None:
+            bucketized, ctx.unbucketize_permute = bucketize(
+                selected, mcc.block_sizes(names), sharding.world_size, keep_permute, sharding.lookup.backend
+            )
+        else:  # a hash ZCH table: ids go to the rank owning their bucket (torchrec's total_num_buckets bucketize)
+            ranks, sent = destinations(selected, routes)
+            bucketized, permute = bucketize_by_rank(selected, ranks, sent, sharding.world_size)
+            ctx.unbucketize_permute = permute if keep_permute else None
         return sharding.all_to_all(bucketized, [len(names)] * sharding.world_size, ctx)
 
     def _remap(self, ctx: _Ctx, sharding: Any, features: KeyedJaggedTensor) -> KeyedJaggedTensor:

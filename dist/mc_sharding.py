@@ -8,13 +8,18 @@ torchrec's design (``torchrec/distributed/mc_modules.py``), which this follows:
   ``zch_size = n_r`` rows (its miss row is its last one), the same ``input_hash_size``, ``buckets = W``;
 * raw ids go to ranks by raw-id range: feature ``f`` of a table with ``input_hash_size H`` sends id ``x`` to rank
   ``x // ceil(H / W)`` (torchrec's ``RwSparseFeaturesDist(feature_hash_sizes=H, keep_original_indices=True)``);
-  ``input_hash_func`` runs before, on the rank owning the sample (``need_preprocess``);
+  ``input_hash_func`` runs before, on the rank owning the sample (``need_preprocess``). A
+  ``HashZchManagedCollisionModule`` table (torchrec's MPZCH sharding) instead sends ``x`` to the rank owning its
+  bucket, ids unchanged, and its rebuilt module owns that rank's ``B / W`` buckets
+  (:mod:`tritonrec.dist.mc_hash_zch_sharding`, which also lists what it refuses);
 * each rank profiles and remaps the raw ids it received, one id stream per table: its features in config order,
   each feature's ids from rank 0's samples, then rank 1's, ...; rows come out global and are made local
   (``- o_r``) for the rank's own row-wise shard: no second all-to-all;
-* state dict: ``_managed_collision_modules.<table>.<buffer>`` is a ``ShardedTensor`` of ``[num_embeddings]``
-  (this rank's ``[n_r]`` at offset ``o_r``) for every persistent buffer but ``_output_segments_tensor`` and
-  ``_current_iter_tensor``, which stay this rank's plain tensors; loading takes those ``ShardedTensor``\\ s;
+* state dict: ``_managed_collision_modules.<table>.<buffer>`` is a ``ShardedTensor`` of ``[num_embeddings, ...]``
+  (this rank's ``[n_r, ...]`` at offset ``o_r``) for every persistent buffer and parameter (hash ZCH's
+  ``_hash_zch_identities``) but ``_output_segments_tensor``, ``_current_iter_tensor`` and ``_hash_zch_bucket``,
+  which stay this rank's plain tensors (torchrec's ``sharded_parameter_names``); loading takes those
+  ``ShardedTensor``\\ s;
 * ``return_remapped_features``: the remapped rows (made global) go back to the ranks owning their samples by the
   reverse of the input all-to-all (:meth:`ShardedManagedCollisionCollection.return_dist`), and the unbucketize
   permutation puts them in input order (:class:`RemappedFeaturesAwaitable`).
@@ -33,13 +38,16 @@ from torch.distributed._shard.sharding_spec import ShardMetadata
 
 from tritonrec.data import JaggedTensor, KeyedJaggedTensor
 from tritonrec.dist.awaitable import LazyAwaitable
+from tritonrec.dist.mc_hash_zch_sharding import HashZchRoute, check_hash_zch_table
 from tritonrec.dist.sharding.common import ShardedTable, ShardingContext
 from tritonrec.dist.types import ShardingType
 from tritonrec.modules.mc_base import check_id_features
 from tritonrec.modules.mc_collection import ManagedCollisionCollection
+from tritonrec.modules.mc_hash_zch import HashZchManagedCollisionModule
 from tritonrec.modules.mc_modules import MCHManagedCollisionModule
 
-_LOCAL_BUFFERS = ("_output_segments_tensor", "_current_iter_tensor")  # torchrec keeps these rank-local
+# torchrec keeps these rank-local (sharded_parameter_names skips them)
+_LOCAL_BUFFERS = ("_output_segments_tensor", "_current_iter_tensor", "_hash_zch_bucket")
 
 
 def check_row_wise_plan(tables: list[ShardedTable], owner: str) -> None:
@@ -73,10 +81,11 @@ class ShardedManagedCollisionCollection(nn.Module):
         if not isinstance(module, ManagedCollisionCollection):
             raise TypeError(f"module must be a ManagedCollisionCollection, got {type(module).__name__}")
         for name, table_module in module._managed_collision_modules.items():
-            if not isinstance(table_module, MCHManagedCollisionModule):  # its own bucketing, not this raw-id split
+            if not isinstance(table_module, (MCHManagedCollisionModule, HashZchManagedCollisionModule)):
                 raise NotImplementedError(
                     f"table {name!r}: sharding a {type(table_module).__name__} is not built; the sharded "
-                    "managed-collision modules take MCHManagedCollisionModule tables only"
+                    "managed-collision modules take MCHManagedCollisionModule and HashZchManagedCollisionModule "
+                    "tables only"
                 )
         check_row_wise_plan(tables, type(self).__name__)
         self._pg = pg
@@ -89,7 +98,12 @@ class ShardedManagedCollisionCollection(nn.Module):
         self._table_to_offset: dict[str, int] = {}
         self._shard_metadata: dict[str, list[tuple[int, int, int]]] = {}  # table -> per rank (offset, rows, rank)
         modules: dict[str, nn.Module] = {}
+        routes: dict[str, HashZchRoute] = {}  # hash ZCH tables: ids go to the rank owning their bucket
         for table in tables:
+            unsharded = module._managed_collision_modules[table.name]
+            if isinstance(unsharded, HashZchManagedCollisionModule):
+                rows = [(s.row_offset, s.rows, s.rank) for s in table.shards]
+                routes[table.name] = check_hash_zch_table(table.name, unsharded, rows, self._world_size)
             (mine,) = [s for s in table.shards if s.rank == self._rank]
             if mine.rows < 1:
                 raise ValueError(
@@ -103,17 +117,30 @@ class ShardedManagedCollisionCollection(nn.Module):
             self._table_to_offset[table.name] = mine.row_offset
             self._shard_metadata[table.name] = [(s.row_offset, s.rows, s.rank) for s in table.shards]
         self._managed_collision_modules = nn.ModuleDict(modules)
-        # ids go to ranks by raw-id range: ceil(input_hash_size / W) ids per rank (torchrec's feature_hash_sizes)
+        # MCH: ids go to ranks by raw-id range, ceil(input_hash_size / W) ids per rank (torchrec's feature_hash_sizes),
+        # made local to it by the bucketizer (remap adds the block back); hash ZCH: by bucket, ids unchanged (block 0)
         self._feature_block_size = {
-            f: -(-self._managed_collision_modules[t].input_size() // self._world_size)
+            f: 0 if t in routes else -(-self._managed_collision_modules[t].input_size() // self._world_size)
             for f, t in self._feature_to_table.items()
         }
+        self._feature_route = {
+            f: routes.get(t) or HashZchRoute(self._feature_block_size[f], shift=self._feature_block_size[f])
+            for f, t in self._feature_to_table.items()
+        }
+        self._routes_by_bucket = {f for f, t in self._feature_to_table.items() if t in routes}
         self._register_state_dict_hook(_to_sharded_tensors)
         self._register_load_state_dict_pre_hook(_from_sharded_tensors, with_module=True)
 
     def block_sizes(self, features: list[str]) -> list[int]:
         """Per feature of ``features``: the raw ids each rank receives (the bucketizer's block size)."""
         return [self._feature_block_size[f] for f in features]
+
+    def routes(self, features: list[str]) -> list[HashZchRoute] | None:
+        """Per feature of ``features``, its route when one of them is a hash ZCH table's (bucket by
+        :func:`~tritonrec.dist.mc_hash_zch_sharding.bucketize_by_rank`); None: bucket by :meth:`block_sizes`."""
+        if not self._routes_by_bucket.intersection(features):
+            return None
+        return [self._feature_route[f] for f in features]
 
     @torch.no_grad()
     def preprocess(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
@@ -132,7 +159,8 @@ class ShardedManagedCollisionCollection(nn.Module):
                 for f, part in zip(names, ids.values().split(_sizes(segments, names)), strict=True):
                     segments[f] = part
                 changed = True
-            check_id_features({table: ids}, module.input_size(), f"{type(self).__name__} (table {table!r})")
+            bound = module.input_size() or None  # hash ZCH's input_hash_size 0: any non-negative id
+            check_id_features({table: ids}, bound, f"{type(self).__name__} (table {table!r})")
         if not changed:
             return features
         return KeyedJaggedTensor(
@@ -207,6 +235,8 @@ class ShardedManagedCollisionCollection(nn.Module):
             for name, _ in module.named_buffers():
                 if name not in _LOCAL_BUFFERS and name not in module._non_persistent_buffers_set:
                     names.append(f"{prefix}_managed_collision_modules.{table}.{name}")
+            for name, _ in module.named_parameters():  # hash ZCH's _hash_zch_identities
+                names.append(f"{prefix}_managed_collision_modules.{table}.{name}")
         return names
 
 

@@ -301,13 +301,3 @@ def test_bad_inputs() -> None:
         _module(8, 2, 1, disable_fallback=True)(_jt(list(range(20))), mutate_miss_lengths=False)
     with pytest.raises(ValueError, match=r"output_id_range=\(3, 8\)"):
         module.rebuild_with_output_id_range((3, 8))
-
-
-def test_sharding_a_hash_zch_table_is_refused_by_name() -> None:
-    """The sharded MC modules split ids by raw-id range for MCH tables; a hash ZCH table is refused, not mis-sharded."""
-    from tritonrec.dist.mc_sharding import ShardedManagedCollisionCollection
-
-    configs = [EmbeddingBagConfig(name="t0", num_embeddings=16, embedding_dim=3, feature_names=["f1"])]
-    mcc = ManagedCollisionCollection({"t0": _module(16, 2, 4, name="t0")}, configs)
-    with pytest.raises(NotImplementedError, match="table 't0': sharding a HashZchManagedCollisionModule"):
-        ShardedManagedCollisionCollection(mcc, [], None, torch.device("cpu"))  # type: ignore[arg-type]
