@@ -10,7 +10,7 @@ One identity per row, ``_hash_zch_identities [zch_size, 1]`` (-1 = free). An id 
   that expired before now and before its own expiry (reported by :meth:`evict`); hits and claims set the expiry.
 * Eval, ``is_inference`` and features named ``*_readonly`` only look up, over all ``max_probe`` probes.
 * An id with no row after ``max_probe`` probes gets its first probe, or with ``disable_fallback`` -1: dropped, bag
-  lengths shortened (row 0 and lengths kept with ``no_bag``; a weighted feature that would lose ids raises).
+  lengths shortened and the weights of dropped ids dropped too (row 0 and lengths kept with ``no_bag``).
 
 fbgemm inserts on the GPU, one thread per id racing with compare-and-swap. Here races are settled one probe round
 at a time: in round ``k`` every id still looking examines its ``k``-th probe, hits go first, then each contested
@@ -307,7 +307,7 @@ class HashZchManagedCollisionModule(ManagedCollisionModule):
         write_weights: torch.Tensor | None = None,
     ) -> dict[str, JaggedTensor]:  # fmt: skip
         """``{name: JaggedTensor}`` of raw ids ``[N]`` -> same keys, values = int64 rows (plus the shard's global
-        offset); lengths and weights pass through, except lengths of ids dropped by ``disable_fallback``."""
+        offset); lengths and weights pass through, except for ids dropped by ``disable_fallback``."""
         if write_weights is not None:
             raise NotImplementedError("write_weights needs runtime metadata, which is not supported")
         if self._disable_fallback and not self._no_bag and not mutate_miss_lengths:  # would leave bags too long
@@ -324,8 +324,9 @@ class HashZchManagedCollisionModule(ManagedCollisionModule):
                     if self._no_bag:
                         rows = torch.where(hit, rows, 0)
                     else:
-                        checks.check_dropped_weights(f"features[{name!r}]", weights, hit)
                         rows = rows[hit]
+                        # a dropped id takes its weight with it (torchrec 1.8 keeps every weight, out of line)
+                        weights = None if weights is None else weights[hit.to(weights.device)]
                         bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device),
                                                       lengths.to(torch.int64))  # fmt: skip
                         lengths = torch.zeros_like(lengths).index_add_(0, bag, hit.to(lengths))  # kept ids per bag

@@ -1,5 +1,5 @@
 """Checks of ``HashZchManagedCollisionModule`` (``modules/mc_hash_zch.py``): constructor arguments, ids of other
-shards, weights of dropped ids and checkpoints of another layout. Every error names the argument (or state-dict key)
+shards and checkpoints of another layout. Every error names the argument (or state-dict key)
 and the offending value; torchrec 1.8 accepts all of these and fails later, unnamed, or not at all."""
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from tritonrec.kernels.checks import check_int, host_ints
 __all__ = [
     "METADATA_DTYPE",
     "check_checkpoint",
-    "check_dropped_weights",
     "check_eviction",
     "check_expiry",
     "check_layout",
@@ -118,19 +117,6 @@ def check_shard_buckets(buckets: torch.Tensor, values: torch.Tensor, name: str, 
     raise ValueError(
         f"{name}[{where}] = {int(values[where])} is in bucket {int(buckets[where])}, outside this shard's buckets "
         f"[{start}, {end}): route ids to the shard that owns their bucket"
-    )
-
-
-def check_dropped_weights(name: str, weights: torch.Tensor | None, kept: torch.Tensor) -> None:
-    """``[N]`` bool ``kept``: with ``disable_fallback`` (and no ``no_bag``) unplaced ids are dropped. torchrec 1.8
-    passes the weights on whole (one per input id, no longer one per output id); refuse rather than guess."""
-    if weights is None or bool(kept.all()):
-        return
-    dropped = int((~kept).sum())
-    raise ValueError(
-        f"HashZchManagedCollisionModule: {name} has weights and disable_fallback dropped {dropped} of its "
-        f"{kept.numel()} ids (torchrec keeps all the weights, unaligned with the ids left); pass no_bag=True (unplaced "
-        f"ids read row 0, ids and weights stay aligned) or unweighted features"
     )
 
 

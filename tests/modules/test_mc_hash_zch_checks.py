@@ -124,21 +124,21 @@ def test_checkpoint_of_the_same_layout_loads() -> None:
 # --- weights under disable_fallback ---
 
 
-def test_weighted_feature_losing_ids_is_refused_by_the_module() -> None:
-    """torchrec 1.8 keeps all the weights while dropping ids (one weight per input id, not per output id)."""
+def test_weighted_feature_drops_the_weights_of_dropped_ids() -> None:
+    """Unplaced ids leave with their weights, so ids and weights stay aligned (torchrec 1.8 keeps every weight: one
+    per input id, no longer one per output id); with ``no_bag`` every id stays, and so does every weight."""
     weights = torch.arange(20, dtype=torch.float32)
+    ids = torch.arange(10, 30)
     dropping = _module(2, 1, 1, disable_fallback=True)
-    with pytest.raises(ValueError, match=r"features\['t'\] has weights and disable_fallback dropped \d+ of its 20 ids"):
-        dropping(_jt(list(range(10, 30)), weights))
-    dropping.eval()  # read-only lookups drop too (the 2 rows hold ids of the batch above: every new id drops)
-    with pytest.raises(ValueError, match=r"features\['t'\] has weights and disable_fallback dropped 20 of its 20 ids"):
-        dropping(_jt(list(range(100, 120)), weights))
+    out = dropping(_jt(ids, weights))["t"]
+    kept = torch.isin(ids, dropping._hash_zch_identities.view(-1))
+    assert 0 < int(kept.sum()) < 20 and out.values().numel() == int(kept.sum())
+    assert torch.equal(out.weights(), weights[kept]) and torch.equal(out.lengths(), kept.to(out.lengths().dtype))
     no_bag = _module(2, 1, 1, disable_fallback=True, no_bag=True)
-    out = no_bag(_jt(list(range(10, 30)), weights))["t"]  # ids kept (row 0): the weights stay aligned
+    out = no_bag(_jt(ids, weights))["t"]  # ids kept (row 0): the weights stay aligned
     assert out.values().numel() == 20 and torch.equal(out.weights(), weights)
     roomy = _module(64, 1, 64, disable_fallback=True)  # nothing is dropped: weights pass through
     assert torch.equal(roomy(_jt(list(range(20)), weights))["t"].weights(), weights)
-    assert dropping(_jt(list(range(10, 30))))["t"].values().numel() == 2  # unweighted: the 2 placed ids kept
 
 
 # --- ids of another shard's buckets ---
@@ -181,8 +181,8 @@ def test_bad_arguments_named(kwargs: dict, error: type, match: str) -> None:
 
 
 def test_collection_hands_the_weights_to_its_modules() -> None:
-    """Through a ManagedCollisionCollection the module sees the weights: a drop raises the module's own error (it was
-    a KJT constructor error about the weights' length), and weights of kept ids come back in feature order."""
+    """Through a ManagedCollisionCollection the module sees the weights, so a drop keeps ids and weights aligned (the
+    collection used to re-attach the input's weights: a KJT constructor error on the weights' length)."""
     from tritonrec.data import KeyedJaggedTensor
     from tritonrec.modules import EmbeddingBagConfig, ManagedCollisionCollection
 
@@ -192,9 +192,10 @@ def test_collection_hands_the_weights_to_its_modules() -> None:
     ids = torch.arange(10, 30)
     weights = torch.arange(20, dtype=torch.float32)
     kjt = KeyedJaggedTensor(keys=["f0", "f1"], values=ids, lengths=torch.ones(20, dtype=torch.int64), weights=weights)
-    dropping = ManagedCollisionCollection({"t": _module(2, 1, 1, disable_fallback=True)}, configs(2))
-    with pytest.raises(ValueError, match=r"features\['t'\] has weights and disable_fallback dropped \d+ of its 20 ids"):
-        dropping(kjt)
+    module = _module(2, 1, 1, disable_fallback=True)
+    out = ManagedCollisionCollection({"t": module}, configs(2))(kjt)
+    kept = torch.isin(ids, module._hash_zch_identities.view(-1))
+    assert 0 < int(kept.sum()) < 20 and out.keys() == ["f0", "f1"]
+    assert torch.equal(out.weights(), weights[kept]) and out.values().numel() == int(kept.sum())
     roomy = ManagedCollisionCollection({"t": _module(64, 1, 64, disable_fallback=True)}, configs(64))
-    out = roomy(kjt)
-    assert torch.equal(out.weights(), weights) and out.keys() == ["f0", "f1"]
+    assert torch.equal(roomy(kjt).weights(), weights)
