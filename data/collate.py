@@ -78,13 +78,16 @@ def collate_chunk(chunk: ElementChunk, spec: ElementSpec, batch_size: int) -> Ba
             f"chunk arrays dense {chunk.dense.shape} and lengths/id matrix {sparse_shape} do not fit the element "
             f"spec (dense_dim={spec.dense_dim}, {num_keys} sparse keys)"
         )
-    allocate = np.empty if n == batch_size else np.zeros  # padding rows are zero; a full batch has none
-    dense = allocate((batch_size, spec.dense_dim), np.float32)
-    labels = allocate(batch_size, np.float32)
-    dense[:n] = chunk.dense
-    labels[:n] = chunk.labels
-    valid = np.ones(batch_size, np.bool_)
-    valid[n:] = False
+    if n == batch_size:  # no padding: each part is one converting copy (the common case, every batch but a last)
+        dense = np.array(chunk.dense, np.float32, order="C")
+        labels = np.array(chunk.labels, np.float32)
+        valid = np.ones(batch_size, np.bool_)
+    else:  # padding rows are zero
+        dense = np.zeros((batch_size, spec.dense_dim), np.float32)
+        labels = np.zeros(batch_size, np.float32)
+        dense[:n] = chunk.dense
+        labels[:n] = chunk.labels
+        valid = np.arange(batch_size) < n
     if chunk.key_major is not None:
         sparse = _kjt_from_key_major(chunk.key_major, spec.sparse_keys, batch_size)
     elif chunk.id_matrix is not None:
@@ -177,7 +180,8 @@ def _kjt_from_key_major(rows: KeyMajorRows, keys: tuple[str, ...], batch_size: i
     """Key-major rows -> a KJT of stride ``batch_size``: the values are the rows' per-feature slices concatenated,
     the lengths their bag lengths (padding rows empty). The store was validated when opened (lengths consistent with
     the ids), so the KJT is built without re-checking."""
-    values, bag_lengths, length_per_key = rows.arrays()
+    values, length_per_key = rows.values()
+    bag_lengths = rows.store.lengths[:, rows.start : rows.stop]
     if len(rows) == batch_size:
         lengths = bag_lengths.astype(np.int32, order="C")  # key-major whatever the file's memory order
     else:
@@ -185,7 +189,7 @@ def _kjt_from_key_major(rows: KeyMajorRows, keys: tuple[str, ...], batch_size: i
         lengths[:, : len(rows)] = bag_lengths
     return KeyedJaggedTensor._trusted(
         list(keys), torch.from_numpy(values), None, torch.from_numpy(lengths.reshape(-1)), batch_size, None,
-        length_per_key.tolist(),
+        length_per_key,
     )  # fmt: skip
 
 

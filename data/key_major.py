@@ -59,6 +59,7 @@ class KeyMajorStore:
 
     def __init__(self, prefix: str, ids: np.ndarray, lengths: np.ndarray, index: np.ndarray, limits: np.ndarray):
         self.prefix, self.ids, self.lengths, self.index, self.num_embeddings = prefix, ids, lengths, index, limits
+        self._last: tuple[int, np.ndarray] | None = None  # the last row :meth:`positions` summed lengths for
 
     @property
     def num_rows(self) -> int:
@@ -138,10 +139,14 @@ class KeyMajorStore:
     def positions(self, row: int) -> np.ndarray:
         """``[F]`` int64: where each feature's ids for ``row`` (and later rows) start in :attr:`ids`."""
         block, within = divmod(row, INDEX_ROWS)
-        start = self.index[:, block]
-        if within:
-            first = block * INDEX_ROWS
-            start = start + self.lengths[:, first:row].sum(1, dtype=np.int64)
+        if not within:
+            return self.index[:, block]  # a view of the read-only map
+        last = self._last  # one batch's end is the next one's start: sum its lengths once (one read: thread-safe)
+        if last is not None and last[0] == row:
+            return last[1]
+        start = self.index[:, block] + self.lengths[:, block * INDEX_ROWS : row].sum(1, dtype=np.int64)
+        start.flags.writeable = False  # shared by the rows that end and start here
+        self._last = (row, start)
         return start
 
     def rows(self, start: int, stop: int) -> KeyMajorRows:
@@ -166,10 +171,15 @@ class KeyMajorRows:
         end = self.end if self.start + stop == self.stop else self.store.positions(self.start + stop)
         return KeyMajorRows(self.store, self.start + start, self.start + stop, begin, end)
 
-    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(values [N] int64 key-major, lengths [F, n] uint8, length_per_key [F] int64)``: the values are one copy
-        (the features' slices concatenated), the lengths a view of the map."""
+    def values(self) -> tuple[np.ndarray, list[int]]:
+        """``(values [N] int64 key-major, length_per_key)``: the values are one copy (the features' slices
+        concatenated, widened to int64 as they are copied), ``length_per_key`` each feature's number of ids."""
         ids = self.store.ids
         segments = [ids[b:e] for b, e in zip(self.begin.tolist(), self.end.tolist(), strict=True)]
-        values = np.concatenate(segments, dtype=np.int64)
+        return np.concatenate(segments, dtype=np.int64), (self.end - self.begin).tolist()
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(values [N] int64 key-major, lengths [F, n] uint8, length_per_key [F] int64)``: the values are one copy
+        (:meth:`values`), the lengths a view of the map."""
+        values, _ = self.values()
         return values, self.store.lengths[:, self.start : self.stop], self.end - self.begin

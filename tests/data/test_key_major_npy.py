@@ -78,6 +78,17 @@ def test_batches_equal_the_rows_layout(
         )
 
 
+def test_positions_of_any_row_sequence(days: dict[str, list[Path]]) -> None:
+    """``positions`` keeps the last row that is not a multiple of 64 (a batch's end is the next one's start): any
+    order of rows, repeats included, gives each feature's count of ids before the row, in arrays nobody can change."""
+    store = KeyMajorStore.open(days["hashed"][0])
+    before = np.concatenate([np.zeros((26, 1), np.int64), np.cumsum(store.lengths, 1, dtype=np.int64)], 1)
+    first = store.index[:, 0]
+    for row in (5, 5, 64, 70, 5, 70, 70, 149, 0, 150, 128, 149):
+        got = store.positions(row)
+        assert np.array_equal(got, first + before[:, row]) and not got.flags.writeable
+
+
 def test_elements_and_resume_mid_block(days: dict[str, list[Path]]) -> None:
     hashed, rows = CriteoNPYSource(days["hashed"], HASH), CriteoNPYSource(days["rows"], HASH)
     for position in (0, 1, INDEX_ROWS - 1, INDEX_ROWS, INDEX_ROWS + 5, ROWS[0], ROWS[0] + 3, sum(ROWS)):

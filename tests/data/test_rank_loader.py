@@ -276,3 +276,24 @@ def test_iterator_bad_input(kwargs: dict, error: type[Exception], pattern: str) 
         MultiHostDataLoadIterator(**{"dataloader": [1], **kwargs})
     with pytest.raises(TypeError, match="has no iterator_length, so no length"):
         len(MultiHostDataLoadIterator([1]))
+
+
+def test_in_process_batches_skip_the_profiler_range_only_while_no_profiler_runs() -> None:
+    """Without workers the loader skips torch's per-batch ``record_function`` (loader._InProcessIterator) unless a
+    profiler runs: the same batches and state either way, and a profile still shows one range per batch."""
+    source = _source()
+    plain = list(make_rank_loader(source, 8))
+    loader = make_rank_loader(source, 8, num_passes=None)
+    stream = iter(loader)
+    first = [next(stream) for _ in range(3)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        profiled = [next(stream) for _ in range(4)]
+    rest = [next(stream) for _ in range(6)]  # to the epoch's end: 13 batches of 8 for 101 samples
+    assert all(same_batch(a, b) for a, b in zip(plain, first + profiled + rest, strict=True))
+    ranges = [e for e in profile.events() if e.name.startswith("enumerate(DataLoader)")]
+    assert len(ranges) == 4
+    state = loader.state_dict()
+    assert state["_num_yielded"] == 13
+    resumed = make_rank_loader(source, 8, num_passes=None)
+    resumed.load_state_dict(state)
+    assert same_batch(next(iter(resumed)), next(stream))
