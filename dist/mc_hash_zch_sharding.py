@@ -69,7 +69,8 @@ def check_hash_zch_table(
             raise ValueError(
                 f"table {name!r}: rank {rank} holds rows [{offset}, {offset + count}), but with {buckets} buckets "
                 f"over {world} ranks it must hold rows [{want[0]}, {want[1]}) (buckets [{rank * per_rank}, "
-                f"{(rank + 1) * per_rank}) of output_segments {segments}): use an even row_wise() plan"
+                f"{(rank + 1) * per_rank}) of output_segments {segments}): give each rank its buckets' rows in the "
+                "plan, or use uniform output_segments (then an even row_wise() plan fits)"
             )
     size = module.input_size()
     if size == 0:
@@ -81,9 +82,11 @@ def destinations(features: KeyedJaggedTensor, routes: list[HashZchRoute]) -> tup
     """Per id of ``features`` (one route per key): ``([N] rank, [N] id as sent)``."""
     ranks, sent = [], []
     for ids, route in zip(features.values().split(features.length_per_key()), routes, strict=True):
-        rank = route.rank_of(ids)
+        # in int64: a divisor or block past int32's range would wrap to another (or zero) divisor on int32 ids
+        wide = ids.to(torch.int64)
+        rank = route.rank_of(wide)
         ranks.append(rank)
-        sent.append(ids - rank * route.shift if route.shift else ids)
+        sent.append((wide - rank * route.shift).to(ids.dtype) if route.shift else ids)
     if not ranks:
         return features.values().new_empty(0, dtype=torch.int64), features.values()
     return torch.cat(ranks).to(torch.int64), torch.cat(sent)

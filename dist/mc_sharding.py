@@ -160,7 +160,7 @@ class ShardedManagedCollisionCollection(nn.Module):
                     segments[f] = part
                 changed = True
             bound = module.input_size() or None  # hash ZCH's input_hash_size 0: any non-negative id
-            check_id_features({table: ids}, bound, f"{type(self).__name__} (table {table!r})")
+            check_id_features({table: ids}, bound, f"{type(self).__name__} (table {table!r})", nonnegative=True)
         if not changed:
             return features
         return KeyedJaggedTensor(

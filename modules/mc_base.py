@@ -22,31 +22,38 @@ from tritonrec.kernels.checks import check_tensor, host_ints, value_checks_enabl
 _MAX_SEGMENTS = 1025  # torchrec's limit: at most 1024 row-wise shards
 
 
-def check_id_features(features: object, input_hash_size: int | None, owner: str) -> dict[str, JaggedTensor]:
+def check_id_features(
+    features: object, input_hash_size: int | None, owner: str, nonnegative: bool = False
+) -> dict[str, JaggedTensor]:
     """``features`` must be a dict of ``JaggedTensor`` with 1-D int32/int64 ids; with ``input_hash_size``, ids must
-    lie in ``[0, input_hash_size)`` (a value check, skipped with value checks off). Errors name the feature."""
+    lie in ``[0, input_hash_size)``, without it but ``nonnegative``, in ``[0, inf)`` (value checks, skipped with
+    value checks off). Errors name the feature."""
     if not isinstance(features, dict):
         raise TypeError(f"{owner}: features must be a dict[str, JaggedTensor], got {type(features).__name__}")
     for name, feature in features.items():
         if not isinstance(feature, JaggedTensor):
             raise TypeError(f"{owner}: features[{name!r}] must be a JaggedTensor, got {type(feature).__name__}")
         values = check_tensor(feature.values(), f"features[{name!r}].values()", ndim=1, integer=True)
-        if input_hash_size is not None and values.numel() > 0 and value_checks_enabled():
+        if (input_hash_size is not None or nonnegative) and values.numel() > 0 and value_checks_enabled():
             _check_id_range(values, f"features[{name!r}].values()", input_hash_size)
     return features
 
 
-def _check_id_range(values: torch.Tensor, name: str, input_hash_size: int) -> None:
-    """Ids in ``[0, input_hash_size)``: one ``aminmax`` and one host read; the culprit is searched in int64 only on
-    failure (an int32 tensor compared with a bound past its range would wrap)."""
+def _check_id_range(values: torch.Tensor, name: str, input_hash_size: int | None) -> None:
+    """Ids in ``[0, input_hash_size)`` (``None``: ``[0, inf)``): one ``aminmax`` and one host read; the culprit is
+    searched in int64 only on failure (an int32 tensor compared with a bound past its range would wrap)."""
     low, high = host_ints(*torch.aminmax(values))
-    if low >= 0 and high < input_hash_size:
+    if low >= 0 and (input_hash_size is None or high < input_hash_size):
         return
     wide = values.to(torch.int64)
-    where = int(((wide < 0) | (wide >= input_hash_size)).nonzero()[0].item())
-    raise ValueError(
-        f"{name} out of range: {name}[{where}] = {int(wide[where])} is outside [0, input_hash_size={input_hash_size})"
+    bad = wide < 0 if input_hash_size is None else (wide < 0) | (wide >= input_hash_size)
+    where = int(bad.nonzero()[0].item())
+    allowed = (
+        "negative (ids must be >= 0)"
+        if input_hash_size is None
+        else (f"outside [0, input_hash_size={input_hash_size})")
     )
+    raise ValueError(f"{name} out of range: {name}[{where}] = {int(wide[where])} is {allowed}")
 
 
 class ManagedCollisionModule(nn.Module):

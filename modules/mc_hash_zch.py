@@ -312,7 +312,8 @@ class HashZchManagedCollisionModule(ManagedCollisionModule):
             raise NotImplementedError("write_weights needs runtime metadata, which is not supported")
         if self._disable_fallback and not self._no_bag and not mutate_miss_lengths:  # would leave bags too long
             raise ValueError("mutate_miss_lengths=False needs no_bag=True when disable_fallback=True")
-        features = check_id_features(features, self._input_hash_size or None, type(self).__name__)
+        # input_hash_size 0: any id >= 0 (a negative one would hash like any other, but -1 marks a free row)
+        features = check_id_features(features, self._input_hash_size or None, type(self).__name__, nonnegative=True)
         out: dict[str, JaggedTensor] = {}
         with torch.no_grad():
             for name, feature in features.items():

@@ -94,6 +94,9 @@ def train_distributed(
         f"{cfg.name}: {world} ranks ({dist.get_backend()}), sharding={cfg.sharding.kind}, pipeline="
         f"{cfg.pipeline.kind}, qcomm={cfg.qcomm.forward}/{cfg.qcomm.backward}, batch {cfg.batch_size} per rank"
     )
+    if cfg.pipeline.kind == "semi_sync" and cfg.checkpoint_every == 1:
+        report.message(f"{cfg.name}: pipeline=semi_sync with checkpoint_every=1 restarts the pipeline every step: "
+                       "no step runs semi-synchronously (each checkpoint restarts it, for exact resume)")  # fmt: skip
     if qcomm_unused(cfg, dmp.plan):
         report.message(
             f"{cfg.name}: qcomm={cfg.qcomm.forward}/{cfg.qcomm.backward} ignored: every table is data-parallel "
@@ -116,14 +119,16 @@ def train_distributed(
             if step % cfg.log_every == 0 or last:
                 metrics_sync.sync()
                 report.train_point(step, history.log_point(step))
+            checkpointing = bool(cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or last
+            if checkpointing:  # first, so the eval below sees the model the checkpoint saves (semi-sync's stash)
+                runner.drain()
             if sources.eval is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or last):
                 runner.pause()
                 metrics_sync.sync()  # the eval line's training loss covers the steps since the last log line too
                 result = evaluate_over_ranks(dmp, sources.eval, cfg.eval_batch_size, device, side)
                 history.record_eval(step, result)
                 report.eval_point(step, history.recent_loss(), result)
-            if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or last:
-                runner.drain()
+            if checkpointing:
                 metrics_sync.sync()
                 positions: list[Any] = [None] * world
                 dist.all_gather_object(positions, position, group=side)
@@ -132,6 +137,9 @@ def train_distributed(
                 checkpoint = manager.save(step, dmp, {"dense": dense_optimizer}, {"job": job})
                 if runner.restarts_at_checkpoint and not last:  # as a job resuming from this checkpoint starts
                     runner.close()
+                    # a new Batcher: the closed runner's prefetch thread may still be inside a slow read of the old
+                    # one (its stop waits 5 s), and would write its position over the one restored here
+                    batcher = Batcher(sources.element_spec)
                     batcher.set_state(position)
                     feed, runner = _start_pipeline(cfg, batcher, sources.train, dmp, dense_optimizer, device, step)
             if stopped and step < cfg.steps:

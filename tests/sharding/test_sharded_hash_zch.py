@@ -149,3 +149,36 @@ def test_bucket_routing_matches_fbgemm_two_level_bucketize(world: int) -> None:
     )
     assert torch.equal(got.lengths(), want[0]) and torch.equal(got.values(), want[1])
     assert torch.equal(got.weights(), want[2]) and torch.equal(permute, want[4])
+
+
+def test_int32_ids_route_like_int64_past_int32_divisors() -> None:
+    """A divisor (``ceil(H/B)*B/W``) or MCH block past int32's range must not wrap on int32 ids: ranks and ids sent
+    equal the int64 ones (an int32 division by 2**40 wrapped to a division by zero)."""
+    import torch
+
+    from tritonrec.data import KeyedJaggedTensor
+    from tritonrec.dist.mc_hash_zch_sharding import HashZchRoute, destinations
+
+    ids = torch.tensor([0, 5, 2**31 - 1, 123456789, 7, 2**30])
+    routes = [HashZchRoute(2**40), HashZchRoute(4_294_967_316), HashZchRoute(2**33, shift=2**33)]
+    lengths = torch.tensor([2, 2, 2])
+    for dtype in (torch.int64, torch.int32):
+        kjt = KeyedJaggedTensor(keys=["a", "b", "c"], values=ids.to(dtype), lengths=lengths)
+        ranks, sent = destinations(kjt, routes)
+        assert ranks.tolist() == [0] * 6 and sent.dtype == dtype and sent.tolist() == ids.tolist()
+
+
+def test_negative_ids_are_refused_without_an_input_hash_size() -> None:
+    """With ``input_hash_size`` 0 any id >= 0 is taken; -1 (the free-row marker of ``_hash_zch_identities``) and
+    every other negative id is refused by position, unsharded as in the sharded preprocess."""
+    import torch
+
+    from tritonrec.data import JaggedTensor
+    from tritonrec.modules import HashZchManagedCollisionModule
+
+    module = HashZchManagedCollisionModule(zch_size=8, device="cpu", total_num_buckets=2, max_probe=2)
+    for dtype in (torch.int64, torch.int32):
+        ids = torch.tensor([3, 9, -1, 4], dtype=dtype)
+        with pytest.raises(ValueError, match=r"values\(\)\[2\] = -1 is negative \(ids must be >= 0\)"):
+            module({"t": JaggedTensor(values=ids, lengths=torch.tensor([4]))})
+    assert (module._hash_zch_identities == -1).all()  # refused before any insert
