@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from tritonrec.dist.types import ShardedModule, ShardingEnv
@@ -75,8 +76,11 @@ def deterministic_allreduce_hook(dtype: torch.dtype | None = None) -> Any:
 
     def hook(pg: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
+        if buffer.is_sparse:  # a sparse gradient (nn.Embedding(sparse=True)): gathered as dense it would not be
+            return default_hooks.allreduce_hook(pg, bucket)
         world = dist.get_world_size(pg)
-        sent = buffer.div_(world) if dtype is None else buffer.to(dtype).div_(world)  # read before overwritten
+        # times 1 / world, as DDP's own reducer scales (x / 3 != x * (1 / 3) for a third of floats)
+        sent = buffer.mul_(1.0 / world) if dtype is None else buffer.to(dtype).mul_(1.0 / world)
         gathered = sent.new_empty(world * sent.numel())
         work = dist.all_gather_into_tensor(gathered, sent, group=pg, async_op=True)
         future = work.get_future()  # type: ignore[union-attr]
@@ -121,7 +125,8 @@ class DefaultDataParallelWrapper(DataParallelWrapper):
             sum in rank order), so every step sums in the same order whatever DDP's bucket layout: a resumed job (a
             fresh DDP) then trains bit for bit as the uninterrupted one. ``None`` (default): on for a gloo group of
             more than 2 ranks, where the layout changes the sum and the gather's memory is host memory; off
-            otherwise (NCCL users with large dense parts choose it explicitly).
+            otherwise (NCCL users with large dense parts choose it explicitly). DDP takes one comm hook: pass
+            ``False`` to register your own on the wrapped module (sparse gradients take DDP's plain all-reduce).
         params_to_ignore: further parameter names to keep out of DDP.
         ddp_kwargs: further ``DistributedDataParallel`` arguments.
     """

@@ -41,7 +41,7 @@ from tritonrec.dist.train_pipeline.base_pipeline import In, Out, backward
 from tritonrec.dist.train_pipeline.checks import check_bool, split_model_output
 from tritonrec.dist.train_pipeline.fetch import NEXT_BATCH, BatchFetcher
 from tritonrec.dist.train_pipeline.pipelines import START_SPARSE_DATA_DIST, TrainPipelineSparseDist
-from tritonrec.dist.train_pipeline.semi_sync_forward import EmbeddingPipelinedForward, SemiSyncContext
+from tritonrec.dist.train_pipeline.semi_sync_forward import EmbeddingPipelinedForward, SemiSyncContext, wait_request
 from tritonrec.dist.train_pipeline.tracing import TrainPipelineContext
 from tritonrec.dist.train_pipeline.utils import stream_context, to_device, wait_for_batch
 from tritonrec.kernels.checks import check_int
@@ -343,7 +343,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             context.input_dist_splits_requests.clear()
             for requests in (context.input_dist_tensors_requests, getattr(context, "embedding_a2a_requests", {})):
                 for request in requests.values():
-                    request.wait()
+                    wait_request(request)
                 requests.clear()
         self.batches.clear()
         self.contexts.clear()

@@ -74,8 +74,17 @@ class EmbeddingPipelinedForward(PipelinedForward):
             )
         context.input_sources.pop(self.name, None)
         context.module_contexts.pop(self.name, None)
-        embeddings = context.embedding_a2a_requests.pop(self.name).wait()
-        return LazyNoWait(_detach(embeddings, context))
+        request = context.embedding_a2a_requests.pop(self.name)
+        if isinstance(request, tuple):  # a managed-collision module: (embeddings, remapped features), as its forward
+            embeddings, remapped = request
+            return LazyNoWait(_detach(embeddings.wait(), context)), remapped
+        return LazyNoWait(_detach(request.wait(), context))
+
+
+def wait_request(request: Any) -> None:
+    """Wait for a lookup launched ahead (an awaitable, or a managed-collision module's pair of them)."""
+    for part in request if isinstance(request, tuple) else (request,):
+        part.wait()
 
 
 def _detach(embeddings: Any, context: SemiSyncContext) -> Any:
@@ -109,4 +118,4 @@ def _detach(embeddings: Any, context: SemiSyncContext) -> Any:
     )
 
 
-__all__ = ["EmbeddingPipelinedForward", "SemiSyncContext"]
+__all__ = ["EmbeddingPipelinedForward", "SemiSyncContext", "wait_request"]

@@ -84,3 +84,32 @@ def run_job_resume(rank: int, world: int, root: str) -> dict[str, Any]:
     checkpoint = base / "full" / "checkpoints" / "step_00000003"
     resumed = run_rank(tiny_config(base / "resumed", resume=str(checkpoint)))
     return {"full": full, "resumed": resumed} if rank == 0 else {}
+
+
+class _SparseModel(nn.Module):
+    """A dense part with a sparse-gradient embedding: its DDP bucket is sparse."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.embedding = nn.Embedding(10, 3, sparse=True)
+        self.linear = nn.Linear(3, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.embedding(ids))
+
+
+def run_sparse_gradient(rank: int, world: int) -> dict[str, float]:
+    """The default (deterministic) wrapper over a sparse-gradient parameter reduces it as DDP does without a hook
+    (the all-gather cannot take a sparse bucket): largest difference of the averaged gradients, per parameter."""
+    from tritonrec.dist import DefaultDataParallelWrapper, DistributedModelParallel
+
+    grads = []
+    for args in ({}, {"deterministic_allreduce": False}):
+        model = _SparseModel()
+        dmp = DistributedModelParallel(
+            model, device=torch.device("cpu"), data_parallel_wrapper=DefaultDataParallelWrapper(**args)
+        )
+        dmp(torch.tensor([rank, rank + 1, 7])).sum().backward()
+        grads.append({n: p.grad.to_dense() for n, p in model.named_parameters()})
+    return {n: (grads[0][n] - grads[1][n]).abs().max().item() for n in grads[0]}

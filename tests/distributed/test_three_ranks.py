@@ -177,6 +177,13 @@ def test_a_fresh_ddp_reduces_like_the_uninterrupted_one() -> None:
         assert diffs["bucketed"] > 0.0, f"rank {rank}: bucket all-reduces no longer depend on the layout"
 
 
+def test_a_sparse_gradient_takes_ddps_plain_all_reduce() -> None:
+    for rank, diffs in enumerate(_results("ddp_sparse")):
+        assert diffs.keys() == {"embedding.weight", "linear.weight", "linear.bias"}, f"rank {rank}: {diffs}"
+        assert diffs["embedding.weight"] == 0.0, f"rank {rank}: the sparse gradient differs by {diffs}"
+        assert max(diffs.values()) < 1e-6, f"rank {rank}: {diffs}"
+
+
 def test_the_job_resumes_exactly_on_three_ranks() -> None:
     """The README's promise at more than 2 ranks: the resumed job's losses (steps 4-6 retrained) are the
     uninterrupted job's, bit for bit, and so are its AUROCs."""

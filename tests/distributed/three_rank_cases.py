@@ -307,11 +307,12 @@ def _run_calibration(rank: int, world: int) -> list[str]:
 def rank_main(rank: int, world: int, root: str) -> dict[str, Any]:
     os.environ["LOCAL_WORLD_SIZE"] = str(world)  # one node of 3 (torchrun --nproc_per_node 3)
     torch.set_num_threads(1)
-    from tests.distributed.ddp_resume_cases import run_fresh_ddp_resume, run_job_resume
+    from tests.distributed.ddp_resume_cases import run_fresh_ddp_resume, run_job_resume, run_sparse_gradient
 
     suites = {
         "ebc": _run_ebc_cases,
         "ddp_resume": run_fresh_ddp_resume,
+        "ddp_sparse": run_sparse_gradient,
         "job_resume": functools.partial(run_job_resume, root=root),
         "collectives": _run_collectives,
         "pipeline_end": _run_pipeline_end,

@@ -25,7 +25,7 @@ def pipeline_case(rank: int, world: int, sharder: Any) -> dict[str, Any]:
     the MCH updates)."""
     from tritonrec.data.batch import Batch
     from tritonrec.dist import DistributedModelParallel
-    from tritonrec.dist.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
+    from tritonrec.dist.train_pipeline import TrainPipelineBase, TrainPipelineSemiSync, TrainPipelineSparseDist
 
     def data() -> Any:
         for step in range(8):
@@ -35,7 +35,14 @@ def pipeline_case(rank: int, world: int, sharder: Any) -> dict[str, Any]:
                         torch.rand(BATCH, generator=g), torch.ones(BATCH, dtype=torch.bool))  # fmt: skip
 
     out: dict[str, Any] = {}
-    for name, kind in (("base", TrainPipelineBase), ("sparse_dist", TrainPipelineSparseDist)):
+    kinds = {
+        "base": TrainPipelineBase,
+        "sparse_dist": TrainPipelineSparseDist,
+        # synchronous for all 8 batches (bit for bit as base), and stale from batch 3 on (it ran into a tuple)
+        "semi_sync": lambda *a: TrainPipelineSemiSync(*a, start_batch=8),
+        "semi_sync_stale": lambda *a: TrainPipelineSemiSync(*a, start_batch=2),
+    }
+    for name, kind in kinds.items():
         torch.manual_seed(4)
         dmp = DistributedModelParallel(
             _BatchModel(make_module(3), 11, _pooled), device=torch.device("cpu"), sharders=[sharder]
@@ -51,9 +58,14 @@ def pipeline_case(rank: int, world: int, sharder: Any) -> dict[str, Any]:
                 break
         state = {k: _local(v).clone() for k, v in dmp.state_dict().items()}
         out[name] = {"losses": losses, "state": state, "pipelined": list(getattr(pipeline, "pipelined_modules", []))}
-    base, piped = out["base"], out["sparse_dist"]
+    base, piped, semi, stale = (out[k] for k in kinds)
     return {
         "losses_equal": base["losses"] == piped["losses"] and len(base["losses"]) == 8,
         "state_differs": [k for k in base["state"] if not torch.equal(base["state"][k], piped["state"][k])],
         "pipelined": piped["pipelined"],
+        "semi_sync_equal": semi["losses"] == base["losses"]
+        and all(torch.equal(base["state"][k], semi["state"][k]) for k in base["state"]),
+        "semi_sync_pipelined": semi["pipelined"],
+        "stale_losses": stale["losses"],
+        "base_losses": base["losses"],
     }

@@ -137,6 +137,16 @@ def test_sparse_dist_pipeline_pipelines_it_and_trains_as_the_base_pipeline() -> 
         assert got["state_differs"] == [], f"rank {rank}: state differs in {got['state_differs']}"
 
 
+def test_semi_sync_pipeline_runs_it_synchronously_and_stale() -> None:
+    """TrainPipelineSemiSync over the MC-EBC (whose lookup returns embeddings and remapped features): before
+    start_batch bit for bit as TrainPipelineBase, after it stale (other losses from batch 4 on) but running."""
+    for rank, result in enumerate(_results()):
+        got = result["pipeline"]
+        assert got["semi_sync_pipelined"] == ["mc"] and got["semi_sync_equal"], f"rank {rank}"
+        stale, base = got["stale_losses"], got["base_losses"]
+        assert len(stale) == 8 and stale[:3] == base[:3] and stale[3:] != base[3:], f"rank {rank}: {stale} vs {base}"
+
+
 @pytest.mark.parametrize("kind", ["ebc", "ec"])
 @pytest.mark.parametrize("optimizer", ["EXACT_ROWWISE_ADAGRAD", "ADAM"])
 def test_evicted_rows_are_reset_with_their_optimizer_state(kind: str, optimizer: str) -> None:
