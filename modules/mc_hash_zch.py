@@ -5,20 +5,32 @@ One identity per row, ``_hash_zch_identities [zch_size, 1]`` (-1 = free). An id 
 ``[offset_b, offset_b + size_b)``; probe ``k`` is ``(murmur3(x) + k) mod size_b`` (fbgemm's ``murmur_hash3_2x64(x,
 0, 0)``, an unsigned 64-bit hash, taken modulo unsigned as ``zero_collision_hash`` does).
 
-* Training inserts: the first probe holding ``x`` is a hit, else the first free probe is claimed. With TTL eviction
-  (``_hash_zch_metadata [zch_size, 1]``: int32 expiry hours) an id absent from its probe chain may also take a row
-  that expired before now and before its own expiry (reported by :meth:`evict`); hits and claims set the expiry.
+* Training inserts: the first probe holding ``x`` is a hit, else the first free probe is claimed. Eviction keeps
+  ``_hash_zch_metadata [zch_size, 1]``: int32 expiry hours (hour of the last hit + the TTL of the id's feature);
+  hits and claims raise a row's expiry to the id's (fbgemm's ``atomicMax``). A row is expired when ``now >
+  expiry`` and its expiry is below the incoming id's; evicted rows are reported by :meth:`evict`.
+  ``SINGLE_TTL_EVICTION`` / ``PER_FEATURE_TTL_EVICTION`` (fbgemm's ``eviction_policy`` 0, threshold ``now``): an id
+  absent from its probe chain takes the first expired probe. ``LRU_EVICTION`` (``eviction_policy`` 1, ``single_ttl``):
+  only when all ``max_probe`` probes are taken, the expired probe expiring first.
+* ``opt_in_prob`` in [1, 100) with ``percent_reserved_slots``: each bucket's last ``reserved`` rows hold no
+  identities; probing wraps in the bucket's other rows. In training a new id (not in its probe chain) opts in with
+  probability ``opt_in_prob`` %; one that does not is sent to reserved row ``murmur3(x) mod reserved`` (its expiry
+  raised there). ``opt_in_prob`` 100: everyone opts in; the reserved rows only take the fallback.
 * Eval, ``is_inference`` and features named ``*_readonly`` only look up, over all ``max_probe`` probes.
-* An id with no row after ``max_probe`` probes gets its first probe, or with ``disable_fallback`` -1: dropped, bag
-  lengths shortened and the weights of dropped ids dropped too (row 0 and lengths kept with ``no_bag``).
+* An id with no row after ``max_probe`` probes gets its first probe (its reserved row with ``opt_in_prob``), or with
+  ``disable_fallback`` -1: dropped, bag lengths shortened and the weights of dropped ids dropped too (row 0 and
+  lengths kept with ``no_bag``).
 
 fbgemm inserts on the GPU, one thread per id racing with compare-and-swap. Here races are settled one probe round
 at a time: in round ``k`` every id still looking examines its ``k``-th probe, hits go first, then each contested
-row goes to the id seen first in the batch: one of the outcomes the concurrent kernel can produce. torchrec 1.8
-cannot insert on CPU (fbgemm-gpu-cpu's ``zero_collision_hash`` requires ``readonly=True``); its CPU lookups match.
+row goes to the id seen first in the batch: one of the outcomes the concurrent kernel can produce. LRU evictions
+follow the rounds, each contested row again to the first id (fbgemm locks it; the others take their next
+candidate). Repeats of an id in a batch act as one id with their largest expiry, opting in if any repeat does.
+torchrec 1.8 cannot insert on CPU (fbgemm-gpu-cpu's ``zero_collision_hash`` requires ``readonly=True``); its CPU
+lookups match.
 
-Not supported (``NotImplementedError``): ``opt_in_prob`` / reserved slots, LRU and per-feature TTL eviction, runtime
-metadata (``track_id_freq``, ``write_runtime_meta_dim``); ``tb_logging_frequency`` is accepted and ignored.
+Not supported (``NotImplementedError``): runtime metadata (``track_id_freq``, ``write_runtime_meta_dim``);
+``tb_logging_frequency`` is accepted and ignored.
 """
 
 from __future__ import annotations
@@ -26,7 +38,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from enum import Enum, unique
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -34,55 +46,15 @@ from tritonrec.data import JaggedTensor
 from tritonrec.kernels.checks import check_int, value_checks_enabled
 from tritonrec.modules import mc_hash_zch_checks as checks
 from tritonrec.modules.mc_base import ManagedCollisionModule, check_id_features
+from tritonrec.modules.mc_hash_zch_probe import ZchProbes, murmur_hash3_2x64, unsigned_mod, zch_in_chain, zch_probe
 
 __all__ = ["HashZchEvictionConfig", "HashZchEvictionPolicyName", "HashZchManagedCollisionModule", "murmur_hash3_2x64"]
-
-# murmur3's uint64 constants as the int64s with the same bits (torch has no uint64 arithmetic)
-_C1, _C2 = 0x87C37B91114253D5 - 2**64, 0x4CF5AD432745937F
-_F1, _F2 = 0xFF51AFD7ED558CCD - 2**64, 0xC4CEB9FE1A85EC53 - 2**64
-
-
-def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
-    """Logical right shift of int64 bits (torch's ``>>`` is arithmetic: mask the sign copies off)."""
-    return (x >> n) & ((1 << (64 - n)) - 1)
-
-
-def _rotl(x: torch.Tensor, n: int) -> torch.Tensor:
-    return (x << n) | _shr(x, 64 - n)
-
-
-def _fmix(h: torch.Tensor) -> torch.Tensor:
-    h = (h ^ _shr(h, 33)) * _F1
-    h = (h ^ _shr(h, 33)) * _F2
-    return h ^ _shr(h, 33)
-
-
-def murmur_hash3_2x64(x: torch.Tensor) -> torch.Tensor:
-    """``[N]`` int64 ids -> ``[N]`` int64 holding the bits of fbgemm's ``murmur_hash3_2x64(x, 0, 0)`` (uint64).
-
-    int64 products wrap modulo 2**64 like uint64's, so the bits are exact; ``y = seed = 0`` makes the second
-    block vanish (``k2 = 0``), folding ``h2`` to ``5 * h1 + 0x38495ab5`` before finalisation."""
-    k1 = _rotl(x.to(torch.int64) * _C1, 31) * _C2
-    h1 = _rotl(k1, 27) * 5 + 0x52DCE729
-    h2 = h1 * 5 + 0x38495AB5
-    h1 = (h1 ^ 16) + (h2 ^ 16)
-    h2 = (h2 ^ 16) + h1
-    h1, h2 = _fmix(h1), _fmix(h2)
-    h1 = h1 + h2
-    return h1 ^ (h2 + h1)
-
-
-def _unsigned_mod(bits: torch.Tensor, modulo: torch.Tensor) -> torch.Tensor:
-    """``[N]`` int64 bits read as uint64, modulo ``[N]`` positive int64: ``u = bits + 2**64`` when negative, and
-    ``2**64 mod m`` is built from ``(2**63 - 1) mod m`` so nothing leaves int64."""
-    r63 = ((2**63 - 1) % modulo + 1) % modulo
-    r64 = (2 * r63) % modulo
-    return torch.where(bits >= 0, bits % modulo, (bits % modulo + r64) % modulo)
 
 
 @unique
 class HashZchEvictionPolicyName(Enum):
-    """torchrec's eviction policy names; only ``SINGLE_TTL_EVICTION`` is implemented here."""
+    """torchrec 1.8's eviction policy names (fbgemm's kernel policies are threshold eviction, used by both TTL
+    policies, and LRU eviction; see the module docstring)."""
 
     SINGLE_TTL_EVICTION = "SINGLE_TTL_EVICTION"
     PER_FEATURE_TTL_EVICTION = "PER_FEATURE_TTL_EVICTION"
@@ -91,81 +63,13 @@ class HashZchEvictionPolicyName(Enum):
 
 @dataclass
 class HashZchEvictionConfig:
-    """torchrec's eviction config. ``single_ttl``: hours an id keeps its row after its last hit."""
+    """torchrec's eviction config. ``single_ttl``: hours an id keeps its row after its last hit
+    (``SINGLE_TTL_EVICTION``, ``LRU_EVICTION``); ``per_feature_ttl``: those hours per feature of ``features``, the
+    table's features in the order its ids arrive (``PER_FEATURE_TTL_EVICTION``)."""
 
     features: list[str]
     single_ttl: int | None = None
     per_feature_ttl: list[int] | None = None
-
-
-def _first_winner(rows: torch.Tensor) -> torch.Tensor:
-    """``[M]`` claimed rows in batch order -> ``[M]`` bool, True for the first claimant of each row."""
-    sorted_rows, order = torch.sort(rows, stable=True)  # stable: keeps batch order inside each row
-    first = torch.ones_like(sorted_rows, dtype=torch.bool)
-    first[1:] = sorted_rows[1:] != sorted_rows[:-1]
-    return torch.empty_like(first).scatter_(0, order, first)
-
-
-class ZchProbes(NamedTuple):
-    """Per id ``[N]``: the identity stored, its first probe, its bucket's size and row offset."""
-
-    ids: torch.Tensor
-    first: torch.Tensor
-    sizes: torch.Tensor
-    offsets: torch.Tensor
-
-    def rows(self, which: torch.Tensor, k: int) -> torch.Tensor:
-        """``[M]`` row of probe ``k`` of ids ``which``; probing wraps inside the bucket."""
-        return self.offsets[which] + (self.first[which] + k) % self.sizes[which]
-
-
-def _in_chain(probes: ZchProbes, identities: torch.Tensor, max_probe: int) -> torch.Tensor:
-    """``[N]`` bool: the id is in its probes before the first free row (such an id must not evict another)."""
-    present = torch.zeros_like(probes.ids, dtype=torch.bool)
-    open_chain = torch.arange(probes.ids.numel(), device=probes.ids.device)
-    for k in range(max_probe):
-        if open_chain.numel() == 0:
-            break
-        held = identities[probes.rows(open_chain, k)]
-        present[open_chain[held == probes.ids[open_chain]]] = True
-        open_chain = open_chain[(held != probes.ids[open_chain]) & (held != -1)]
-    return present
-
-
-def zch_probe(
-    probes: ZchProbes, identities: torch.Tensor, max_probe: int, insert: bool,
-    metadata: torch.Tensor | None = None, expiry: torch.Tensor | None = None, now: int = -1,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Probe ``[U]`` ids in ``identities [Z]`` -> ``([U] rows, -1 when not found / placed; [E] evicted rows)``.
-    ``insert=False``: read-only search of all ``max_probe`` probes (a free row does not end it, as in fbgemm's
-    lookup). ``insert=True``: the ids must be distinct and in race order (see the module docstring); free rows
-    are claimed in place. With ``metadata [Z]`` int32 and ``expiry [U]`` int32 (TTL eviction), a row also expires
-    when ``now > metadata`` and ``metadata < expiry`` of the id claiming it."""
-    ids, found, evicted = probes.ids, torch.full_like(probes.ids, -1), []
-    may_evict = ~_in_chain(probes, identities, max_probe) if insert and expiry is not None else None
-    pending = torch.arange(ids.numel(), device=ids.device)
-    for k in range(max_probe):  # loop over probe rounds, each vectorised over the ids still looking
-        if pending.numel() == 0:
-            break
-        rows = probes.rows(pending, k)
-        held = identities[rows]
-        hit = held == ids[pending]
-        claim = (held == -1) & insert
-        if may_evict is not None:
-            assert metadata is not None and expiry is not None
-            metadata.scatter_reduce_(0, rows[hit], expiry[pending[hit]], "amax")  # hits renew before expiry checks
-            meta = metadata[rows]
-            claim |= ~hit & may_evict[pending] & (now > meta) & (meta < expiry[pending])
-        won = torch.zeros_like(claim)
-        won[claim] = _first_winner(rows[claim])
-        identities[rows[won]] = ids[pending[won]]
-        if may_evict is not None:
-            evicted.append(rows[won & (held != -1)])
-            metadata[rows[won]] = expiry[pending[won]]
-        done = hit | won
-        found[pending[done]] = rows[done]
-        pending = pending[~done]
-    return found, (torch.cat(evicted) if evicted else ids.new_empty(0))
 
 
 class HashZchManagedCollisionModule(ManagedCollisionModule):
@@ -179,12 +83,16 @@ class HashZchManagedCollisionModule(ManagedCollisionModule):
         input_hash_size: ids lie in ``[0, input_hash_size)`` and are bucketed by range; 0 buckets by ``id % buckets``.
         output_segments: row boundaries of the buckets, ``[0, ..., zch_size]`` of the unsharded table.
         is_inference: lookup only, no metadata kept (and none loaded).
-        eviction_policy_name / eviction_config: ``SINGLE_TTL_EVICTION`` with ``single_ttl`` hours (in ``[0, int32 max
-            - current hour]``: expiry hours are int32).
+        eviction_policy_name / eviction_config: ``SINGLE_TTL_EVICTION`` or ``LRU_EVICTION`` with ``single_ttl``
+            hours, ``PER_FEATURE_TTL_EVICTION`` with ``per_feature_ttl`` (TTLs in ``[0, int32 max - current hour]``:
+            expiry hours are int32). Per-feature TTLs: a feature's bags are those of ``eviction_config.features``
+            one feature after another, equally many each (``mc_hash_zch_checks.feature_index``).
         inference_dispatch_div_train_world_size: hash ``x // buckets`` (or ``x % width``), as row-wise dists do.
         start_bucket / end_bucket: the buckets of this shard (set by ``rebuild_with_output_id_range``).
         disable_fallback: unplaced ids map to -1 and are dropped (see ``no_bag``) instead of to their first probe.
         no_bag: with ``disable_fallback``, unplaced ids map to row 0 and lengths are kept.
+        opt_in_prob / percent_reserved_slots: -1 / 0, or the opt-in percentage in [1, 100] and the share of rows
+            reserved for ids that do not opt in (see the module docstring).
         persist_hash_zch_bucket: keep ``_hash_zch_bucket [1, 1]`` in the state dict.
     Other torchrec arguments are accepted with their defaults only (see the module docstring).
     State dict: ``_hash_zch_identities`` (a frozen Parameter, as torchrec), ``_hash_zch_metadata``, ``..._bucket``;
@@ -212,8 +120,10 @@ class HashZchManagedCollisionModule(ManagedCollisionModule):
         zch_size, buckets, segments, start, end = checks.check_layout(
             zch_size, total_num_buckets, output_segments, start_bucket, end_bucket
         )
-        single_ttl = checks.check_eviction(eviction_policy_name, eviction_config, self._current_hour())
+        ttls = checks.check_eviction(eviction_policy_name, eviction_config, self._current_hour())
         checks.check_unsupported(self_args)
+        sizes = torch.diff(torch.tensor(segments, dtype=torch.int64))
+        reserved = checks.check_opt_in(opt_in_prob, percent_reserved_slots, zch_size, sizes[start:end].tolist())
         read_only_suffix = checks.check_read_only_suffix(read_only_suffix)
         super().__init__(device, segments, skip_state_validation=True, read_only_suffix=read_only_suffix,
                          enable_per_feature_lookups=enable_per_feature_lookups)  # fmt: skip
@@ -224,7 +134,10 @@ class HashZchManagedCollisionModule(ManagedCollisionModule):
         self._input_hash_size = check_int(input_hash_size, "input_hash_size", 0)
         self._is_inference, self._name, self._tb_logging_frequency = bool(is_inference), name, tb_logging_frequency
         self._eviction_policy_name, self._eviction_config = eviction_policy_name, eviction_config
-        self._single_ttl = single_ttl
+        self._ttls = None if ttls is None else torch.tensor(ttls, dtype=torch.int64)
+        self._lru = eviction_policy_name is HashZchEvictionPolicyName.LRU_EVICTION
+        self._per_feature = eviction_policy_name is HashZchEvictionPolicyName.PER_FEATURE_TTL_EVICTION
+        self._opt_in_prob, self._reserved = int(opt_in_prob), reserved
         self._div_by_buckets = bool(inference_dispatch_div_train_world_size)
         self._disable_fallback, self._no_bag = bool(disable_fallback), bool(no_bag)
         self._persist_hash_zch_bucket = bool(persist_hash_zch_bucket)
@@ -237,7 +150,6 @@ class HashZchManagedCollisionModule(ManagedCollisionModule):
         metadata = torch.full((zch_size, 1), -1, dtype=checks.METADATA_DTYPE, device=self._device) if evicting else None
         self.register_buffer(self.METADATA_BUFFER, metadata)
         self.register_buffer(self.BUCKET_BUFFER, torch.tensor([[buckets]]), persistent=self._persist_hash_zch_bucket)
-        sizes = torch.diff(torch.tensor(segments, dtype=torch.int64))
         # bucket row offsets relative to this shard's first row (_buckets_of refuses ids of other shards)
         self.register_buffer("_bucket_sizes", sizes.to(self._device), persistent=False)
         self.register_buffer("_bucket_offsets", torch.tensor(segments[:-1], device=self._device) - segments[start],
@@ -274,33 +186,79 @@ class HashZchManagedCollisionModule(ManagedCollisionModule):
             checks.check_shard_buckets(bucket, raw, where, self._start_bucket, self._end_bucket)
         return values, self._bucket_sizes[bucket], self._bucket_offsets[bucket]
 
-    def _remap_ids(self, values: torch.Tensor, readonly: bool, name: str) -> torch.Tensor:
+    def _opt_in_rands(self, count: int) -> torch.Tensor:
+        """``[count]`` int32 draws in ``[0, 100)`` (torchrec's ``rand * 100``); an id opts in when its draw is below
+        ``opt_in_prob`` (a method so tests can pin it)."""
+        return (torch.rand(count, device=self._device) * 100).to(torch.int32)
+
+    def _expiry(self, feature: JaggedTensor, name: str, now: int) -> torch.Tensor | None:
+        """-> ``[N]`` int32 expiry hour of each id of ``feature`` at hour ``now``, or None without eviction."""
+        if self._ttls is None or self._hash_zch_metadata is None:
+            return None
+        values = feature.values()
+        if not self._per_feature:
+            expiry = checks.check_expiry(int(self._ttls[0]), now)
+            return torch.full_like(values, expiry, dtype=checks.METADATA_DTYPE, device=self._device)
+        index = checks.feature_index(feature.lengths().to(self._device), len(self._ttls), name)
+        longest = int(self._ttls.argmax())
+        checks.check_expiry(int(self._ttls[longest]), now, f"eviction_config.per_feature_ttl[{longest}]")
+        return (self._ttls.to(self._device)[index] + now).to(checks.METADATA_DTYPE)
+
+    def _remap_ids(
+        self, values: torch.Tensor, readonly: bool, name: str, expiry: torch.Tensor | None, now: int,
+        rands: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
         """``[N]`` raw ids of feature ``name`` -> ``[N]`` local rows (-1 = unplaced, only with ``disable_fallback``);
-        inserts unless ``readonly``, queuing evicted rows for :meth:`evict`."""
+        inserts unless ``readonly``, queuing evicted rows for :meth:`evict`. ``expiry [N]``: each id's expiry hour
+        at hour ``now``; ``rands [N]``: opt-in draws (training with ``opt_in_prob`` below 100)."""
         raw = values.to(torch.int64)
         ids, sizes, offsets = self._buckets_of(raw, name)  # the identity stored is the id as hashed (bucket transform)
-        first = _unsigned_mod(murmur_hash3_2x64(ids), sizes)
+        hashed = murmur_hash3_2x64(ids)
+        if self._reserved > 0:  # probing stays out of each bucket's reserved tail, which takes the fallback
+            block = sizes - self._reserved
+            fallback = offsets + block + unsigned_mod(hashed, torch.full_like(sizes, self._reserved))
+        else:
+            block, fallback = sizes, offsets + unsigned_mod(hashed, sizes)
+        first = unsigned_mod(hashed, block)
         table = self._hash_zch_identities.data.view(-1)
         if readonly:
-            rows, _ = zch_probe(ZchProbes(ids, first, sizes, offsets), table, self._max_probe, insert=False)
+            probes = ZchProbes(ids, first, block, offsets)
+            rows, _ = zch_probe(probes, table, self._max_probe, insert=False)
+            if rands is not None:  # a read-only feature in training draws too (as torchrec), but writes nothing
+                opted_out = (rands >= self._opt_in_prob) & ~zch_in_chain(probes, table, self._max_probe)
+                rows = torch.where(opted_out, fallback, rows)
         else:
             # distinct raw ids are distinct (bucket, identity) pairs: the bucket transform is one-to-one
             uniq, inverse = torch.unique(raw, return_inverse=True)
             position = torch.arange(raw.numel(), device=raw.device)
             first_seen = torch.full_like(uniq, raw.numel()).scatter_reduce_(0, inverse, position, "amin")
             order = torch.argsort(first_seen)  # distinct ids in order of first occurrence: who wins a race
-            at = first_seen[order]
-            metadata, expiry, now = self._hash_zch_metadata, None, -1
-            if metadata is not None and self._single_ttl is not None:
-                now = self._current_hour()
-                expiry = torch.full_like(at, checks.check_expiry(self._single_ttl, now), dtype=checks.METADATA_DTYPE)
-                metadata = metadata.view(-1)
-            probes = ZchProbes(ids[at], first[at], sizes[at], offsets[at])
-            placed, evicted = zch_probe(probes, table, self._max_probe, True, metadata, expiry, now)
+            at, race = first_seen[order], torch.argsort(order)[inverse]  # race: each id's place in race order
+            metadata = self._hash_zch_metadata
+            if metadata is not None and expiry is not None:
+                metadata = metadata.view(-1)  # repeats of an id renew it with their largest expiry (atomicMax)
+                expiry = torch.full_like(at, -1, dtype=expiry.dtype).scatter_reduce_(0, race, expiry, "amax")
+            else:
+                metadata = expiry = None
+            probes = ZchProbes(ids[at], first[at], block[at], offsets[at])
+            placed = torch.full_like(at, -1)
+            looking = torch.ones_like(at, dtype=torch.bool)
+            if rands is not None:  # opting in once is enough: that repeat claims, the others then find the id
+                drawn = torch.full_like(at, 100, dtype=rands.dtype).scatter_reduce_(0, race, rands, "amin")
+                looking = (drawn < self._opt_in_prob) | zch_in_chain(probes, table, self._max_probe)
+                reserved_rows = fallback[at][~looking]
+                placed[~looking] = reserved_rows
+                if metadata is not None and expiry is not None:
+                    metadata.scatter_reduce_(0, reserved_rows, expiry[~looking], "amax")
+            which = looking.nonzero().squeeze(1)
+            sub = ZchProbes(*(t[which] for t in probes))
+            found, evicted = zch_probe(sub, table, self._max_probe, True, metadata,
+                                       None if expiry is None else expiry[which], now, self._lru)  # fmt: skip
+            placed[which] = found
             if evicted.numel():
                 self._evicted_indices.append(evicted)
-            rows = placed[torch.argsort(order)[inverse]]  # back from race order to each id of the batch
-        return rows if self._disable_fallback else torch.where(rows < 0, offsets + first, rows)
+            rows = placed[race]  # back from race order to each id of the batch
+        return rows if self._disable_fallback else torch.where(rows < 0, fallback, rows)
 
     def remap(
         self, features: dict[str, JaggedTensor], mutate_miss_lengths: bool = True,
@@ -318,7 +276,12 @@ class HashZchManagedCollisionModule(ManagedCollisionModule):
         with torch.no_grad():
             for name, feature in features.items():
                 readonly = not self.training or self._is_inference or name.lower().endswith(self._read_only_suffix)
-                rows = self._remap_ids(feature.values().to(self._device), readonly, name)
+                now = self._current_hour()
+                expiry = None if readonly else self._expiry(feature, name, now)
+                draws = self.training and not self._is_inference and 0 < self._opt_in_prob < 100
+                rands = self._opt_in_rands(feature.values().numel()) if draws else None
+                values = feature.values().to(self._device)
+                rows = self._remap_ids(values, readonly, name, expiry, now, rands)
                 lengths, weights = feature.lengths(), feature.weights_or_none()
                 if self._disable_fallback:
                     hit = rows >= 0

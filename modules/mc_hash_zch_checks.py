@@ -4,6 +4,7 @@ and the offending value; torchrec 1.8 accepts all of these and fails later, unna
 
 from __future__ import annotations
 
+import math
 from itertools import pairwise
 from typing import Any
 
@@ -17,9 +18,11 @@ __all__ = [
     "check_eviction",
     "check_expiry",
     "check_layout",
+    "check_opt_in",
     "check_read_only_suffix",
     "check_shard_buckets",
     "check_unsupported",
+    "feature_index",
 ]
 
 # _hash_zch_metadata holds expiry hours (hour of the last hit + single_ttl) in fbgemm's create_zch_buffer dtype;
@@ -27,8 +30,7 @@ __all__ = [
 METADATA_DTYPE = torch.int32
 _METADATA_MAX = torch.iinfo(METADATA_DTYPE).max
 
-_UNSUPPORTED_DEFAULTS = {"opt_in_prob": -1, "percent_reserved_slots": 0, "track_id_freq": False,
-                         "write_runtime_meta_dim": 0}  # fmt: skip
+_UNSUPPORTED_DEFAULTS = {"track_id_freq": False, "write_runtime_meta_dim": 0}
 
 
 def check_layout(
@@ -54,31 +56,83 @@ def check_layout(
     return zch, buckets, segments, start, end
 
 
-def check_eviction(policy: object, config: object, now: int) -> int | None:
-    """-> ``single_ttl`` (None without eviction). ``policy`` must be a ``HashZchEvictionPolicyName`` (another enum's
-    member or a string would compare unequal and silently turn eviction off); ``now``: the TTL clock's hour."""
+def check_eviction(policy: object, config: object, now: int) -> tuple[int, ...] | None:
+    """-> the TTL hours per feature of ``eviction_config.features`` (one for ``SINGLE_TTL_EVICTION`` and
+    ``LRU_EVICTION``, which torchrec scores with ``single_ttl``), None without eviction. ``policy`` must be a
+    ``HashZchEvictionPolicyName`` (another enum's member or a string would compare unequal and silently turn
+    eviction off); ``now``: the TTL clock's hour. A field the policy does not read is ignored, as in torchrec."""
     from tritonrec.modules.mc_hash_zch import HashZchEvictionPolicyName  # the enum lives beside the module
 
     if policy is None:
         return None
     if not isinstance(policy, HashZchEvictionPolicyName):
         raise TypeError(f"eviction_policy_name must be a HashZchEvictionPolicyName or None, got {policy!r}")
-    if policy is not HashZchEvictionPolicyName.SINGLE_TTL_EVICTION:
-        raise NotImplementedError(f"eviction_policy_name={policy} (only SINGLE_TTL_EVICTION)")
-    ttl = getattr(config, "single_ttl", None)
-    if ttl is None:
-        raise ValueError(f"SINGLE_TTL_EVICTION needs eviction_config.single_ttl, got eviction_config={config!r}")
     high = _METADATA_MAX - now
     what = f"an int in [0, {high}] ({METADATA_DTYPE} expiry hours: {_METADATA_MAX} minus the current hour {now})"
-    return check_int(ttl, "eviction_config.single_ttl", 0, high, what=what)
+    if policy is not HashZchEvictionPolicyName.PER_FEATURE_TTL_EVICTION:
+        ttl = getattr(config, "single_ttl", None)
+        if ttl is None:
+            raise ValueError(f"{policy.value} needs eviction_config.single_ttl, got eviction_config={config!r}")
+        return (check_int(ttl, "eviction_config.single_ttl", 0, high, what=what),)
+    features, ttls = getattr(config, "features", None), getattr(config, "per_feature_ttl", None)
+    if not isinstance(features, (list, tuple)) or not isinstance(ttls, (list, tuple)) or len(ttls) != len(features):
+        raise ValueError(
+            "PER_FEATURE_TTL_EVICTION needs eviction_config.per_feature_ttl with one TTL per feature of "
+            f"eviction_config.features, got eviction_config={config!r}"
+        )
+    if not ttls:
+        raise ValueError(f"PER_FEATURE_TTL_EVICTION needs at least one feature, got eviction_config={config!r}")
+    return tuple(check_int(t, f"eviction_config.per_feature_ttl[{i}]", 0, high, what=what) for i, t in enumerate(ttls))
 
 
-def check_expiry(ttl: int, now: int) -> int:
+def check_opt_in(opt_in_prob: object, percent_reserved_slots: object, zch_size: int, sizes: list[int]) -> int:
+    """-> reserved slots per bucket (torchrec's ``get_reserved_slots_per_bucket``: ``floor(zch_size * percent /
+    100 / buckets of this shard)``), -1 without opt-in. ``sizes``: this shard's bucket sizes; each must keep a row
+    outside its reserved tail."""
+    prob = check_int(opt_in_prob, "opt_in_prob", -1, 100, what="-1 (off) or an int in [1, 100]")
+    if prob == 0:
+        raise ValueError("opt_in_prob must be -1 (off) or an int in [1, 100], got opt_in_prob=0")
+    if isinstance(percent_reserved_slots, bool) or not isinstance(percent_reserved_slots, (int, float)):
+        raise TypeError(f"percent_reserved_slots must be a number in [0, 100), got {percent_reserved_slots!r}")
+    if not 0 <= percent_reserved_slots < 100:
+        raise ValueError(f"percent_reserved_slots must be in [0, 100), got {percent_reserved_slots=}")
+    if prob == -1:
+        if percent_reserved_slots:
+            raise ValueError(
+                f"percent_reserved_slots={percent_reserved_slots} needs opt_in_prob in [1, 100] (torchrec ignores the "
+                "reserved slots when opt_in_prob=-1)"
+            )
+        return -1
+    reserved = math.floor(zch_size * percent_reserved_slots / 100 / len(sizes))
+    if not 0 < reserved < min(sizes):
+        raise ValueError(
+            f"opt_in_prob={prob} with percent_reserved_slots={percent_reserved_slots}: {reserved} reserved slots per "
+            f"bucket (floor({zch_size} rows * {percent_reserved_slots} / 100 / {len(sizes)} buckets)) must be in "
+            f"[1, {min(sizes) - 1}] (the smallest bucket has {min(sizes)} rows)"
+        )
+    return reserved
+
+
+def feature_index(lengths: torch.Tensor, count: int, name: str) -> torch.Tensor:
+    """``[N]`` index into ``eviction_config.features`` of each id of feature ``name`` (per-feature TTL): its bags
+    are the ``count`` features' bags one feature after another, equally many each, as tritonrec's collections
+    concatenate them (torchrec's collection passes the ids per feature as ``weights [count]`` instead, which a
+    JaggedTensor here refuses: weights are per id)."""
+    if lengths.numel() % count:
+        raise ValueError(
+            f"features[{name!r}].lengths() has {lengths.numel()} bags, not a multiple of the {count} features of "
+            "eviction_config.features (PER_FEATURE_TTL_EVICTION reads each feature's ids as one block of bags)"
+        )
+    per_feature = lengths.to(torch.int64).view(count, -1).sum(1)
+    return torch.repeat_interleave(torch.arange(count, device=lengths.device), per_feature)
+
+
+def check_expiry(ttl: int, now: int, name: str = "eviction_config.single_ttl") -> int:
     """-> ``now + ttl``, the expiry hour written to ``_hash_zch_metadata``; it must fit its dtype (the clock may have
     moved on since construction, or been set by a test)."""
     if now + ttl > _METADATA_MAX:
         raise ValueError(
-            f"eviction_config.single_ttl={ttl} + current hour {now} = {now + ttl} overflows the {METADATA_DTYPE} "
+            f"{name}={ttl} + current hour {now} = {now + ttl} overflows the {METADATA_DTYPE} "
             f"expiry hours of _hash_zch_metadata (max {_METADATA_MAX})"
         )
     return now + ttl

@@ -278,8 +278,8 @@ def test_in_collection_and_mc_ebc() -> None:
         ({"zch_size": 0}, ValueError, "zch_size"),
         ({"max_probe": 0}, ValueError, "max_probe"),
         ({"output_segments": [0, 8, 4]}, ValueError, "output_segments"),
-        ({"opt_in_prob": 50}, NotImplementedError, "opt_in_prob=50"),
-        ({"eviction_policy_name": HashZchEvictionPolicyName.LRU_EVICTION}, NotImplementedError, "LRU_EVICTION"),
+        ({"opt_in_prob": 50}, ValueError, "opt_in_prob=50 with percent_reserved_slots=0"),
+        ({"eviction_policy_name": HashZchEvictionPolicyName.LRU_EVICTION}, ValueError, "LRU_EVICTION needs"),
         ({"eviction_policy_name": _TTL}, ValueError, "single_ttl"),
     ],
 )
