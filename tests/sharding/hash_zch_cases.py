@@ -32,20 +32,30 @@ def _init(rows: torch.Tensor) -> torch.Tensor:
     return rows.mul_(-0.5).add_(0.125)
 
 
-def hash_zch(rows: int, buckets: int, size: int, ttl: bool, **kwargs: Any) -> Any:
+def hash_zch(rows: int, buckets: int, size: int, ttl: bool | str, **kwargs: Any) -> Any:
+    """``ttl``: False (no eviction), True (SINGLE_TTL, 1 hour), or a policy: "lru" (LRU_EVICTION), "per_feature"
+    (PER_FEATURE_TTL_EVICTION, 1 and 3 hours for t0's two features) or "opt_in" (SINGLE_TTL with every id opted in
+    to a 25 % reserved tail)."""
     from tritonrec.modules import mc_hash_zch as hz
 
+    policy, config = hz.HashZchEvictionPolicyName, hz.HashZchEvictionConfig
     evicting: dict[str, Any] = {}
-    if ttl:
-        evicting = {"eviction_policy_name": hz.HashZchEvictionPolicyName.SINGLE_TTL_EVICTION,
-                    "eviction_config": hz.HashZchEvictionConfig(features=[], single_ttl=1)}  # fmt: skip
+    if ttl == "per_feature":
+        features = ["f0", "f1"] if rows == 16 else ["f2"]
+        evicting = {"eviction_policy_name": policy.PER_FEATURE_TTL_EVICTION,
+                    "eviction_config": config(features=features, per_feature_ttl=[1, 3][: len(features)])}  # fmt: skip
+    elif ttl:
+        name = policy.LRU_EVICTION if ttl == "lru" else policy.SINGLE_TTL_EVICTION
+        evicting = {"eviction_policy_name": name, "eviction_config": config(features=[], single_ttl=1)}
+        if ttl == "opt_in":
+            evicting.update(opt_in_prob=100, percent_reserved_slots=25)
     return hz.HashZchManagedCollisionModule(
         rows, "cpu", buckets, max_probe=3, input_hash_size=size, **evicting, **kwargs
     )
 
 
 def make_module(
-    seed: int, ttl: bool = False, remapped: bool = True, t0: dict | None = None, mch: tuple[str, ...] = ()
+    seed: int, ttl: bool | str = False, remapped: bool = True, t0: dict | None = None, mch: tuple[str, ...] = ()
 ) -> Any:
     """The MC-EBC: t0 and t1 as in the module docstring (``t0``: extra hash ZCH arguments of t0); the tables in
     ``mch`` get an MCH module instead (LRU, same rows and ``input_hash_size``)."""
@@ -321,6 +331,9 @@ def run_suite(rank: int, world: int) -> dict[str, Any]:
         CLOCK[0] = 1000
         out[f"ttl={ttl}"] = stream(rank, world, build, make_module(1, ttl), ttl)
     out["t0_ranged"] = stream(rank, world, build, make_module(1, True, t0={"size": 400}), True)  # t0 with H > 0 too
+    for policy in ("lru", "per_feature", "opt_in"):  # the other eviction policies and opt-in, sharded
+        CLOCK[0] = 1000
+        out[policy] = stream(rank, world, build, make_module(1, policy), True)
     CLOCK[0] = 1000
     out["not_remapped"] = stream(rank, world, build, make_module(1, True, remapped=False), True)
     out["mixed"] = mixed_case(rank, world, build)

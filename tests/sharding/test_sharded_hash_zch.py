@@ -26,7 +26,7 @@ def _results() -> list[dict[str, Any]]:
     return run_ranks(run_suite, 2, timeout=300.0)
 
 
-@pytest.mark.parametrize("case", ["ttl=False", "ttl=True", "t0_ranged"])
+@pytest.mark.parametrize("case", ["ttl=False", "ttl=True", "t0_ranged", "lru", "per_feature", "opt_in"])
 def test_training_stream_matches_the_unsharded_module(case: str) -> None:
     for rank, results in enumerate(_results()):
         got = results[case]
