@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from tritonrec.dist.tensor_collectives import all_gather_tensor
 from tritonrec.dist.types import ShardedModule, ShardingEnv
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ def deterministic_allreduce_hook(dtype: torch.dtype | None = None) -> Any:
         # times 1 / world, as DDP's own reducer scales (x / 3 != x * (1 / 3) for a third of floats)
         sent = buffer.mul_(1.0 / world) if dtype is None else buffer.to(dtype).mul_(1.0 / world)
         gathered = sent.new_empty(world * sent.numel())
-        work = dist.all_gather_into_tensor(gathered, sent, group=pg, async_op=True)
+        work = all_gather_tensor(gathered, sent, group=pg, async_op=True)
         future = work.get_future()  # type: ignore[union-attr]
 
         def summed(_: Any) -> torch.Tensor:
