@@ -12,6 +12,10 @@ The lookup, the reduce-scatter and the fused optimizer are the row-wise sharding
 the bucketing differs: by raw-id range instead of by table row. ``forward`` returns ``(KeyedTensor awaitable,
 None awaitable)`` as torchrec's, or with ``return_remapped_features=True`` the remapped KJT of this rank's samples
 (global rows, sent back by the reverse all-to-all, :class:`~tritonrec.dist.mc_sharding.RemappedFeaturesAwaitable`).
+A variable batch per feature (VBE: ``stride_per_key_per_rank`` and ``inverse_indices``) is taken as by torchrec
+1.8's: each feature's bags go with their own batch sizes, the MCH modules see the KJT's ids (not the expanded
+batch's), the reduce-scatter carries each feature's batch sizes and the output is expanded with the inverse indices
+to ``[B, sum(D)]`` (hash ZCH tables too); refused with ``return_remapped_features`` (as torchrec).
 A row given to a new id is reset before the lookup (``init_fn`` redraw, fused optimizer state zeroed) as torchrec's
 sharded module does (:mod:`tritonrec.dist.mc_row_reset`; the unsharded module keeps it unless built with
 ``reset_evicted_rows=True``). What this shares with the MC-EC
@@ -87,16 +91,27 @@ class ShardedManagedCollisionEmbeddingBagCollection(
         if self._embedding_module.is_weighted() and features.weights_or_none() is None:
             raise ValueError(f"{type(self).__name__} is weighted (is_weighted=True) but features has no weights")
 
+    def _check_variable_batch(self, features: KeyedJaggedTensor) -> None:
+        """A VBE input is taken as torchrec 1.8's (bags bucketized per feature with their own batch sizes, output
+        expanded with the KJT's inverse indices), except with ``return_remapped_features`` (torchrec: "VBE is not
+        supported currently for return_remapped_features=True")."""
+        if self._return_remapped_features:
+            raise NotImplementedError(
+                f"{type(self).__name__} does not take a variable batch per feature (VBE) input with "
+                "return_remapped_features=True (as torchrec's)"
+            )
+        if features.inverse_indices_or_none() is None:
+            raise ValueError("a variable batch per feature (VBE) needs the KJT's inverse_indices, got None")
+
     def _record_input(self, ctx: ManagedCollisionEmbeddingBagCollectionContext, features: KeyedJaggedTensor) -> None:
-        ctx.variable_batch_per_feature = False
-        ctx.inverse_indices = features.inverse_indices_or_none()
+        ctx.variable_batch_per_feature = features.variable_stride_per_key()
 
     def _record_sharding_input(
         self, sharding: EmbeddingSharding, ctx: ShardingContext, selected: KeyedJaggedTensor
     ) -> bool:
-        """The pooled output dist reads no inverse indices (no VBE); the unbucketize permutation is kept only for
-        ``return_remapped_features``: it puts the returned rows in input order."""
-        ctx.extra["inverse_indices"] = None
+        """Nothing more for the pooled output dist (a VBE output reads the inverse indices the batch recorded); the
+        unbucketize permutation is kept only for ``return_remapped_features``: it puts the returned rows in input
+        order."""
         return self._return_remapped_features
 
     def is_weighted(self) -> bool:

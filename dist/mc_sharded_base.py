@@ -10,11 +10,14 @@ table row, run its remap as the inner module's ``input_transform`` (just before 
 lookup, so a pipeline prefetching the next input dist does not reorder the MCH updates), reset the rows the remap
 handed to new ids (``init_fn`` redraw, fused optimizer state zeroed: :mod:`tritonrec.dist.mc_row_reset`, torchrec's
 ``_evict``) before the lookup reads them, and, with
-``return_remapped_features``, send the remapped rows back to the samples' ranks.
+``return_remapped_features``, send the remapped rows back to the samples' ranks. A variable batch per feature (VBE)
+keeps each feature's batch sizes through the bucketing and the all-to-all (the pooled output dist expands it with
+the KJT's inverse indices).
 
 A subclass names the unsharded module type it takes (``_unsharded_type``) and fills the hooks where the EC and the
-EBC differ: how the inner module is built (``_shard_embedding_module``), which input it refuses (``_check_input``),
-what its output dist reads from the batch context (``_record_input``) and from each sharding context
+EBC differ: how the inner module is built (``_shard_embedding_module``), which input it refuses (``_check_input``,
+``_check_variable_batch``: every VBE input by default), what the input dist sends (``_dedup``: the MC-EC's index
+dedup), what its output dist reads from the batch context (``_record_input``) and from each sharding context
 (``_record_sharding_input``, which also says whether the unbucketize permutation is needed).
 """
 
@@ -68,6 +71,7 @@ class ManagedCollisionContext:
         super().__init__()
         self.evictions_per_table: dict[str, torch.Tensor | None] = {}
         self.mc_features: KeyedJaggedTensor | None = None  # preprocessed input (return_remapped_features)
+        self.inverse_indices: tuple[list[str], torch.Tensor] | None = None  # the input KJT's (VBE)
         self.remapped_returns: list[tuple[list[str], ShardingContext, Any]] = []
 
 
@@ -148,9 +152,19 @@ class ShardedManagedCollisionModule(
     def _check_input(self, features: KeyedJaggedTensor) -> None:
         """Refuse a batch the inner module cannot take (raised inside the input dist checks); none by default."""
 
+    def _check_variable_batch(self, features: KeyedJaggedTensor) -> None:
+        """Refuse a variable batch per feature (VBE) input the module cannot take; all by default (the MC-EC:
+        torchrec 1.8's MC input dist skips the EC's VBE padding and sequence VBE context)."""
+        raise NotImplementedError(f"{type(self).__name__} does not take a variable batch per feature (VBE) input")
+
     @abc.abstractmethod
     def _record_input(self, ctx: _Ctx, features: KeyedJaggedTensor) -> None:
         """Put in ``ctx`` what the inner module's output dist reads of this rank's preprocessed batch."""
+
+    def _dedup(self, ctx: _Ctx, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """The preprocessed batch the input dist sends (the MC-EC's index dedup: :mod:`tritonrec.dist.mc_dedup`);
+        unchanged by default."""
+        return features
 
     @abc.abstractmethod
     def _record_sharding_input(
@@ -172,15 +186,17 @@ class ShardedManagedCollisionModule(
                 raise ValueError(f"features is missing keys {missing} (it has {features.keys()})")
             self._check_input(features)
             if features.variable_stride_per_key():
-                raise NotImplementedError(
-                    f"{type(self).__name__} does not take a variable batch per feature (VBE) input"
-                )
+                self._check_variable_batch(features)
+            ctx.inverse_indices = features.inverse_indices_or_none()  # read before the select: a permute drops them
             with torch.no_grad():
                 selected = select_features(features, inner._features, self._select_cache)
                 features = self._managed_collision_collection.preprocess(selected)
             ctx.mc_features = features
             self._record_input(ctx, features)
+            features = self._dedup(ctx, features)
             ctx.sharding_contexts = [ShardingContext() for _ in shardings]
+            for context in ctx.sharding_contexts:  # a VBE output is expanded with them (keyed by feature)
+                context.extra["inverse_indices"] = ctx.inverse_indices
             return InputDistAwaitable(
                 [self._rw_input_dist(s, features, c) for s, c in zip(shardings, ctx.sharding_contexts, strict=True)]
             )
@@ -193,7 +209,7 @@ class ShardedManagedCollisionModule(
         it back)."""
         names = sharding.rank_features(sharding.rank)
         selected = sharding.select(features, names)
-        ctx.variable_batch = False
+        ctx.variable_batch = selected.variable_stride_per_key()
         ctx.lengths = selected.lengths()  # this rank's lengths: the sequence output's, the bag MEAN divisor
         ctx.batch_size_per_feature_pre_a2a = selected.stride_per_key()
         keep_permute = self._record_sharding_input(sharding, ctx, selected)
@@ -207,6 +223,15 @@ class ShardedManagedCollisionModule(
             ranks, sent = destinations(selected, routes)
             bucketized, permute = bucketize_by_rank(selected, ranks, sent, sharding.world_size)
             ctx.unbucketize_permute = permute if keep_permute else None
+            if ctx.variable_batch:  # its bags are rank-major, then the input's: give each key its own batch size
+                per_key = [[s] for s in selected.stride_per_key()] * sharding.world_size
+                bucketized = KeyedJaggedTensor(
+                    bucketized.keys(),
+                    bucketized.values(),
+                    bucketized.weights_or_none(),
+                    lengths=bucketized.lengths(),
+                    stride_per_key_per_rank=per_key,
+                )
         return sharding.all_to_all(bucketized, [len(names)] * sharding.world_size, ctx)
 
     def _remap(self, ctx: _Ctx, sharding: Any, features: KeyedJaggedTensor) -> KeyedJaggedTensor:

@@ -168,7 +168,9 @@ class ShardedManagedCollisionCollection(nn.Module):
             values=torch.cat([segments[k] for k in keys]),
             weights=features.weights_or_none(),
             lengths=features.lengths(),
-            stride=features.stride(),
+            stride_per_key_per_rank=features.stride_per_key_per_rank() if features.variable_stride_per_key() else None,
+            stride=None if features.variable_stride_per_key() else features.stride(),
+            inverse_indices=features.inverse_indices_or_none(),
         )
 
     @torch.no_grad()
