@@ -86,7 +86,8 @@ def deterministic_allreduce_hook(dtype: torch.dtype | None = None) -> Any:
         work = all_gather_tensor(gathered, sent, group=pg, async_op=True)
         future = work.get_future()  # type: ignore[union-attr]
 
-        def summed(_: Any) -> torch.Tensor:
+        def summed(done: torch.futures.Future[Any]) -> torch.Tensor:
+            done.value()  # a failed gather raises here, instead of handing DDP the unfilled buffer
             parts = gathered.view(world, -1)
             buffer.copy_(parts[0])
             for rank in range(1, world):

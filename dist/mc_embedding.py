@@ -92,6 +92,13 @@ class ShardedManagedCollisionEmbeddingCollection(
                 f"{type(self).__name__} does not take use_index_dedup=True with return_remapped_features=True "
                 "(the returned rows would be the unique ids')"
             )
+        per_feature = [t for t, m in module._managed_collision_collection._managed_collision_modules.items()
+                       if getattr(m, "_per_feature", False)]  # fmt: skip
+        if use_index_dedup and per_feature:
+            raise NotImplementedError(
+                f"{type(self).__name__} does not take use_index_dedup=True with PER_FEATURE_TTL_EVICTION tables "
+                f"{per_feature}: the unique ids of a table no longer say which feature sent them (each feature's TTL)"
+            )
         self._use_index_dedup = use_index_dedup
 
     def _shard_embedding_module(

@@ -98,6 +98,12 @@ class ManagedCollisionCollection(nn.Module):
                 weights=torch.cat([p.weights() for p in parts]) if weighted else None,
             )
             module = self._managed_collision_modules[table]
+            if getattr(module, "_per_feature", False) and len({p.lengths().numel() for p in parts}) > 1:
+                raise ValueError(
+                    f"table {table!r}: PER_FEATURE_TTL_EVICTION tells a table's features apart by equal blocks of "
+                    f"bags, but its features {table_features} have {[p.lengths().numel() for p in parts]} bags "
+                    "(a variable batch per feature): give them one batch size"
+                )
             out = module({table: ids}, mutate_miss_lengths=mutate_miss_lengths)[table]
             remapped.append(out.values())
             remapped_lengths.append(out.lengths())

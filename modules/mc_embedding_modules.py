@@ -127,6 +127,12 @@ class BaseManagedCollisionEmbeddingCollection(nn.Module):
         the ids), like the embedding collections."""
         if (leaf := fx_leaf_call(self, features, mutate_miss_lengths)) is not None:
             return leaf  # type: ignore[return-value]
+        if isinstance(features, KeyedJaggedTensor) and features.variable_stride_per_key():
+            # the collection refuses it too, but only after the remap had inserted the batch's ids
+            raise ValueError(
+                f"{type(self).__name__} needs one batch size for all keys (its {type(self._embedding_module).__name__}"
+                f" does); got a variable-stride KJT with stride_per_key={features.stride_per_key()}"
+            )
         features = self._managed_collision_collection(features, mutate_miss_lengths=mutate_miss_lengths)
         if self._reset_evicted_rows:  # before the lookup, as torchrec's sharded modules
             evictions = self._managed_collision_collection.evict()

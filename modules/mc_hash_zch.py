@@ -336,8 +336,15 @@ class HashZchManagedCollisionModule(ManagedCollisionModule):
         return self._end_bucket - self._start_bucket < self._buckets
 
     def open_slots(self) -> torch.Tensor:
-        """``[1]`` free rows (torchrec 1.8 returns a constant 0 here)."""
-        return (self._hash_zch_identities.data == -1).sum().reshape(1)
+        """``[1]`` free rows an id can claim (torchrec 1.8 returns a constant 0 here): each bucket's reserved tail
+        (opt-in) never holds an identity, so it is not counted."""
+        free = self._hash_zch_identities.data.view(-1) == -1
+        if self._reserved > 0:
+            ends = self._bucket_offsets + self._bucket_sizes  # [buckets] local row ends
+            row = torch.arange(free.numel(), device=free.device)
+            bucket = torch.searchsorted(ends, row, right=True).clamp_(max=ends.numel() - 1)
+            free &= row < ends[bucket] - self._reserved
+        return free.sum().reshape(1)
 
     def validate_state(self) -> None:
         if (shape := tuple(self._hash_zch_identities.shape)) != (self._zch_size, 1):

@@ -302,3 +302,27 @@ def test_bad_per_feature_inputs_are_named() -> None:
     _pin(module, 2**31 - 3)  # the clock moved on: 5 hours past it overflow the int32 expiry
     with pytest.raises(ValueError, match=r"eviction_config\.per_feature_ttl\[1\]=5 \+ current hour 2147483645"):
         module(_jt([1, 2]))
+
+
+def test_per_feature_ttl_refuses_features_with_other_batch_sizes_in_a_collection() -> None:
+    """A variable batch per feature would put another feature's bags in a feature's block (its TTL): refused by the
+    collection, naming the table and the bag counts, before the module inserts anything."""
+    from tritonrec.data import KeyedJaggedTensor
+    from tritonrec.modules import EmbeddingBagConfig, ManagedCollisionCollection
+
+    config = HashZchEvictionConfig(_TWO, per_feature_ttl=[1, 100])
+    module = _module(16, 2, 4, eviction_policy_name=_PER_FEATURE, eviction_config=config)
+    tables = [EmbeddingBagConfig(name="t", num_embeddings=16, embedding_dim=4, feature_names=_TWO)]
+    inverse = (_TWO, torch.zeros(2, 3, dtype=torch.int64))
+    kjt = KeyedJaggedTensor(keys=_TWO, values=torch.tensor([10, 20, 21, 22]), lengths=torch.ones(4, dtype=torch.int64),
+                            stride_per_key_per_rank=[[1], [3]], inverse_indices=inverse)  # fmt: skip
+    with pytest.raises(ValueError, match=r"table 't': PER_FEATURE_TTL_EVICTION .* have \[1, 3\] bags"):
+        ManagedCollisionCollection({"t": module}, tables)(kjt)
+    assert (module._hash_zch_identities == -1).all()
+
+
+def test_open_slots_leave_out_the_reserved_tails() -> None:
+    module = _module(40, 2, 4, opt_in_prob=100, percent_reserved_slots=25)  # 5 reserved rows per bucket
+    assert module.open_slots().item() == 30
+    module(_jt(list(range(10_000))))
+    assert module.open_slots().item() == 0

@@ -365,3 +365,24 @@ def test_reset_evicted_rows_must_be_a_bool() -> None:
         ManagedCollisionEmbeddingBagCollection(
             module._embedding_module, module._managed_collision_collection, reset_evicted_rows="yes"
         )
+
+
+def test_mc_ebc_refuses_a_variable_batch_before_remapping() -> None:
+    """The EBC cannot take a VBE KJT; the MC-EBC says so before its collection inserts the batch's ids."""
+    from tritonrec.data import KeyedJaggedTensor
+    from tritonrec.modules import EmbeddingBagCollection, EmbeddingBagConfig, HashZchManagedCollisionModule
+    from tritonrec.modules.mc_collection import ManagedCollisionCollection
+    from tritonrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
+
+    configs = [EmbeddingBagConfig(name="t", num_embeddings=8, embedding_dim=2, feature_names=["a", "b"])]
+    module = HashZchManagedCollisionModule(zch_size=8, device="cpu", total_num_buckets=1, max_probe=2)
+    mc_ebc = ManagedCollisionEmbeddingBagCollection(
+        EmbeddingBagCollection(configs), ManagedCollisionCollection({"t": module}, configs)
+    )
+    inverse = (["a", "b"], torch.zeros(2, 3, dtype=torch.int64))
+    lengths = torch.ones(4, dtype=torch.int64)
+    kjt = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([1, 2, 3, 4]), lengths=lengths,
+                            stride_per_key_per_rank=[[1], [3]], inverse_indices=inverse)  # fmt: skip
+    with pytest.raises(ValueError, match=r"ManagedCollisionEmbeddingBagCollection needs one batch size for all keys"):
+        mc_ebc(kjt)
+    assert (module._hash_zch_identities == -1).all()

@@ -155,6 +155,27 @@ def dedup_refusal(world: int) -> str:
     return "accepted"
 
 
+def dedup_per_feature_refusal(world: int) -> str:
+    """Dedup over a PER_FEATURE_TTL_EVICTION hash ZCH table: the unique ids lose the feature that sent them."""
+    from tests.sharding.hash_zch_cases import hash_zch
+    from tritonrec.dist.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
+    from tritonrec.modules import EmbeddingCollection, EmbeddingConfig
+    from tritonrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingCollection
+    from tritonrec.modules.mc_modules import ManagedCollisionCollection
+
+    sharder = functools.partial(ManagedCollisionEmbeddingCollectionSharder, use_index_dedup=True)
+    _, _, build = shard_setup(sharder, world)  # type: ignore[arg-type]
+    configs = [EmbeddingConfig(num_embeddings=16, embedding_dim=4, name="t0", feature_names=["f0", "f1"]),
+               EmbeddingConfig(num_embeddings=12, embedding_dim=4, name="t1", feature_names=["f2"])]  # fmt: skip
+    modules = {"t0": hash_zch(16, 4, 0, "per_feature"), "t1": hash_zch(12, 2, 50, True)}
+    mcc = ManagedCollisionCollection(modules, configs)
+    try:
+        build(ManagedCollisionEmbeddingCollection(EmbeddingCollection(configs, backend="torch"), mcc))
+    except NotImplementedError as error:
+        return str(error)
+    return "accepted"
+
+
 def run_dedup_suite(rank: int, world: int) -> dict[str, Any]:
     from tritonrec.dist.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
 
@@ -165,4 +186,5 @@ def run_dedup_suite(rank: int, world: int) -> dict[str, Any]:
         "equal_SGD": dedup_equals_plain(rank, world, "EXACT_SGD"),
         "equal_ADAGRAD": dedup_equals_plain(rank, world, "EXACT_ROWWISE_ADAGRAD"),
         "refusal": dedup_refusal(world),
+        "per_feature_refusal": dedup_per_feature_refusal(world),
     }

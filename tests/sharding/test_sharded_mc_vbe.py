@@ -76,3 +76,9 @@ def test_dedup_with_return_remapped_features_refused() -> None:
     for results in _results():
         message = results["dedup"]["refusal"]
         assert "use_index_dedup" in message and "return_remapped_features" in message, message
+
+
+def test_dedup_with_per_feature_ttl_refused() -> None:
+    for results in _results():
+        message = results["dedup"]["per_feature_refusal"]
+        assert "use_index_dedup=True with PER_FEATURE_TTL_EVICTION tables ['t0']" in message, message
