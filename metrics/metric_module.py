@@ -5,6 +5,8 @@ rank 0 gets the values unless ``compute_on_all_ranks``) when ``should_compute()`
 from __future__ import annotations
 
 import abc
+import math
+import time
 from typing import Any
 
 import torch
@@ -12,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from tritonrec.metrics._checks import check_int
+from tritonrec.metrics._checks import check_float, check_int
 from tritonrec.metrics._sync import group_world_size
 from tritonrec.metrics.accuracy import AccuracyMetric
 from tritonrec.metrics.auc import AUCMetric
@@ -76,11 +78,14 @@ class RecMetricModule(nn.Module):
         self.batch_size = check_int(batch_size, "batch_size", 1)
         self.world_size = check_int(world_size, "world_size", 1)
         self.compute_interval_steps = check_int(compute_interval_steps, "compute_interval_steps", 1)
-        if min_compute_interval != 0.0 or max_compute_interval != float("inf"):
-            raise ValueError(
-                "min_compute_interval/max_compute_interval (time-adjusted compute intervals) are not supported, got "
-                f"{min_compute_interval}/{max_compute_interval}"
-            )
+        self.min_compute_interval, self.max_compute_interval = _check_compute_interval_range(
+            min_compute_interval, max_compute_interval
+        )
+        # torchrec's: the defaults (0, inf) mean "keep compute_interval_steps"; anything else asks for one adjustment
+        self._adjust_pending = (self.min_compute_interval, self.max_compute_interval) != (0.0, math.inf)
+        self.last_compute_time: float | None = None
+        # a buffer so .to(device) takes it where the collective backend needs it (NCCL: the GPU)
+        self.register_buffer("_compute_interval_steps", torch.zeros(1, dtype=torch.int64), persistent=False)
         if rec_metrics is not None and not isinstance(rec_metrics, RecMetricList):
             raise TypeError(f"rec_metrics must be a RecMetricList, got {type(rec_metrics).__name__}")
         self.rec_tasks = list(rec_tasks) if rec_tasks else []
@@ -108,11 +113,50 @@ class RecMetricModule(nn.Module):
     def should_compute(self) -> bool:
         return self.trained_batches % self.compute_interval_steps == 0
 
+    def _current_time(self) -> float:
+        """Seconds since the epoch: the compute-interval clock (a method so tests can pin it)."""
+        return time.time()
+
+    def _adjust_compute_interval(self) -> None:
+        """torchrec's time-adjusted interval, once, at the second compute(): the seconds since the first, divided by
+        ``compute_interval_steps`` (the batches a loop following :meth:`should_compute` ran in between), give the
+        seconds per batch; when the interval lay outside [min_compute_interval, max_compute_interval] the steps
+        become ``int((min + 1) / per_batch)`` (max infinite), ``int((max - (1 if max > 1 else 0)) / per_batch)``
+        (min 0) or ``int((min + max) / 2 / per_batch)``. Every rank then takes the largest over the default group
+        (an all-reduce when torch.distributed is initialised with several ranks).
+
+        Where torchrec 1.8 fails, this keeps the steps instead: an interval inside the range (torchrec sets 0 steps
+        and should_compute() divides by zero), a step count rounding to 0 (raised to 1), a clock that did not advance
+        (torchrec divides by zero); and every rank joins the all-reduce, offering its current steps when it wants no
+        change (in torchrec only the ranks outside the range call it, so mixed ranks hang)."""
+        now = self._current_time()
+        if self._adjust_pending and self.last_compute_time is not None:
+            self._adjust_pending = False
+            interval = now - self.last_compute_time
+            low, high = self.min_compute_interval, self.max_compute_interval
+            wanted = self.compute_interval_steps
+            if interval > 0 and not low <= interval <= high:
+                per_batch = interval / self.compute_interval_steps
+                if high == math.inf:
+                    target = low + 1.0  # per-batch times vary: aim past min so the interval lands above it
+                elif low == 0.0:
+                    target = high - (1.0 if high > 1.0 else 0.0)  # likewise below max
+                else:
+                    target = (low + high) / 2
+                wanted = max(1, int(target / per_batch))
+            self._compute_interval_steps.fill_(wanted)
+            if group_world_size(None) > 1:
+                dist.all_reduce(self._compute_interval_steps, op=dist.ReduceOp.MAX)
+            self.compute_interval_steps = int(self._compute_interval_steps.item())
+        self.last_compute_time = now
+
     def compute(self) -> dict[str, torch.Tensor | float]:
-        """Every metric's {key: value}, over all ranks (collective)."""
+        """Every metric's {key: value}, over all ranks (collective). With rec metrics, the second call may adjust
+        ``compute_interval_steps`` to the configured seconds (see :meth:`_adjust_compute_interval`)."""
         self.compute_count += 1
         ret: dict[str, torch.Tensor | float] = {}
         if len(self.rec_metrics):
+            self._adjust_compute_interval()
             ret.update(self.rec_metrics.compute())
         if self.throughput_metric is not None:
             ret.update(self.throughput_metric.compute())
@@ -210,6 +254,20 @@ class RecMetricModule(nn.Module):
 
     def async_compute(self) -> dict[str, torch.Tensor | float]:
         raise RecMetricException("async_compute is not supported in RecMetricModule")
+
+
+def _check_compute_interval_range(min_compute_interval: object, max_compute_interval: object) -> tuple[float, float]:
+    """torchrec refuses max <= 0 and min < 0; also refused here: NaN, an infinite min (torchrec overflows) and
+    min > max (torchrec aims for their midpoint)."""
+    low = check_float(min_compute_interval, "min_compute_interval")
+    high = check_float(max_compute_interval, "max_compute_interval")
+    if not 0.0 <= low < math.inf:
+        raise ValueError(f"min_compute_interval must be a finite number of seconds >= 0, got {low}")
+    if not high > 0.0:
+        raise ValueError(f"max_compute_interval must be > 0 seconds (inf for no bound), got {high}")
+    if low > high:
+        raise ValueError(f"min_compute_interval {low} must be <= max_compute_interval {high}")
+    return low, high
 
 
 def _rec_metric_class(metric_enum: object) -> type[RecMetric]:

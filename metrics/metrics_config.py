@@ -112,8 +112,8 @@ class ThroughputDef:
 @dataclass
 class MetricsConfig:
     """Everything ``generate_metric_module`` builds. Fields as torchrec's; those of torchrec's features this package
-    does not implement (``fused_update_limit`` > 0, ``should_validate_update``, ``enable_pt2_compile``, compute
-    intervals in seconds, ``use_cpu_offloaded_rec_metric_module``) are refused by name when set."""
+    does not implement (``fused_update_limit`` > 0, ``should_validate_update``, ``enable_pt2_compile``,
+    ``use_cpu_offloaded_rec_metric_module``) are refused by name when set."""
 
     rec_tasks: list[RecTaskInfo] = field(default_factory=list)
     rec_metrics: dict[RecMetricEnum, RecMetricDef] = field(default_factory=dict)

@@ -1,10 +1,11 @@
 """Rank side of the sync()/unsync() and pre-compute-states cases in tests/metrics/test_metrics_dist.py (run inside
 the same spawn as dist_cases.run_rank): each rank feeds its own stream, then records what the synced module reports,
 the states get_pre_compute_states() returns (default group and a 1-D DeviceMesh), and what a fresh module reports
-after loading them."""
+after loading them; and the compute_interval_steps each rank adjusts to when the ranks' clocks differ."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -12,9 +13,16 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from tests.metrics.dist_cases import BATCH, TASKS, build, rank_stream, run_rank
 from tests.metrics.reference import stream
+from tests.metrics.test_compute_interval import ours
 from tritonrec.metrics import AUCMetric, RecComputeMode, RecMetricException, RecMetricList, RecMetricModule
 
 UNEVEN_BATCH = 3  # rank r feeds r + 1 batches to an AUC module: the ranks keep different sample counts
+# {case: (compute_interval_steps, min, max, [each rank's clock at its computes])}
+INTERVAL_CASES = {
+    "both_outside": (10, 5.0, math.inf, [[100.0, 101.0, 102.0], [100.0, 102.0, 103.0]]),  # want 60 and 30
+    "inside_and_slow": (10, 2.0, 6.0, [[100.0, 104.0], [100.0, 120.0]]),  # want 10 (kept) and 2
+    "inside_and_fast": (10, 2.0, 6.0, [[100.0, 104.0], [100.0, 100.5]]),  # want 10 (kept) and 80
+}
 
 
 def _floats(values: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -84,4 +92,8 @@ def run_all(rank: int, world: int) -> dict[str, Any]:
         for mode in (RecComputeMode.UNFUSED_TASKS_COMPUTATION, RecComputeMode.FUSED_TASKS_COMPUTATION)
     }
     results["sync"]["uneven_auc"] = _uneven_auc_states(rank, world)
+    results["interval"] = {
+        name: ours(steps, low, high, clocks[rank], world, rank).compute_interval_steps
+        for name, (steps, low, high, clocks) in INTERVAL_CASES.items()
+    }
     return results

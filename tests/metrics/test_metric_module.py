@@ -132,7 +132,8 @@ def _auc_grouped() -> AUCMetric:
             ValueError,
             "rec_task_indices",
         ),
-        (lambda: _module_config(min_compute_interval=1.0), ValueError, "min_compute_interval"),
+        (lambda: _module_config(min_compute_interval=-1.0), ValueError, "min_compute_interval"),
+        (lambda: _module_config(max_compute_interval=0.0), ValueError, "max_compute_interval"),
     ],
 )
 def test_bad_construction_is_refused_naming_the_argument(

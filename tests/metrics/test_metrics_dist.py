@@ -2,7 +2,8 @@
 (each step's batches concatenated, the same global window); local_compute sees only the rank's own data; only rank 0
 reports without compute_on_all_ranks; a checkpoint restores the lifetime values; sync() makes local_compute report
 the formulas over the union until unsync() (get_pre_compute_states() and load_pre_compute_states() are refused until
-then); get_pre_compute_states() holds the union's sums and samples on every rank. One spawn serves every case."""
+then); get_pre_compute_states() holds the union's sums and samples on every rank; a time-adjusted compute interval
+is the largest any rank asks for, on every rank. One spawn serves every case."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import torch
 from dist_utils import run_ranks
 
 from tests.metrics.dist_cases import BATCH, TASKS, WINDOW, build, rank_stream
-from tests.metrics.dist_sync_cases import run_all, uneven_stream
+from tests.metrics.dist_sync_cases import INTERVAL_CASES, run_all, uneven_stream
 from tests.metrics.reference import accuracy, auc, calibration, cat_steps, ctr, mae, mse, ne, rmse
+from tests.metrics.test_compute_interval import formula_steps
 from tritonrec.metrics import RecComputeMode
 
 pytestmark = pytest.mark.dist
@@ -169,3 +171,17 @@ def test_pre_compute_states_gather_auc_samples_of_unequal_counts_in_rank_order()
             want = torch.cat([cat_steps(uneven_stream(rank), f"{role}0") for rank in range(WORLD)])
             assert len(states[name]) == 1
             assert torch.equal(states[name][0], want[None].float())
+
+
+def test_adjusted_compute_interval_is_the_largest_rank_wish_on_every_rank() -> None:
+    """torchrec all-reduces the new steps with MAX; a rank whose interval lay inside the range offers its current
+    steps (in torchrec it skips the all-reduce: the other ranks hang)."""
+    steps, low, high, clocks = INTERVAL_CASES["both_outside"]
+    want = {
+        "both_outside": max(formula_steps(steps, low, high, clock) for clock in clocks),  # 60: rank 0's
+        "inside_and_slow": 10,
+        "inside_and_fast": 80,
+    }
+    assert want["both_outside"] == 60
+    for result in _results():
+        assert result["interval"] == want
