@@ -79,17 +79,25 @@ class EmbeddingCollectionAwaitable(LazyAwaitable[dict[str, JaggedTensor]]):
         self._need_indices = need_indices
         self._sources = sources  # embedding name -> the feature (KJT key) it reads
 
-    def _wait_impl(self) -> dict[str, JaggedTensor]:
+    def _rows_by_name(self) -> dict[str, torch.Tensor]:
+        """Every sharding's output rows, waited for, each embedding's column blocks joined: ``{name: [N, D]}``."""
         blocks: dict[str, list[tuple[int, torch.Tensor]]] = {}
         for awaitable, context in zip(self._awaitables, self._ctx.sharding_contexts, strict=True):
             rows = awaitable.wait()
             slots = context.extra["slots"]
             for (name, col_offset, _, _), piece in zip(slots, rows.split([n for *_, n in slots]), strict=True):
                 blocks.setdefault(name, []).append((col_offset, piece))
+        joined = {}
+        for name, named_blocks in blocks.items():
+            parts = [piece for _, piece in sorted(named_blocks, key=lambda b: b[0])]
+            joined[name] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        return joined
+
+    def _wait_impl(self) -> dict[str, JaggedTensor]:
+        joined = self._rows_by_name()
         out = {}
         for name in self._names:
-            parts = [piece for _, piece in sorted(blocks[name], key=lambda b: b[0])]
-            rows = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            rows = joined[name]
             feature = self._sources[name]
             if feature in self._ctx.inverse:
                 rows = rows.index_select(0, self._ctx.inverse[feature])

@@ -58,18 +58,12 @@ class DedupEmbeddingCollectionAwaitable(EmbeddingCollectionAwaitable):
         self._name_of = {feature: name for name, feature in plain._sources.items()}
 
     def _wait_impl(self) -> dict[str, JaggedTensor]:
-        blocks: dict[str, list[tuple[int, torch.Tensor]]] = {}
-        for awaitable, context in zip(self._awaitables, self._ctx.sharding_contexts, strict=True):
-            rows = awaitable.wait()
-            slots = context.extra["slots"]
-            for (name, col_offset, _, _), piece in zip(slots, rows.split([n for *_, n in slots]), strict=True):
-                blocks.setdefault(name, []).append((col_offset, piece))
+        joined = self._rows_by_name()
         out = {}
         for name in self._names:
             feature = self._sources[name]
             holder, inverse = self._inverse[feature]
-            parts = [piece for _, piece in sorted(blocks[self._name_of[holder]], key=lambda b: b[0])]
-            unique_rows = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            unique_rows = joined[self._name_of[holder]]
             original = self._ctx.input_features[feature]
             out[name] = JaggedTensor(
                 values=unique_rows.index_select(0, inverse),
