@@ -199,3 +199,30 @@ def test_default_plan_fuses_only_collections_with_an_optimizer() -> None:
             assert result[name]["kernels"] == ["fused"], (rank, name, result[name])
         for name, got in result.items():
             assert got["changed"] == got["tables"] > 0, (rank, name, got)  # every local table shard trained
+
+
+def test_deterministic_hook_raises_a_failed_gather(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gather that fails must fail the bucket's future, not hand DDP the never-filled receive buffer."""
+    import importlib
+
+    # by module path: tritonrec.dist.data_parallel is also the name of the sharding-type generator
+    data_parallel = importlib.import_module("tritonrec.dist.data_parallel")
+
+    class _FailedWork:
+        def get_future(self) -> torch.futures.Future:
+            future: torch.futures.Future = torch.futures.Future()
+            future.set_exception(RuntimeError("gather timed out"))
+            return future
+
+    class _Bucket:
+        def __init__(self) -> None:
+            self.gradients = torch.ones(6)
+
+        def buffer(self) -> torch.Tensor:
+            return self.gradients
+
+    monkeypatch.setattr(data_parallel, "all_gather_tensor", lambda *args, **kwargs: _FailedWork())
+    monkeypatch.setattr(data_parallel.dist, "get_world_size", lambda group=None: 3)
+    hook = data_parallel.deterministic_allreduce_hook()
+    with pytest.raises(RuntimeError, match="gather timed out"):
+        hook(None, _Bucket()).wait()
