@@ -112,6 +112,7 @@ from tritonrec.dist.sharding_plan import (
     table_wise,
 )
 from tritonrec.dist.types import (
+    BaseEmbeddingSharder,
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
     FusedOptimizerModule,
@@ -125,6 +126,7 @@ from tritonrec.dist.types import (
 
 __all__ = [
     "Awaitable",
+    "BaseEmbeddingSharder",
     "CollectiveError",
     "CollectiveTimeoutError",
     "CommOp",

@@ -25,10 +25,10 @@ from tritonrec.dist.qcomm_protocol import QuantizedCommCodecs
 from tritonrec.dist.sharded_tables import ShardedTablesMixin, input_dist_checks, run_input_dists
 from tritonrec.dist.sharding.common import ShardingContext
 from tritonrec.dist.types import (
+    BaseEmbeddingSharder,
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
     FusedOptimizerModule,
-    ModuleSharder,
     Multistreamable,
     ParameterSharding,
     ShardedModule,
@@ -251,7 +251,7 @@ class ShardedEmbeddingCollection(
         return list(self._shardings)
 
 
-class EmbeddingCollectionSharder(ModuleSharder[EmbeddingCollection]):
+class EmbeddingCollectionSharder(BaseEmbeddingSharder[EmbeddingCollection]):
     """Shards :class:`EmbeddingCollection` (and ``FusedEmbeddingCollection``).
 
     Args:
@@ -266,14 +266,8 @@ class EmbeddingCollectionSharder(ModuleSharder[EmbeddingCollection]):
         qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
         use_index_dedup: bool = False,
     ) -> None:
-        super().__init__(qcomm_codecs_registry)
-        self._fused_params = fused_params
+        super().__init__(fused_params, qcomm_codecs_registry)
         self._use_index_dedup = use_index_dedup
-
-    @property
-    def fused_params(self) -> dict[str, Any] | None:
-        """The ``fused_params`` the sharded tables get (the planner reads their optimizer)."""
-        return self._fused_params
 
     def shard(
         self,

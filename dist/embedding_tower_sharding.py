@@ -40,6 +40,7 @@ from tritonrec.dist.embedding_tower_plan import (
 )
 from tritonrec.dist.qcomm_protocol import QuantizedCommCodecs
 from tritonrec.dist.types import (
+    BaseEmbeddingSharder,
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
     ModuleSharder,
@@ -178,22 +179,8 @@ def _check_distinct_tables(towers: list[EmbeddingTower]) -> None:
             owner[table] = i
 
 
-class _TowerSharderBase:
-    """Options every tower sharder carries (torchrec's ``BaseEmbeddingSharder`` arguments)."""
-
-    def __init__(
-        self,
-        fused_params: dict[str, Any] | None = None,
-        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
-    ) -> None:
-        if fused_params is not None and not isinstance(fused_params, dict):
-            raise TypeError(f"fused_params must be a dict or None, got {type(fused_params).__name__}")
-        ModuleSharder.__init__(self, qcomm_codecs_registry)  # type: ignore[arg-type]
-        self._fused_params = fused_params
-
-    @property
-    def fused_params(self) -> dict[str, Any] | None:
-        return self._fused_params
+class _TowerSharderBase(BaseEmbeddingSharder):
+    """Options every tower sharder carries (torchrec's ``BaseEmbeddingSharder`` arguments) and its sharding types."""
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
         """``table_row_wise`` and ``table_column_wise`` (a tower stays on one host)."""
@@ -211,7 +198,7 @@ class _TowerSharderBase:
         return tower_feature_names(check_tower(module, "module"))
 
 
-class EmbeddingTowerSharder(_TowerSharderBase, ModuleSharder[EmbeddingTower]):
+class EmbeddingTowerSharder(_TowerSharderBase, BaseEmbeddingSharder[EmbeddingTower]):
     """Shards an :class:`EmbeddingTower` onto one host (:class:`ShardedEmbeddingTower`).
 
     Args:
@@ -238,7 +225,7 @@ class EmbeddingTowerSharder(_TowerSharderBase, ModuleSharder[EmbeddingTower]):
         return self.embedding_sharder(module).shardable_parameters(module.embedding)
 
 
-class EmbeddingTowerCollectionSharder(_TowerSharderBase, ModuleSharder[EmbeddingTowerCollection]):
+class EmbeddingTowerCollectionSharder(_TowerSharderBase, BaseEmbeddingSharder[EmbeddingTowerCollection]):
     """Shards an :class:`EmbeddingTowerCollection`, each tower onto one host (:class:`ShardedEmbeddingTowerCollection`).
 
     Args:

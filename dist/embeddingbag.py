@@ -29,10 +29,10 @@ from tritonrec.dist.qcomm_protocol import QuantizedCommCodecs
 from tritonrec.dist.sharded_tables import ShardedTablesMixin, input_dist_checks, run_input_dists
 from tritonrec.dist.sharding.common import ShardingContext
 from tritonrec.dist.types import (
+    BaseEmbeddingSharder,
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
     FusedOptimizerModule,
-    ModuleSharder,
     Multistreamable,
     ParameterSharding,
     ShardedModule,
@@ -262,7 +262,7 @@ def check_index_bounds(features: KeyedJaggedTensor, limits: dict[str, int]) -> N
     )
 
 
-class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
+class EmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollection]):
     """Shards :class:`EmbeddingBagCollection` (and its fused / weighted forms) with every sharding type, on CPU and
     CUDA alike (torchrec refuses row-wise and table-row-wise on CPU; we run them).
 
@@ -270,18 +270,6 @@ class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
         fused_params: optimizer and lookup options for the fused kernel (:mod:`tritonrec.dist.fused_params`).
         qcomm_codecs_registry: comm op name -> codecs (``get_qcomm_codecs_registry(QCommsConfig(...))``).
     """
-
-    def __init__(
-        self,
-        fused_params: dict[str, Any] | None = None,
-        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
-    ) -> None:
-        super().__init__(qcomm_codecs_registry)
-        self._fused_params = fused_params
-
-    @property
-    def fused_params(self) -> dict[str, Any] | None:
-        return self._fused_params
 
     def shard(
         self,

@@ -20,10 +20,10 @@ from tritonrec.dist.embeddingbag import EmbeddingBagCollectionContext, ShardedEm
 from tritonrec.dist.grad_sync import all_reduced_params
 from tritonrec.dist.qcomm_protocol import QuantizedCommCodecs
 from tritonrec.dist.types import (
+    BaseEmbeddingSharder,
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
     FusedOptimizerModule,
-    ModuleSharder,
     ParameterSharding,
     ShardedModule,
     ShardingEnv,
@@ -203,21 +203,8 @@ class ShardedFeatureProcessedEmbeddingBagCollection(
         return True
 
 
-class FeatureProcessedEmbeddingBagCollectionSharder(ModuleSharder[FeatureProcessedEmbeddingBagCollection]):
+class FeatureProcessedEmbeddingBagCollectionSharder(BaseEmbeddingSharder[FeatureProcessedEmbeddingBagCollection]):
     """Shards :class:`FeatureProcessedEmbeddingBagCollection` (every sharding type, as the EBC sharder)."""
-
-    def __init__(
-        self,
-        fused_params: dict[str, Any] | None = None,
-        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
-    ) -> None:
-        super().__init__(qcomm_codecs_registry)
-        self._fused_params = fused_params
-
-    @property
-    def fused_params(self) -> dict[str, Any] | None:
-        """The ``fused_params`` the sharded tables get (the planner reads their optimizer)."""
-        return self._fused_params
 
     def shard(
         self,

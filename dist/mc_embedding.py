@@ -70,6 +70,7 @@ class ShardedManagedCollisionEmbeddingCollection(
     (:mod:`tritonrec.dist.mc_dedup`); every table must be row-wise."""
 
     _unsharded_type = ManagedCollisionEmbeddingCollection
+    _inner_type = ShardedEmbeddingCollection
 
     def __init__(
         self,
@@ -100,27 +101,6 @@ class ShardedManagedCollisionEmbeddingCollection(
                 f"{per_feature}: the unique ids of a table no longer say which feature sent them (each feature's TTL)"
             )
         self._use_index_dedup = use_index_dedup
-
-    def _shard_embedding_module(
-        self,
-        module: nn.Module,
-        table_name_to_parameter_sharding: dict[str, ParameterSharding],
-        env: ShardingEnv,
-        fused_params: dict[str, Any] | None,
-        device: torch.device | str | None,
-        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None,
-        module_fqn: str | None,
-    ) -> ShardedEmbeddingCollection:
-        return ShardedEmbeddingCollection(
-            module,  # type: ignore[arg-type]
-            table_name_to_parameter_sharding,
-            env,
-            fused_params,
-            device,
-            qcomm_codecs_registry,
-            use_index_dedup=False,
-            module_fqn=module_fqn,
-        )
 
     @property
     def _embedding_collection(self) -> ShardedEmbeddingCollection:

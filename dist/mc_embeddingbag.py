@@ -39,10 +39,8 @@ from tritonrec.dist.mc_sharded_base import (
     ManagedCollisionSharder,
     ShardedManagedCollisionModule,
 )
-from tritonrec.dist.qcomm_protocol import QuantizedCommCodecs
 from tritonrec.dist.sharding.base import EmbeddingSharding
 from tritonrec.dist.sharding.common import ShardingContext
-from tritonrec.dist.types import ParameterSharding, ShardingEnv
 from tritonrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
 
 
@@ -59,26 +57,7 @@ class ShardedManagedCollisionEmbeddingBagCollection(
     :class:`~tritonrec.dist.embeddingbag.ShardedEmbeddingBagCollection`; every table must be row-wise."""
 
     _unsharded_type = ManagedCollisionEmbeddingBagCollection
-
-    def _shard_embedding_module(
-        self,
-        module: nn.Module,
-        table_name_to_parameter_sharding: dict[str, ParameterSharding],
-        env: ShardingEnv,
-        fused_params: dict[str, Any] | None,
-        device: torch.device | str | None,
-        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None,
-        module_fqn: str | None,
-    ) -> ShardedEmbeddingBagCollection:
-        return ShardedEmbeddingBagCollection(
-            module,  # type: ignore[arg-type]
-            table_name_to_parameter_sharding,
-            env,
-            fused_params,
-            device,
-            qcomm_codecs_registry,
-            module_fqn,
-        )
+    _inner_type = ShardedEmbeddingBagCollection
 
     @property
     def _embedding_bag_collection(self) -> ShardedEmbeddingBagCollection:

@@ -14,8 +14,8 @@ handed to new ids (``init_fn`` redraw, fused optimizer state zeroed: :mod:`trito
 keeps each feature's batch sizes through the bucketing and the all-to-all (the pooled output dist expands it with
 the KJT's inverse indices).
 
-A subclass names the unsharded module type it takes (``_unsharded_type``) and fills the hooks where the EC and the
-EBC differ: how the inner module is built (``_shard_embedding_module``), which input it refuses (``_check_input``,
+A subclass names the unsharded module type it takes (``_unsharded_type``) and the inner sharded module it builds
+(``_inner_type``), and fills the hooks where the EC and the EBC differ: which input it refuses (``_check_input``,
 ``_check_variable_batch``: every VBE input by default), what the input dist sends (``_dedup``: the MC-EC's index
 dedup), what its output dist reads from the batch context (``_record_input``) and from each sharding context
 (``_record_sharding_input``, which also says whether the unbucketize permutation is needed).
@@ -46,10 +46,10 @@ from tritonrec.dist.sharding.base import EmbeddingSharding
 from tritonrec.dist.sharding.common import ShardingContext, select_features
 from tritonrec.dist.sharding.rw import bucketize
 from tritonrec.dist.types import (
+    BaseEmbeddingSharder,
     EmbeddingComputeKernel,
     EmbeddingModuleShardingPlan,
     FusedOptimizerModule,
-    ModuleSharder,
     ParameterSharding,
     ShardedModule,
     ShardingEnv,
@@ -90,6 +90,8 @@ class ShardedManagedCollisionModule(
     module, ``_managed_collision_collection`` this rank's MCH modules; every table must be row-wise."""
 
     _unsharded_type: ClassVar[type[nn.Module]]
+    # the inner sharded module, built from the unsharded one's _embedding_module with this module's arguments
+    _inner_type: ClassVar[type[nn.Module]]
     _embedding_module: _Inner
 
     def __init__(
@@ -116,14 +118,14 @@ class ShardedManagedCollisionModule(
                     f"{type(self).__name__} shards managed-collision tables row-wise only: table {table!r} has "
                     f"sharding type {getattr(sharding, 'sharding_type', sharding)!r} (use row_wise())"
                 )
-        self._embedding_module = self._shard_embedding_module(
+        self._embedding_module = self._inner_type(  # type: ignore[call-arg]
             module._embedding_module,
             table_name_to_parameter_sharding,
             env,
             fused_params,
             device,
             qcomm_codecs_registry,
-            module_fqn,
+            module_fqn=module_fqn,
         )
         inner = self._embedding_module
         check_row_wise_plan(inner._tables, type(self).__name__)
@@ -135,19 +137,6 @@ class ShardedManagedCollisionModule(
         self._allow_in_place_embed_weight_update = module._allow_in_place_embed_weight_update
         # the MC step runs on each sharding's delivered KJT, just before its lookup
         inner.input_transform = self._remap
-
-    @abc.abstractmethod
-    def _shard_embedding_module(
-        self,
-        module: nn.Module,
-        table_name_to_parameter_sharding: dict[str, ParameterSharding],
-        env: ShardingEnv,
-        fused_params: dict[str, Any] | None,
-        device: torch.device | str | None,
-        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None,
-        module_fqn: str | None,
-    ) -> _Inner:
-        """The inner sharded module over the unsharded module's ``_embedding_module``."""
 
     def _check_input(self, features: KeyedJaggedTensor) -> None:
         """Refuse a batch the inner module cannot take (raised inside the input dist checks); none by default."""
@@ -275,7 +264,7 @@ class ShardedManagedCollisionModule(
 _Module = TypeVar("_Module", bound=nn.Module)
 
 
-class ManagedCollisionSharder(ModuleSharder[_Module]):
+class ManagedCollisionSharder(BaseEmbeddingSharder[_Module]):
     """Shards a managed-collision EC / EBC row-wise (the only sharding type it offers, as torchrec's) into
     ``_sharded_type``, with the inner module's compute kernels and fused optimizer options.
 
@@ -285,18 +274,6 @@ class ManagedCollisionSharder(ModuleSharder[_Module]):
     """
 
     _sharded_type: ClassVar[type[ShardedManagedCollisionModule]]
-
-    def __init__(
-        self,
-        fused_params: dict[str, Any] | None = None,
-        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
-    ) -> None:
-        super().__init__(qcomm_codecs_registry)
-        self._fused_params = fused_params
-
-    @property
-    def fused_params(self) -> dict[str, Any] | None:
-        return self._fused_params
 
     def shard(
         self,

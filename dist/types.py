@@ -31,6 +31,7 @@ from tritonrec.dist.qcomm_protocol import QuantizedCommCodecs
 from tritonrec.kernels.checks import check_int
 
 __all__ = [
+    "BaseEmbeddingSharder",
     "EmbeddingComputeKernel",
     "EmbeddingModuleShardingPlan",
     "EnumerableShardingSpec",
@@ -309,3 +310,23 @@ class ModuleSharder(abc.ABC, Generic[M]):
         """Bytes a shard ``tensor`` needs, by storage kind (``"hbm"`` on GPU, ``"ddr"`` on CPU)."""
         kind = "hbm" if compute_device_type == "cuda" else "ddr"
         return {kind: tensor.element_size() * tensor.nelement()}
+
+
+class BaseEmbeddingSharder(ModuleSharder[M]):
+    """A sharder of embedding modules (torchrec's ``BaseEmbeddingSharder``): it carries the ``fused_params`` the
+    sharded tables get (optimizer and lookup options, :mod:`tritonrec.dist.fused_params`; the planner reads their
+    optimizer) besides the comm codecs."""
+
+    def __init__(
+        self,
+        fused_params: dict[str, Any] | None = None,
+        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+    ) -> None:
+        if fused_params is not None and not isinstance(fused_params, dict):
+            raise TypeError(f"fused_params must be a dict or None, got {type(fused_params).__name__}")
+        super().__init__(qcomm_codecs_registry)
+        self._fused_params = fused_params
+
+    @property
+    def fused_params(self) -> dict[str, Any] | None:
+        return self._fused_params

@@ -226,3 +226,27 @@ def test_deterministic_hook_raises_a_failed_gather(monkeypatch: pytest.MonkeyPat
     hook = data_parallel.deterministic_allreduce_hook()
     with pytest.raises(RuntimeError, match="gather timed out"):
         hook(None, _Bucket()).wait()
+
+
+def test_embedding_sharders_share_torchrecs_base_embedding_sharder() -> None:
+    """Every embedding sharder carries fused_params through BaseEmbeddingSharder and refuses a non-dict by name."""
+    from tritonrec.dist import (
+        BaseEmbeddingSharder,
+        EmbeddingBagCollectionSharder,
+        EmbeddingCollectionSharder,
+        EmbeddingTowerCollectionSharder,
+        EmbeddingTowerSharder,
+        FeatureProcessedEmbeddingBagCollectionSharder,
+        ManagedCollisionEmbeddingBagCollectionSharder,
+        ManagedCollisionEmbeddingCollectionSharder,
+    )
+
+    kinds = [EmbeddingBagCollectionSharder, EmbeddingCollectionSharder, EmbeddingTowerCollectionSharder,
+             EmbeddingTowerSharder, FeatureProcessedEmbeddingBagCollectionSharder,
+             ManagedCollisionEmbeddingBagCollectionSharder, ManagedCollisionEmbeddingCollectionSharder]  # fmt: skip
+    for kind in kinds:
+        sharder = kind(fused_params={"learning_rate": 0.1})
+        assert isinstance(sharder, BaseEmbeddingSharder) and sharder.fused_params == {"learning_rate": 0.1}, kind
+        with pytest.raises(TypeError, match="fused_params must be a dict or None, got list"):
+            kind(fused_params=[("learning_rate", 0.1)])  # type: ignore[arg-type]
+    assert EmbeddingCollectionSharder(use_index_dedup=True)._use_index_dedup
