@@ -22,18 +22,24 @@ error. The metadata check of the comm ops runs on each module's first 8 calls: t
 ``--torchrec-kernels fused planner`` adds torchrec as its own defaults run it on CPU (rows ``torchrec_planner_kernel``:
 the dense kernel its plan generators pick, whose dense Adagrad steps every row of every table) beside the anchor.
 
+``--ceiling`` adds ours with the tables' fused backward update skipped (rows ``tritonrec_no_table_update``: the rows
+are neither summed nor written, so the model does not train its tables): an upper bound on what any faster row
+update could give, the rest of the step (lookups, collectives, dense layers, pipeline) unchanged. Throughput only.
+
 Appends to ``sharded_dlrm_train_cpu.csv`` and writes ``sharded_dlrm_train_cpu.png`` (results folder of the harness).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import resource
 import statistics
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +55,8 @@ from tritonrec.dist.rendezvous import init_local_rank
 SHARDINGS = ["tw", "rw", "cw", "twrw", "dp"]
 # torchrec's rows by table kernel: "torchrec" (the anchor) runs FBGEMM's fused kernel as ours does
 TORCHREC_KERNELS = {"torchrec": "fused", "torchrec_planner_kernel": "planner"}
+CEILING = "tritonrec_no_table_update"  # --ceiling: ours with the tables' backward update skipped
+OURS = ("tritonrec", CEILING)
 PIPELINES = ["base", "sparse_dist", "staged"]
 EXTRA_PIPELINES = ["semi_sync"]  # on request (--pipelines): not in the default sweep
 QCOMMS = ["none", "fp16", "int8"]
@@ -155,6 +163,20 @@ def build_ours(args: argparse.Namespace, sharding: str, pipeline: str, qcomm: st
     return step
 
 
+@contextlib.contextmanager
+def _without_table_update() -> Iterator[None]:
+    """The pooled fused backward op does nothing while inside (the ``--ceiling`` rows): its gradient plan (the ids'
+    sort) and its row update are the two module functions the op's body calls."""
+    import tritonrec.kernels.embedding.pooled as pooled
+
+    saved = pooled._pooled_plan, pooled.fused_update
+    pooled._pooled_plan = pooled.fused_update = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        pooled._pooled_plan, pooled.fused_update = saved
+
+
 def _progress(pipeline: Any) -> Any:
     def step(batches: Any) -> None:
         pipeline.progress(batches)
@@ -257,12 +279,14 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, config
             impl, sharding, pipeline, qcomm = config
             dist.barrier()
             try:
-                if impl == "tritonrec":
-                    step = build_ours(args, sharding, pipeline, qcomm, world)
-                else:
-                    step = build_torchrec(args, sharding, pipeline, qcomm, world, TORCHREC_KERNELS[impl])
-                seconds = _time(step, batches["tritonrec" if impl == "tritonrec" else "torchrec"], args)
-                del step
+                ceiling = _without_table_update() if impl == CEILING else contextlib.nullcontext()
+                with ceiling:
+                    if impl in OURS:
+                        step = build_ours(args, sharding, pipeline, qcomm, world)
+                    else:
+                        step = build_torchrec(args, sharding, pipeline, qcomm, world, TORCHREC_KERNELS[impl])
+                    seconds = _time(step, batches["tritonrec" if impl in OURS else "torchrec"], args)
+                    del step
             except Exception as err:  # torchrec refusing a sharding on CPU is a result, not a crash
                 if args.verbose and rank == 0:
                     traceback.print_exc()
@@ -317,9 +341,11 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str, world: int) -> None
     import matplotlib.pyplot as plt
 
     ok = [r for r in rows if r["status"] == "ok"]
-    short = {"tritonrec": "ours", "torchrec": "torchrec", "torchrec_planner_kernel": "torchrec (planner kernel)"}
+    short = {"tritonrec": "ours", CEILING: "ours, no table update", "torchrec": "torchrec",
+             "torchrec_planner_kernel": "torchrec (planner kernel)"}  # fmt: skip
     labels = [f"{short.get(r['impl'], r['impl'])} {r['sharding']} {r['pipeline']} {r['qcomm']}" for r in ok]
-    colors = ["tab:gray" if r["impl"] in TORCHREC_KERNELS else "tab:blue" for r in ok]
+    colors = ["tab:gray" if r["impl"] in TORCHREC_KERNELS else "lightsteelblue" if r["impl"] == CEILING else "tab:blue"
+              for r in ok]  # fmt: skip
     figure, axes = plt.subplots(figsize=(8, max(4, 0.22 * len(ok))))
     axes.barh(range(len(ok)), [float(r["samples_per_s"]) for r in ok], color=colors)
     axes.set_yticks(range(len(ok)), labels, fontsize=7)
@@ -351,6 +377,11 @@ def main() -> None:
     parser.add_argument("--torchrec-kernels", nargs="+", default=["fused"], choices=["fused", "planner"],
                         help="torchrec's table kernel: fused (FBGEMM's fused CPU kernel, the anchor) and/or planner "
                              "(what its plan generators pick on CPU: dense)")  # fmt: skip
+    parser.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="also run ours with the tables' backward update skipped (an upper bound; does not train)",
+    )
     parser.add_argument("--verbose", action="store_true")
     parser.add_argument("--csv", default="sharded_dlrm_train_cpu.csv")
     args = parser.parse_args()
@@ -365,6 +396,8 @@ def main() -> None:
             print("torchrec is not installed: no anchor rows")
             args.torchrec = False
     configs = [("tritonrec", sh, p, q) for sh in args.shardings for p in args.pipelines for q in args.qcomms]
+    if args.ceiling:
+        configs += [(CEILING, sh, p, "none") for sh in args.shardings for p in args.pipelines]
     if args.torchrec:
         impls = [impl for impl, kernel in TORCHREC_KERNELS.items() if kernel in args.torchrec_kernels]
         configs += [(impl, sh, p, "none") for impl in impls for sh in args.shardings for p in ("base", "sparse_dist")
