@@ -15,7 +15,7 @@ import torch
 from tritonrec.data.batch import Batch
 from tritonrec.data.element_chunk import ElementChunk
 from tritonrec.data.elements import ElementSpec, RecElement
-from tritonrec.data.id_folding import fold_ids
+from tritonrec.data.id_folding import fold_ids, fold_narrow, folds_narrow
 from tritonrec.data.key_major import KeyMajorRows
 from tritonrec.data.keyed_jagged_tensor import KeyedJaggedTensor
 
@@ -156,6 +156,8 @@ def _kjt_from_id_matrix(
     if fold is not None:  # the max also reads the rows in order, which makes the transposing read below faster
         highest = int(id_matrix.max()) if id_matrix.size else -1
         fold = fold if highest >= fold.min() else None  # else every id already lies in its table
+    if fold is not None and highest is not None and folds_narrow(fold, highest) and int(id_matrix.min()) >= 0:
+        return _kjt_folded_without_empty_bags(id_matrix, keys, batch_size, int(fold[0]))
     # a short last batch's padding rows are empty bags
     key_major = np.empty((num_keys, batch_size), np.int64) if n == batch_size else np.full((num_keys, batch_size), -1)
     block = max(1, _TRANSPOSE_BYTES // (8 * num_keys))
@@ -174,6 +176,30 @@ def _kjt_from_id_matrix(
     return KeyedJaggedTensor._trusted(
         list(keys), torch.from_numpy(values), None, torch.from_numpy(lengths), batch_size, None, length_per_key
     )
+
+
+def _kjt_folded_without_empty_bags(
+    id_matrix: np.ndarray, keys: tuple[str, ...], batch_size: int, size: int
+) -> KeyedJaggedTensor:
+    """:func:`_kjt_from_id_matrix` where no bag is empty (every id >= 0, as in torchrec's npy files, whose missing id
+    is 0) and the ids fold by one table size, ids and size below ``2**32``: folded as uint32 in the sample-major
+    matrix, then widened to int64 by the transposing copy itself. Two passes over the ids fewer than folding the
+    transposed values (no mask, no narrowing copy of them): ~1.4x on a 2048 x 26 batch."""
+    n, num_keys = id_matrix.shape
+    folded = fold_narrow(id_matrix, size)
+    values = np.empty((num_keys, n), np.int64)
+    block = max(1, _TRANSPOSE_BYTES // (8 * num_keys))
+    for start in range(0, n, block):
+        values[:, start : start + block] = folded[start : start + block].T
+    if n == batch_size:
+        lengths = np.ones(num_keys * batch_size, np.int32)
+    else:  # padding rows are empty bags
+        lengths = np.zeros((num_keys, batch_size), np.int32)
+        lengths[:, :n] = 1
+    return KeyedJaggedTensor._trusted(
+        list(keys), torch.from_numpy(values.reshape(-1)), None, torch.from_numpy(lengths.reshape(-1)), batch_size,
+        None, [n] * num_keys,
+    )  # fmt: skip
 
 
 def _kjt_from_key_major(rows: KeyMajorRows, keys: tuple[str, ...], batch_size: int) -> KeyedJaggedTensor:

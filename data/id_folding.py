@@ -31,16 +31,29 @@ def fold_ids(ids: np.ndarray, num_embeddings: np.ndarray, highest: int | None = 
     size = int(sizes.flat[0])
     top = int(values.max()) if highest is None else highest
     if top < _NARROW and size < _NARROW:
-        narrow = values.astype(np.uint32)
-        quotient = narrow // np.uint32(size)
-        quotient *= np.uint32(size)
-        np.subtract(narrow, quotient, out=quotient)
-        return quotient.astype(np.int64)
+        return fold_narrow(values, size).astype(np.int64)
     wide = values.view(np.uint64)
     quotient = wide // np.uint64(size)
     quotient *= np.uint64(size)
     np.subtract(wide, quotient, out=quotient)
     return quotient.view(np.int64)
+
+
+def folds_narrow(num_embeddings: np.ndarray, highest: int) -> bool:
+    """Whether ids up to ``highest`` fold by :func:`fold_narrow`: one table size for every id, ids and size below
+    ``2**32``."""
+    sizes = np.asarray(num_embeddings, dtype=np.int64)
+    return bool(sizes.size) and bool((sizes == sizes.flat[0]).all()) and max(highest, int(sizes.flat[0])) < _NARROW
+
+
+def fold_narrow(ids: np.ndarray, size: int) -> np.ndarray:
+    """Non-negative ``ids`` below ``2**32`` (any shape) -> a new uint32 array ``ids % size`` (``size < 2**32``): the
+    division by a scalar that numpy does with a multiply and a shift, on half the bytes of int64."""
+    narrow = np.asarray(ids).astype(np.uint32)
+    quotient = narrow // np.uint32(size)
+    quotient *= np.uint32(size)
+    np.subtract(narrow, quotient, out=quotient)
+    return quotient
 
 
 def hash_id_matrix(raw_ids: np.ndarray, num_embeddings: np.ndarray, highest: int | None = None) -> np.ndarray:
@@ -52,4 +65,4 @@ def hash_id_matrix(raw_ids: np.ndarray, num_embeddings: np.ndarray, highest: int
     return hashed
 
 
-__all__ = ["fold_ids", "hash_id_matrix"]
+__all__ = ["fold_ids", "fold_narrow", "folds_narrow", "hash_id_matrix"]

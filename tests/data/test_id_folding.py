@@ -164,12 +164,18 @@ def test_rows_layout_batches_fold_raw_ids(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("rows", "padding"), [(315, 0), (316, 0), (700, 20), (945, 1)])
-def test_blocked_transpose_spans_blocks(rows: int, padding: int) -> None:
-    """26 keys: the transposing copy runs in blocks of 315 rows; rows on both sides of block ends, padding after."""
+@pytest.mark.parametrize(
+    ("ids_high", "missing"),
+    [(2**40, 0.1), (2**32, 0.1), (2**32, 0.0), (2**40, 0.0)],
+    ids=["64-bit ids, empty bags", "32-bit ids, empty bags", "32-bit ids, no empty bag", "64-bit ids, no empty bag"],
+)
+def test_blocked_transpose_spans_blocks(rows: int, padding: int, ids_high: int, missing: float) -> None:
+    """26 keys: the transposing copy runs in blocks of 315 rows; rows on both sides of block ends, padding after. With
+    32-bit ids and no empty bag (torchrec's files) the ids are folded before the transpose, as uint32."""
     spec = ElementSpec(1, tuple(f"cat_{k}" for k in range(26)))
     rng = np.random.default_rng(rows)
-    raw = rng.integers(0, 2**40, (rows, 26), dtype=np.int64)
-    raw[rng.random(raw.shape) < 0.1] = -1
+    raw = rng.integers(0, ids_high, (rows, 26), dtype=np.int64)
+    raw[rng.random(raw.shape) < missing] = -1
     fold = np.full(26, 50_000, np.int64)
     chunk = ElementChunk.from_id_matrix(np.zeros((rows, 1), np.float32), raw, np.zeros(rows, np.float32), fold)
     kjt = collate_chunk(chunk, spec, rows + padding).sparse_features
