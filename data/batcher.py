@@ -125,7 +125,8 @@ class Batcher:
         stats = self.config.batch_stats_fn(data)
         if not isinstance(stats, Mapping):
             raise TypeError(f"batch_stats_fn must return a mapping, got {type(stats).__name__}")
-        self._computed_stats, self._stats_reset = dict(stats), False
+        # kept apart from what the caller gets back (a deep copy, as get_state / clone make)
+        self._computed_stats, self._stats_reset = copy_module.deepcopy(dict(stats)), False
         return dict(stats)
 
     def get_statistics(self) -> dict[str, Any] | None:
@@ -133,16 +134,16 @@ class Batcher:
         if self._stats_reset:
             return None
         if self._computed_stats is not None:  # set statistics win over the config's fixed ones
-            return dict(self._computed_stats)
+            return copy_module.deepcopy(self._computed_stats)  # the caller may change it in place
         precomputed = self.config.precomputed_stats
-        return None if precomputed is None else dict(precomputed)
+        return None if precomputed is None else copy_module.deepcopy(dict(precomputed))
 
     def set_statistics(self, stats: Mapping[str, Any]) -> None:
         """Replace the statistics (also over precomputed ones) and clear a reset. The config stays as it was (it
         was replaced by one without the precomputed statistics before, so ``copy()`` lost them)."""
         if not isinstance(stats, Mapping):
             raise TypeError(f"stats must be a mapping, got {type(stats).__name__}")
-        self._computed_stats, self._stats_reset = dict(stats), False
+        self._computed_stats, self._stats_reset = copy_module.deepcopy(dict(stats)), False
 
     def reset_statistics(self) -> None:
         """Forget every statistic: :meth:`get_statistics` returns ``None`` until new ones are computed or set."""

@@ -83,12 +83,16 @@ class ShardedBatchDataset(IterableDataset):
         return sub_shard(info.id, info.num_workers)
 
     def __iter__(self) -> Iterator[Batch]:
+        batches = self._batches()
         if self.pack_in_workers and get_worker_info() is not None:
             self._packer.new_iteration()
-            return map(self._packer.pack, self._batches())
-        return self._batches()
+            return map(self._packer.pack, batches)
+        return batches
 
     def _batches(self) -> Iterator[Batch]:
+        """Where this iteration starts is settled here, when the iteration is made, not at its first batch:
+        torchdata's workers snapshot the dataset's state right after ``iter(dataset)``, and a ``state_dict()``
+        taken before the next snapshot resumes from that one (a lazy start left it on the abandoned pass)."""
         source = self._worker_source()
         state = self.batcher.get_state()
         if self._resuming:
@@ -100,6 +104,10 @@ class ShardedBatchDataset(IterableDataset):
                 self.set_epoch(state["epoch"] + 1)
             self._first_epoch = self.batcher.get_state()["epoch"]
         passes = self.batcher.get_state()["epoch"] - self._first_epoch  # passes this iteration already made
+        return self._passes(source, passes)
+
+    def _passes(self, source: ElementSource, passes: int) -> Iterator[Batch]:
+        """The batches of the passes left after ``passes`` (of ``num_passes``)."""
         while self.num_passes is None or passes < self.num_passes:
             fresh, produced = self.batcher.get_state()["position"] == 0, False
             for batch in self.batcher.process(source, self.batch_size, self.drop_remainder):

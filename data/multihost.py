@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map
 
 from tritonrec.data.batch import Batch
 from tritonrec.kernels.checks import check_int, check_optional_int
@@ -166,6 +167,7 @@ class MultiHostDataLoadIterator:
         self._yielded = 0  # batches the current local iterator has yielded (the state of a stateless loader)
         self._replay = 0  # batches to skip when the next local iterator starts (restoring a stateless loader)
         self._restored = False
+        self._leave_restored_pass = False  # set_state: the next local iterator must not continue the loaded pass
         self._ended = False  # this epoch raised StopIteration (its steps ran out, or a rank's loader did)
 
     # ------------------------------------------------------------------------------------------------- iteration
@@ -211,6 +213,12 @@ class MultiHostDataLoadIterator:
         return pad_batch(batch, targets, self.pad_value) if targets else batch
 
     def _start_local(self) -> None:
+        if self._leave_restored_pass:
+            # The saved iterator's epoch had ended and, with reset_after_epoch, it would start a new pass of its
+            # loader here: a new iter() that leaves the pass it was in. The restored loader's first iter() continues
+            # that pass instead (Stateful protocol), so make that iteration and leave it, as the saved one did.
+            self._leave_restored_pass = False
+            iter(self.dataloader)
         self._local, self._yielded = iter(self.dataloader), 0
         for _ in range(self._replay):
             if next(self._local, None) is None:
@@ -294,7 +302,7 @@ class MultiHostDataLoadIterator:
             "iterator_length": self.iterator_length,
             "world_size": self.world_size,
             "loader": self._loader_state(),
-            "pending": self._pending,
+            "pending": _own_storage(self._pending),
             "epoch_ended": self._ended,
         }
 
@@ -335,3 +343,24 @@ class MultiHostDataLoadIterator:
             raise ValueError(f"state['loader'] does not fit a {type(self.dataloader).__name__}: {loader_state!r}")
         self.step, self._pending, self._replay = step, state["pending"], replay
         self._local, self._restored, self._ended = None, True, ended
+        epoch_over = ended or (self.iterator_length is not None and step >= self.iterator_length)
+        stateful = callable(getattr(self.dataloader, "load_state_dict", None))
+        self._leave_restored_pass = self.reset_after_epoch and epoch_over and stateful
+
+
+def _own_storage(batch: Any) -> Any:
+    """``batch`` with every tensor copied into storage of its own (None stays None). Batches from loader workers are
+    views of one shared byte buffer, in several dtypes, which ``torch.save`` refuses to write; a saved state must
+    not keep that buffer alive either."""
+    if batch is None:
+        return None
+
+    def own(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.clone()
+        if isinstance(leaf, Batch):
+            parts = (leaf.dense_features, leaf.sparse_features, leaf.labels, leaf.valid_mask)
+            return Batch._trusted(*(tree_map(own, part) for part in parts))
+        return leaf
+
+    return tree_map(own, batch)

@@ -26,9 +26,10 @@ travels as a :class:`PackedBatch`: one shared buffer of its own.
 from __future__ import annotations
 
 import os
+import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -254,10 +255,11 @@ class RingBatch:
         _free_slot(self.ring_id, self.slot, self.token, self.ring)
         self._owner = False  # once only: the slot may be packed again right after
 
-    def __del__(self) -> None:
-        # Dropped unread (e.g. replayed by a resuming StatefulDataLoader): free the slot. (_RINGS is None only at
-        # interpreter exit, when module globals are cleared and no worker waits any more.)
-        if self._owner and _RINGS is not None:
+    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        # Dropped unread (e.g. replayed by a resuming StatefulDataLoader): free the slot. Not at interpreter exit
+        # (no worker waits any more): indexing the ring's tensors while torch's objects are torn down aborted the
+        # process (an internal assert in THPVariable_clear), and module globals may already be cleared.
+        if self._owner and not _finalizing() and _RINGS is not None:
             self._release()
 
     def unpack(self) -> Batch:

@@ -5,6 +5,7 @@ batches, state round trip with stateful and plain loaders, bad input)."""
 
 from __future__ import annotations
 
+import io
 import itertools
 from collections import Counter, OrderedDict, defaultdict, namedtuple
 
@@ -78,6 +79,34 @@ def test_resume_is_exact_between_worker_snapshots(snapshot_every_n_steps: int) -
         resumed.load_state_dict(state)
         again = list(itertools.islice(iter(resumed), 16 - taken_after))
         assert all(same_batch(a, b) for a, b in zip(reference[taken_after:], again, strict=True)), taken_after
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize(("left_after", "taken"), [(5, 2), (9, 11)])
+def test_resume_after_an_unfinished_pass_is_exact(num_workers: int, left_after: int, taken: int) -> None:
+    """A new iteration after a pass left unfinished (a ``break``) starts the next epoch; a state taken in it before
+    the workers' next snapshot (default: every 16 batches) resumes at its next batch. The workers used to snapshot
+    the dataset before it moved on from the unfinished pass, so the resume continued that pass."""
+    source = _source(shuffle_buffer=24)
+
+    def loader() -> object:
+        return make_rank_loader(source, 4, num_workers=num_workers, multiprocessing_context="fork")
+
+    original = loader()
+    stream = iter(original)
+    for _ in range(left_after):
+        next(stream)
+    stream = iter(original)  # the next epoch
+    for _ in range(taken):
+        next(stream)
+    state = original.state_dict()
+    uninterrupted = list(itertools.islice(stream, 10))
+    del stream, original
+    resumed = loader()
+    resumed.load_state_dict(state)
+    again = list(itertools.islice(iter(resumed), 10))
+    assert len(again) == len(uninterrupted) == 10
+    assert all(same_batch(a, b) for a, b in zip(uninterrupted, again, strict=True))
 
 
 def test_a_new_iteration_is_the_next_epoch_with_or_without_workers() -> None:
@@ -173,6 +202,47 @@ def test_a_state_taken_after_an_epoch_ended_resumes_at_the_next_epoch(kind: str)
     assert [len(epoch) for epoch in resumed] == [3, 3]
     check = same_batch if kind == "stateful" else (lambda a, b: a == b)
     assert all(check(a, b) for x, y in zip(uninterrupted, resumed, strict=True) for a, b in zip(x, y, strict=True))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("shuffle_buffer", [0, 24])
+def test_a_state_taken_after_a_reset_epoch_ended_starts_a_new_pass(num_workers: int, shuffle_buffer: int) -> None:
+    """With ``reset_after_epoch`` each epoch is a new pass of the loader (its next epoch); a state saved after an
+    epoch ended restores to the same: the restored loader's pass (which its first iter() would continue) is left."""
+
+    def make() -> MultiHostDataLoadIterator:
+        loader = make_rank_loader(_source(shuffle_buffer=shuffle_buffer), 4, num_workers=num_workers,
+                                  multiprocessing_context="fork")  # fmt: skip
+        return MultiHostDataLoadIterator(loader, iterator_length=3, reset_after_epoch=True)
+
+    iterator = make()
+    list(iterator)
+    state = iterator.get_state()
+    uninterrupted = [list(iterator) for _ in range(2)]
+    restored = make()
+    restored.set_state(state)
+    resumed = [list(restored) for _ in range(2)]
+    assert [len(epoch) for epoch in resumed] == [3, 3]
+    assert all(same_batch(a, b) for x, y in zip(uninterrupted, resumed, strict=True) for a, b in zip(x, y, strict=True))
+
+
+def test_a_state_holding_a_batch_from_a_worker_saves_with_torch_save() -> None:
+    """A batch from a loader worker is views of one shared buffer in several dtypes, which torch.save refuses: the
+    state's kept batch is copied into tensors of its own (a rank that ran out later than another keeps one)."""
+    loader = make_rank_loader(_source(), 4, num_workers=2, multiprocessing_context="fork")
+    iterator = MultiHostDataLoadIterator(loader, iterator_length=3)
+    batch = next(iter(iterator))
+    iterator._pending = batch  # what __next__ keeps when another rank's loader ran out
+    buffer = io.BytesIO()
+    torch.save(iterator.get_state(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=False)["pending"]
+    assert same_batch(saved, batch) and saved.dense_features.untyped_storage().data_ptr() != (
+        batch.dense_features.untyped_storage().data_ptr()
+    )
+    nested = {"batch": batch, "extra": (batch.labels, None)}
+    iterator._pending = nested
+    torch.save(iterator.get_state(), io.BytesIO())
 
 
 @pytest.mark.parametrize(

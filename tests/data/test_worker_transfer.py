@@ -182,3 +182,24 @@ def test_the_main_process_lets_go_of_rings_whose_worker_exited(monkeypatch: pyte
     assert list(wt._RINGS) == ["mine"]
     wt._register("later", (*ring, os.getpid()))
     assert sorted(wt._RINGS) == ["later", "mine"]
+
+
+_EXIT_WITH_AN_OPEN_ITERATOR = """
+from tritonrec.data import SyntheticRecSource, make_rank_loader
+loader = make_rank_loader(SyntheticRecSource([50] * 3, num_dense=2, num_samples=90, chunk_size=16), 4,
+                          num_workers=2, multiprocessing_context="fork")
+sizes = [len(batch.labels) for batch in loader]
+stream = iter(loader)
+next(stream)  # a script that ends here (an endless loader's last step) leaves batches in flight
+"""
+
+
+def test_a_script_that_ends_with_batches_in_flight_exits_cleanly() -> None:
+    """Ring batches dropped at interpreter exit freed their slots while torch's objects were torn down, which aborted
+    the process (an internal assert in THPVariable_clear) in about 3 runs of 8: now they leave them."""
+    import subprocess
+    import sys
+
+    for _ in range(4):
+        done = subprocess.run([sys.executable, "-c", _EXIT_WITH_AN_OPEN_ITERATOR], capture_output=True, timeout=120)
+        assert done.returncode == 0, done.stderr.decode()[-2000:]

@@ -91,7 +91,7 @@ def test_clone_owns_its_precomputed_statistics() -> None:
     original's."""
     original = Batcher(SPEC, BatcherConfig(precomputed_stats={"mean": torch.zeros(2)}))
     clone = original.clone()
-    clone.get_statistics()["mean"].add_(5)
+    clone.config.precomputed_stats["mean"].add_(5)  # type: ignore[index]
     assert original.get_statistics()["mean"].tolist() == [0.0, 0.0]
     assert clone.get_statistics()["mean"].tolist() == [5.0, 5.0]
 
@@ -239,3 +239,25 @@ def test_loader_state_round_trips_the_statistics() -> None:
     assert restored.batcher.get_statistics() == {"rows": 3}
     restored.load_state_dict({"batcher": {"epoch": 1, "position": 4, "batches": 1}})  # a state from before
     assert restored.batcher.get_statistics() == {"rows": 3} and restored.batcher.get_state()["position"] == 4
+
+
+def test_statistics_handed_out_do_not_alias_the_kept_ones() -> None:
+    """What compute / get / set hand over or take is the caller's: changing it in place leaves the Batcher's own
+    statistics (and the config's precomputed ones) as they were."""
+    stats = {"mean": torch.tensor([1.0, 2.0]), "counts": [1, 2]}
+    batcher = Batcher(SPEC, BatcherConfig(batch_stats_fn=lambda _: stats))
+    returned = batcher.compute_statistics(None)
+    returned["counts"].append(3)
+    stats["mean"] += 1
+    got = batcher.get_statistics()
+    got["mean"] += 10
+    got["counts"].append(4)
+    again = batcher.get_statistics()
+    assert again["counts"] == [1, 2] and again["mean"].tolist() == [1.0, 2.0]
+    mine = {"mean": torch.zeros(2)}
+    batcher.set_statistics(mine)
+    mine["mean"] += 5
+    assert batcher.get_statistics()["mean"].tolist() == [0.0, 0.0]
+    fixed = Batcher(SPEC, BatcherConfig(precomputed_stats={"mean": [1.5]}))
+    fixed.get_statistics()["mean"].append(9.0)
+    assert fixed.get_statistics() == {"mean": [1.5]} and fixed.config.precomputed_stats == {"mean": [1.5]}
