@@ -14,8 +14,8 @@ batch in hand keeps it for its next epoch (unless the loader is reset).
   ``False`` continues where the previous epoch stopped. ``reset()`` starts a new epoch now.
 * ``pad_shapes=True``: dense tensors whose shapes differ across ranks are padded (at the end of each dimension) to
   the element-wise maximum over ranks with ``pad_value``; the shapes travel in the step's one collective (an
-  ``all_gather_object`` of ``(has_batch, shapes)``, instead of the all-reduce). KJTs pass through unchanged, and a
-  Batch's ``valid_mask`` is padded with False.
+  ``all_gather_object`` of ``(has_batch, shapes)``, instead of the all-reduce). KJTs pass through unchanged; bool
+  tensors (masks, a Batch's ``valid_mask``) are padded with False.
 * ``get_state()`` / ``set_state(state)``: the step, ``iterator_length``, the world size, the loader's state
   (``state_dict()`` of a ``StatefulDataLoader`` or any Stateful loader, ``get_state()`` of a Batcher-like one; for
   a plain iterable, the number of batches it has yielded this pass, replayed on restore), a batch kept in hand and
@@ -93,8 +93,8 @@ def _pad(tensor: torch.Tensor, shape: Sequence[int], value: float | bool) -> tor
 
 def pad_batch(batch: Any, targets: Mapping[str, Sequence[int]], pad_value: float, path: str = "batch") -> Any:
     """``batch`` with every dense tensor padded to ``targets[path]`` (see :func:`dense_shapes` for the paths)."""
-    if isinstance(batch, torch.Tensor):
-        return _pad(batch, targets[path], pad_value)
+    if isinstance(batch, torch.Tensor):  # a mask (bool) is padded with False, as a Batch's valid_mask
+        return _pad(batch, targets[path], False if batch.dtype == torch.bool else pad_value)
     if isinstance(batch, Batch):
         padded = Batch.__new__(Batch)  # checked below with a message that names the cause
         padded.dense_features = _pad(batch.dense_features, targets[f"{path}.dense_features"], pad_value)

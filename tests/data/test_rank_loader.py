@@ -329,6 +329,13 @@ def test_pad_batch_rebuilds_namedtuples_and_mappings_as_their_own_type() -> None
     assert [type(b) for b in one_rank] == [Pair]
 
 
+def test_pad_batch_pads_masks_with_false() -> None:
+    """A bool tensor is a mask: its padding is False whatever ``pad_value`` is (-1 made it True)."""
+    batch = {"mask": torch.ones(2, dtype=torch.bool), "ids": torch.ones(2, dtype=torch.int64)}
+    padded = pad_batch(batch, {"batch['mask']": (4,), "batch['ids']": (4,)}, -1)
+    assert padded["mask"].tolist() == [True, True, False, False] and padded["ids"].tolist() == [1, 1, -1, -1]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "pattern"),
     [
