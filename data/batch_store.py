@@ -159,6 +159,7 @@ class BatchStore:
                 if not path.is_file():
                     raise ValueError(f"cache_location {str(location)!r} has cache.json but lacks {path.name}")
             self._check_files()
+            self._check_writable()
             return
         (location / "additional").mkdir(parents=True, exist_ok=True)
         for name, (shape, dtype) in self._files.items():
@@ -166,6 +167,20 @@ class BatchStore:
         _create_exclusive(location / "stored.bin", lambda p: p.write_bytes(bytes(self.batch_count)))
         self._check_files()  # a file left by a job killed before cache.json may have another group's layout
         _create_exclusive(descriptor_path, lambda p: p.write_text(json.dumps(mine, indent=1)))
+
+    def _check_writable(self) -> None:
+        """A group that may cache batches needs to write the existing cache's files: found now, not at the first
+        ``Batch.cache`` (a raw OSError, mid-epoch)."""
+        if self.readonly:
+            return
+        paths = [self.location, self.location / "additional", self.location / "stored.bin"]
+        paths += [self.array_path(name) for name in self._files]
+        blocked = next((path for path in paths if not os.access(path, os.W_OK)), None)
+        if blocked is not None:
+            raise ValueError(
+                f"cache_location {str(self.location)!r} holds a cache this process cannot write ({blocked.name} is "
+                "read-only here); open the group with cache_readonly=True to read it"
+            )
 
     def _check_files(self) -> None:
         """Every array file has the shape and dtype this group expects (read from its header, no data read), and

@@ -90,6 +90,26 @@ def test_readonly_and_non_persisting_groups_write_nothing(tmp_path: Path) -> Non
         _group(tmp_path, cache_location=tmp_path / "empty", cache_readonly=True)
 
 
+def test_a_cache_this_process_cannot_write_is_refused_when_opened(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writable group on a read-only cache (a read-only mount; simulated: tests may run as root) failed only at the
+    first Batch.cache, with a raw OSError mid-epoch; now when the group is made. cache_readonly=True still reads it."""
+    import tritonrec.data.batch_store as batch_store
+
+    for batch in GroupLoader(CountingLoader(), _group(tmp_path)):
+        batch.cache(encode(batch))
+    real_access = batch_store.os.access
+    monkeypatch.setattr(
+        batch_store.os, "access", lambda path, mode: mode != batch_store.os.W_OK and real_access(path, mode)
+    )
+    with pytest.raises(
+        ValueError, match=r"cannot write \(cache is read-only here\); open the group with cache_readonly=True"
+    ):
+        _group(tmp_path)
+    assert all(not b.uncached for b in GroupLoader(CountingLoader(), _group(tmp_path, cache_readonly=True)))
+
+
 def test_depth_limit_holds_with_a_slow_consumer(tmp_path: Path) -> None:
     group = DataGroup(1, list(range(12)), loader_layouts=LOADER)
     loader = GroupLoader(CountingLoader(), group, depth=3)
