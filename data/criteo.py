@@ -11,7 +11,9 @@ What a valid line is, and how it becomes numbers, is :mod:`tritonrec.data.criteo
 * a malformed line (wrong field count, a label other than 0/1, a count that is not a plain ASCII integer of at most
   18 digits, an id that is not 1-15 hex digits, bytes that are not UTF-8) and a ``.gz`` file that ends early either
   raise :class:`MalformedLineError` naming the file, the line number and the field (``malformed="error"``), or are
-  skipped and counted (``malformed="skip"``; see :attr:`CriteoTSVSource.num_skipped`).
+  skipped and counted (``malformed="skip"``; see :attr:`CriteoTSVSource.num_skipped`). The count is the reading
+  process's: behind a loader with workers (``make_rank_loader(..., num_workers>0)``) each worker counts in its own
+  copy of the source, and the main process's stays 0; read with ``num_workers=0`` to count a file's bad lines.
 
 Files are read in order, in 1 MiB blocks parsed with a handful of vectorised numpy passes (``.gz`` through gzip), so
 memory stays flat. Across ranks (``rank``, ``world_size``) each plain file is split by bytes and each ``.gz`` file by
