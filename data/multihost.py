@@ -21,9 +21,9 @@ batch in hand keeps it for its next epoch (unless the loader is reset).
   a plain iterable, the number of batches it has yielded this pass, replayed on restore), a batch kept in hand and
   ``epoch_ended``. The next ``iter()`` after ``set_state`` continues the saved epoch, or starts the next one when the
   state was taken after the epoch ended (``step == iterator_length``, or a rank's loader ran out first), just as the
-  saved iterator would have; a state without ``epoch_ended`` (saved before it was kept) still loads. Restoring under
-  another ``iterator_length`` or world size, or a step or replay count that is not an int in range, is a
-  ``ValueError`` naming the key.
+  saved iterator would have; a state without ``rank`` or ``epoch_ended`` (saved before they were kept) still loads.
+  Restoring under another ``iterator_length``, world size or rank, or a step or replay count that is not an int in
+  range, is a ``ValueError`` naming the key.
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ from torch.utils._pytree import tree_map
 from tritonrec.data.batch import Batch
 from tritonrec.kernels.checks import check_int, check_optional_int
 
-_STATE_KEYS = {"step", "iterator_length", "world_size", "loader", "pending", "epoch_ended"}
-_OLD_STATE_KEYS = _STATE_KEYS - {"epoch_ended"}  # states saved before the flag was kept
+_STATE_KEYS = {"step", "iterator_length", "world_size", "rank", "loader", "pending", "epoch_ended"}
+# states saved before the rank, and before the flag, were kept
+_OLD_STATE_KEYS = (_STATE_KEYS - {"rank"}, _STATE_KEYS - {"rank", "epoch_ended"})
 Shapes = list[tuple[str, tuple[int, ...]]]
 
 
@@ -296,11 +297,13 @@ class MultiHostDataLoadIterator:
 
     # ------------------------------------------------------------------------------------------------------ state
     def get_state(self) -> dict[str, Any]:
-        """``{"step", "iterator_length", "world_size", "loader", "pending", "epoch_ended"}`` (module docstring)."""
+        """``{"step", "iterator_length", "world_size", "rank", "loader", "pending", "epoch_ended"}`` (module
+        docstring)."""
         return {
             "step": self.step,
             "iterator_length": self.iterator_length,
             "world_size": self.world_size,
+            "rank": self.rank,
             "loader": self._loader_state(),
             "pending": _own_storage(self._pending),
             "epoch_ended": self._ended,
@@ -315,7 +318,7 @@ class MultiHostDataLoadIterator:
 
     def set_state(self, state: Mapping[str, Any]) -> None:
         """Continue from a :meth:`get_state` result: the next ``iter()`` resumes the interrupted epoch."""
-        if not isinstance(state, Mapping) or set(state) not in (_STATE_KEYS, _OLD_STATE_KEYS):
+        if not isinstance(state, Mapping) or set(state) not in (_STATE_KEYS, *_OLD_STATE_KEYS):
             raise ValueError(f"state must be a get_state() result with the keys {sorted(_STATE_KEYS)}, got {state!r}")
         if state["iterator_length"] != self.iterator_length:
             raise ValueError(
@@ -326,6 +329,11 @@ class MultiHostDataLoadIterator:
             raise ValueError(
                 f"state was taken on world_size={state['world_size']} ranks, but this iterator runs on "
                 f"world_size={self.world_size}"
+            )
+        if state.get("rank", self.rank) != self.rank:  # each rank's loader state is its own shard's
+            raise ValueError(
+                f"state was taken on rank {state['rank']}, but this iterator is rank {self.rank} of its group: "
+                "restore each rank's own state"
             )
         # Up to iterator_length inclusive: a state taken after an epoch's StopIteration has step == iterator_length.
         step = _state_count(state["step"], "state['step']", self.iterator_length)

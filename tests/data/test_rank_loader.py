@@ -301,6 +301,13 @@ def test_set_state_refuses_another_length_or_world_size() -> None:
     with pytest.raises(ValueError, match="state was taken on world_size=4 ranks, but this iterator runs on "
                        "world_size=1"):  # fmt: skip
         MultiHostDataLoadIterator(list(range(4)), iterator_length=2).set_state({**state, "world_size": 4})
+    assert state["rank"] == 0
+    with pytest.raises(ValueError, match="state was taken on rank 1, but this iterator is rank 0 of its group"):
+        MultiHostDataLoadIterator(list(range(4)), iterator_length=2).set_state({**state, "rank": 1})
+    for old_keys in ({"rank"}, {"rank", "epoch_ended"}):  # states saved before these were kept still load
+        older = MultiHostDataLoadIterator(list(range(4)), iterator_length=2)
+        older.set_state({k: v for k, v in state.items() if k not in old_keys})
+        assert list(older) == [0, 1]
     with pytest.raises(ValueError, match="state must be a get_state"):
         MultiHostDataLoadIterator(list(range(4))).set_state({"step": 1})
 
