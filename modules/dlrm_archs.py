@@ -123,16 +123,21 @@ class _PairwiseDots(torch.autograd.Function):
     def forward(ctx: torch.autograd.function.FunctionCtx, vectors: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(vectors, pairs)
         gram = torch.bmm(vectors, vectors.transpose(1, 2))  # [B, N, N]
+        # under autocast the bmm ran in a lower precision than the vectors (e.g. bf16 of fp32 embeddings); the
+        # backward, which runs outside autocast, computes in that same dtype, as autograd through autocast would
+        ctx.compute_dtype = gram.dtype
         return gram.flatten(1).index_select(1, pairs)
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         vectors, pairs = ctx.saved_tensors
         batch, n = vectors.shape[0], vectors.shape[1]
+        compute = ctx.compute_dtype  # type: ignore[attr-defined]
+        grad = grad.to(compute)
         # each pair sits in the upper triangle once, so G + G^T holds each pair's gradient at (i, j) and (j, i)
         both = torch.cat((pairs, (pairs % n) * n + pairs // n))
         sym = grad.new_zeros(batch, n * n).index_copy_(1, both, torch.cat((grad, grad), dim=1))
-        return torch.bmm(sym.view(batch, n, n), vectors), None
+        return torch.bmm(sym.view(batch, n, n), vectors.to(compute)).to(vectors.dtype), None
 
 
 def pairwise_dots(vectors: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:

@@ -82,6 +82,35 @@ def test_interaction_arch_gradient_matches_autograd_of_the_pairwise_formula(num_
         torch.testing.assert_close(mine, theirs)
 
 
+def test_interaction_arch_trains_under_autocast() -> None:
+    """Under ``torch.autocast`` the Gram matrix is bf16 while the vectors are fp32 (bf16 dense, fp32 embeddings):
+    the one-bmm backward computes in the forward's dtype and hands each input a gradient of its own dtype (it mixed
+    a bf16 gradient with the fp32 vectors in one bmm and raised). Its gradients match autograd through the plain
+    bmm formula under the same autocast, to bf16 rounding; and the whole DLRM takes a step."""
+    num_sparse = 3
+    arch = InteractionArch(num_sparse)
+    dense = torch.randn(6, D, requires_grad=True)
+    sparse = torch.randn(6, num_sparse, D, requires_grad=True)
+    grad_out = torch.randn(6, D + num_sparse * (num_sparse + 1) // 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        dense_bf16 = dense.to(torch.bfloat16)  # a bf16 activation, as a dense layer's output under autocast
+        out = arch(dense_bf16, sparse)
+        vectors = torch.cat([dense_bf16.unsqueeze(1), sparse], dim=1)
+        gram = torch.bmm(vectors, vectors.transpose(1, 2))
+        plain = torch.cat([dense_bf16, gram.flatten(1)[:, arch._pair_positions]], dim=1)
+    ours = torch.autograd.grad(out, (dense, sparse), grad_out.to(out.dtype), retain_graph=True)
+    theirs = torch.autograd.grad(plain, (dense, sparse), grad_out.to(plain.dtype))
+    for mine, reference in zip(ours, theirs, strict=True):
+        assert mine.dtype == reference.dtype == torch.float32
+        torch.testing.assert_close(mine, reference, rtol=3e-2, atol=3e-2)
+    model = DLRMTrain(DLRM(_collection(), 3, [8, D], [8, 1]))
+    batch = next(Batcher(SPEC).process(_elements(8), 8))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = model(batch)
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.model.dense_arch.parameters())
+
+
 def test_low_rank_cross_net_formula() -> None:
     net = LowRankCrossNet(in_features=6, num_layers=2, low_rank=3)
     with torch.no_grad():
