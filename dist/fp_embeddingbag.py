@@ -73,14 +73,16 @@ class _WithPositionWeightGraph(LazyAwaitable[KeyedTensor]):
     def __init__(self, inner: LazyAwaitable[KeyedTensor], weights: list[torch.Tensor]) -> None:
         super().__init__()
         self._inner = inner
-        self._weights = weights
+        # Built now, as the lookup reads the weights, not at wait(): a semi-sync pipeline waits for batch i + 1's
+        # output after batch i's optimizer step has changed the weights in place, and autograd refuses a view of
+        # them (the all-reduce's output) used after that.
+        self._tie = torch.stack([w.sum() for w in weights]).sum() * 0.0 if weights else None
 
     def _wait_impl(self) -> KeyedTensor:
         kt = self._inner.wait()
-        if not self._weights:
+        if self._tie is None:
             return kt
-        tie = torch.stack([w.sum() for w in self._weights]).sum() * 0.0
-        return KeyedTensor(kt.keys(), kt.length_per_key(), kt.values() + tie)
+        return KeyedTensor(kt.keys(), kt.length_per_key(), kt.values() + self._tie)
 
 
 class ShardedFeatureProcessedEmbeddingBagCollection(
