@@ -33,6 +33,7 @@ from tritonrec.dist.train.dist_metrics import BatchFeed, RankMetrics, evaluate_o
 from tritonrec.dist.train.job_report import JobReporter
 from tritonrec.dist.train.job_state import (
     JobState,
+    apply_optim_config,
     check_resume,
     check_resume_optim,
     data_fingerprint,
@@ -80,6 +81,7 @@ def train_distributed(
     start = 0
     if resume_path is not None:
         load_checkpoint(resume_path, dmp, {"dense": dense_optimizer}, {"job": job})
+        changed = apply_optim_config(cfg.optim, dmp.fused_optimizer, dense_optimizer)
         start = job.state["step"]
         endless = isinstance(cfg.data, SyntheticDataConfig) and cfg.data.num_samples is None
         batcher.set_state(job.data_state_for(rank, world, cfg.batch_size, endless))
@@ -104,7 +106,7 @@ def train_distributed(
         )
     if resume_path is not None:
         report.message(resume_note(cfg.name, str(resume_path), start, later_checkpoints(out_dir, start),
-                                   history.ne_restored))  # fmt: skip
+                                   history.ne_restored, changed))  # fmt: skip
     checkpoint, step, stopped = None, start, False
     try:
         for step in range(start + 1, cfg.steps + 1):

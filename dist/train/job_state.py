@@ -63,6 +63,28 @@ def check_resume_optim(path: str, saved: dict[str, str] | None, current: dict[st
         )
 
 
+def apply_optim_config(optim_cfg: Any, fused: Any, dense: Any) -> list[str]:
+    """After a resume loaded the optimizers' saved state (which restores their saved hyperparameters too): the
+    config's learning rates and extra arguments (``optim.sparse_lr`` / ``sparse_kwargs`` on the fused tables'
+    groups, ``optim.dense_lr`` / ``dense_kwargs`` on the dense optimizer's) replace the saved ones, so a run resumed
+    with a lower rate trains with it. Returns ``"optim.X=new (checkpoint: old)"`` for each value that changed."""
+    changes: list[str] = []
+    for prefix, optimizer, lr, kwargs in (
+        ("sparse", fused, optim_cfg.sparse_lr, optim_cfg.sparse_kwargs),
+        ("dense", dense, optim_cfg.dense_lr, optim_cfg.dense_kwargs),
+    ):
+        wanted = {"lr": lr, **dict(kwargs)}
+        for key, value in wanted.items():
+            name = f"optim.{prefix}_lr" if key == "lr" else f"optim.{prefix}_kwargs.{key}"
+            for group in optimizer.param_groups:
+                if key in group and isinstance(group[key], tuple) and isinstance(value, list):
+                    value = tuple(value)  # hydra gives lists (Adam's betas)
+                if key in group and group[key] != value:
+                    changes.append(f"{name}={value!r} (checkpoint: {group[key]!r})")
+                    group[key] = value
+    return list(dict.fromkeys(changes))
+
+
 def later_checkpoints(out_dir: Path, start: int) -> list[str]:
     """Names of the checkpoints under ``out_dir/checkpoints`` taken after step ``start`` (an earlier run's, when a
     job resumes at ``start`` into its own folder)."""
@@ -73,10 +95,15 @@ def later_checkpoints(out_dir: Path, start: int) -> list[str]:
     return [name for step, name in sorted(found) if step > start]
 
 
-def resume_note(name: str, resume: str, start: int, later: list[str], ne_restored: bool = True) -> str:
+def resume_note(
+    name: str, resume: str, start: int, later: list[str], ne_restored: bool = True, optim_changes: list[str] = ()
+) -> str:
     """The train.log line that marks where a resumed job takes over (its folder may hold the earlier run's log);
-    ``ne_restored`` False: the checkpoint predates the NE state, so the lifetime NE restarts here."""
+    ``ne_restored`` False: the checkpoint predates the NE state, so the lifetime NE restarts here;
+    ``optim_changes``: the hyperparameters the config changed (:func:`apply_optim_config`)."""
     note = f"{name}: resumed from {resume} after step {start}; the lines below are this run's"
+    if optim_changes:
+        note += f"; from here on {', '.join(optim_changes)}"
     if not ne_restored:
         note += f"; the checkpoint holds no NE state: the lifetime NE covers the steps after {start} only"
     if later:
@@ -139,5 +166,5 @@ class JobState:
         return {"epoch": 0, "position": step * batch_size, "batches": step}
 
 
-__all__ = ["JobState", "check_resume", "check_resume_optim", "data_fingerprint", "later_checkpoints",
-           "optim_fingerprint", "resume_note"]  # fmt: skip
+__all__ = ["JobState", "apply_optim_config", "check_resume", "check_resume_optim", "data_fingerprint",
+           "later_checkpoints", "optim_fingerprint", "resume_note"]  # fmt: skip

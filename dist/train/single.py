@@ -10,12 +10,18 @@ from typing import Any
 import torch
 
 from tritonrec.data.batcher import Batcher
-from tritonrec.dist.train.builders import build_data, build_dense_optimizer, build_model
+from tritonrec.dist.train.builders import build_data, build_dense_optimizer, build_model, embedding_collection
 from tritonrec.dist.train.checkpoint import load_checkpoint, save_checkpoint
 from tritonrec.dist.train.config import TrainConfig, check_device
 from tritonrec.dist.train.job_config import distributed_only_choices
 from tritonrec.dist.train.job_report import JobReporter
-from tritonrec.dist.train.job_state import data_fingerprint, later_checkpoints, optim_fingerprint, resume_note
+from tritonrec.dist.train.job_state import (
+    apply_optim_config,
+    data_fingerprint,
+    later_checkpoints,
+    optim_fingerprint,
+    resume_note,
+)
 from tritonrec.dist.train.launch import StopRequest
 from tritonrec.dist.train.loop import TrainHistory, evaluate, iterate_batches, train_step
 from tritonrec.dist.train.report import final_metrics, plot_curves, write_metrics
@@ -34,6 +40,7 @@ def train_single(cfg: TrainConfig, out_dir: Path, stop: StopRequest) -> dict[str
     if cfg.resume:
         start = load_checkpoint(cfg.resume, model, dense_optimizer, batcher, history, cfg.steps, fingerprint,
                                 cfg.batch_size, optim_fingerprint(cfg.optim))  # fmt: skip
+        changed = apply_optim_config(cfg.optim, embedding_collection(model).fused_optimizer, dense_optimizer)
 
     batches = iterate_batches(batcher, sources.train, cfg.batch_size, cfg.drop_remainder)
     checkpoint = None
@@ -47,7 +54,7 @@ def train_single(cfg: TrainConfig, out_dir: Path, stop: StopRequest) -> dict[str
         )
     if cfg.resume:
         report.message(resume_note(cfg.name, cfg.resume, start, later_checkpoints(out_dir, start),
-                                   history.ne_restored))  # fmt: skip
+                                   history.ne_restored, changed))  # fmt: skip
     step, stopping = start, False
     try:
         for step in range(start + 1, cfg.steps + 1):

@@ -80,6 +80,9 @@ def run_suite(rank: int, world: int, root: str) -> dict[str, Any]:
     # the staged pipeline reads a batch ahead of its stages: resuming through it must train the same batches
     staged = PipelineConfig(kind="staged")
     out["resumed_staged"] = run_rank(tiny_config(base / "resumed_staged", resume=str(checkpoint), pipeline=staged))
+    # a resume with another table learning rate trains with it (the loaded optimizer state restored the old one)
+    faster = OptimConfig(sparse_lr=1.5)
+    out["resumed_sparse_lr"] = run_rank(tiny_config(base / "resumed_sparse_lr", resume=str(checkpoint), optim=faster))
     for name, (sharding, pipeline, qcomm) in VARIANTS.items():
         cfg = tiny_config(base / name, steps=3, eval_every=0, checkpoint_every=0)
         cfg.sharding, cfg.pipeline = ShardingConfig(kind=sharding), PipelineConfig(kind=pipeline)

@@ -127,6 +127,14 @@ def test_resume_at_the_same_world_size_is_exact(ranks: list[dict[str, Any]], cas
     assert resumed["train_window_ne"] == pytest.approx(full["train_window_ne"], rel=1e-12)
 
 
+def test_a_resume_trains_the_tables_with_the_configs_learning_rate(ranks: list[dict[str, Any]], root: Path) -> None:
+    full, resumed = ranks[0]["smoke"], ranks[0]["resumed_sparse_lr"]
+    assert resumed["history"]["loss"][:4] == full["history"]["loss"][:4]  # step 4's forward read the saved tables
+    assert all(a != b for a, b in zip(resumed["history"]["loss"][4:], full["history"]["loss"][4:], strict=True))
+    log = (root / "resumed_sparse_lr" / "train.log").read_text()
+    assert "from here on optim.sparse_lr=1.5 (checkpoint: 0.05)" in log
+
+
 def test_one_process_and_two_ranks_report_the_same_ne(ranks: list[dict[str, Any]], root: Path) -> None:
     """The one-process job on the same samples (a batch of 16 = the 2 ranks' 8 + 8, drawn in the same chunks of 8)
     reports the 2 ranks' NE, train (window and lifetime, at every log point) and held-out, up to the rounding by which

@@ -139,6 +139,42 @@ def test_single_process_resume_refuses_no_steps_or_other_data(
         run(cfg)
 
 
+def test_a_resume_trains_with_the_configs_learning_rates(tmp_path: Path) -> None:
+    """Loading the optimizers' state restored their saved rates, so a run resumed with optim.sparse_lr /
+    optim.dense_lr changed (what the job advises after a non-finite loss) trained on with the old ones, silently:
+    now the config's apply, and train.log says so. An unchanged resume stays exact."""
+    run(tiny_config(tmp_path / "first", steps=6, checkpoint_every=3))
+    checkpoint = str(tmp_path / "first" / "checkpoints" / "step_000003.pt")
+    same = run(tiny_config(tmp_path / "same", steps=6, resume=checkpoint))
+    first = json.loads((tmp_path / "first" / "metrics.json").read_text())
+    assert same["history"]["loss"] == first["history"]["loss"] and len(first["history"]["loss"]) == 6
+    for field in ("sparse_lr", "dense_lr"):
+        cfg = tiny_config(tmp_path / field, steps=6, resume=checkpoint)
+        setattr(cfg.optim, field, 1.5)
+        changed = run(cfg)
+        losses = changed["history"]["loss"]  # steps 1-3 restored; step 4's forward read the saved weights
+        assert losses[:4] == first["history"]["loss"][:4], field
+        assert all(a != b for a, b in zip(losses[4:], first["history"]["loss"][4:], strict=True)), field
+        note = next(line for line in (tmp_path / field / "train.log").read_text().splitlines() if "resumed" in line)
+        assert note.endswith(f"from here on optim.{field}=1.5 (checkpoint: {getattr(OptimConfig(), field)!r})")
+
+
+def test_apply_optim_config_edits_every_group_and_reports_each_change_once() -> None:
+    import torch
+
+    from tritonrec.dist.train.job_state import apply_optim_config
+
+    params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    fused = torch.optim.Adam([{"params": params[:1]}, {"params": params[1:2]}], lr=0.05)
+    dense = torch.optim.Adam(params[2:], lr=0.05, betas=(0.9, 0.999))
+    optim = OptimConfig(sparse_lr=0.01, dense_lr=0.05, dense_kwargs={"betas": [0.5, 0.999], "unknown": 1})
+    changes = apply_optim_config(optim, fused, dense)
+    assert changes == ["optim.sparse_lr=0.01 (checkpoint: 0.05)",
+                       "optim.dense_kwargs.betas=(0.5, 0.999) (checkpoint: (0.9, 0.999))"]  # fmt: skip
+    assert [g["lr"] for g in fused.param_groups] == [0.01, 0.01] and dense.param_groups[0]["betas"] == (0.5, 0.999)
+    assert apply_optim_config(optim, fused, dense) == []  # nothing left to change
+
+
 def test_multirun_sweep_lands_in_one_folder_with_a_summary(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     sweep = tmp_path / "sweep"
