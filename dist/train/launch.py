@@ -70,7 +70,26 @@ def _error_path(result_path: str, rank: int) -> str:
     return os.path.join(os.path.dirname(result_path), f"rank{rank}.error.pkl")
 
 
+def _ready_path(result_path: str, rank: int) -> str:
+    """Written by a spawned rank once its SIGTERM handler is in: the parent forwards a SIGTERM to it only then."""
+    return os.path.join(os.path.dirname(result_path), f"rank{rank}.ready")
+
+
+# A spawned rank's SIGTERM before its training loop took over the signal (its process group was coming up): the
+# loop's StopRequest picks it up and stops at the first step. One after the loop (its teardown) is kept here and
+# changes nothing: the run completed. Either way the rank is not killed mid-way.
+_early_signal: int | None = None
+
+
+def _remember_signal(signum: int, frame: Any) -> None:
+    global _early_signal
+    _early_signal = signum
+
+
 def _spawned_main(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, result_path: str) -> None:
+    signal.signal(signal.SIGTERM, _remember_signal)
+    with open(_ready_path(result_path, rank), "wb"):
+        pass
     os.environ.update(
         {"WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), _PARENT_STORE_VAR: "1"}
@@ -103,10 +122,11 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any) -> Any:
         result_path = os.path.join(scratch, "rank0.pkl")
         context = mp.start_processes(_spawned_main, args=(nproc, store.port, fn, args, result_path), nprocs=nproc,
                                      join=False, start_method="spawn")  # fmt: skip
-        with _forwarding_sigterm(context.processes):
+        ready = [_ready_path(result_path, rank) for rank in range(nproc)]
+        with _forwarding_sigterm(context.processes, ready) as forward_pending:
             try:
-                while not context.join():
-                    pass
+                while not context.join(timeout=0.2):
+                    forward_pending()
             except mp.ProcessRaisedException as report:
                 error = _root_error(result_path, report.error_index, nproc)
                 if error is None:
@@ -145,22 +165,34 @@ def _rank_error(result_path: str, rank: int) -> BaseException | None:
 
 
 @contextmanager
-def _forwarding_sigterm(processes: list[Any]) -> Iterator[None]:
-    """SIGTERM to this (parent) process is passed on to the ranks, which checkpoint and stop together."""
+def _forwarding_sigterm(processes: list[Any], ready: list[str]) -> Iterator[Callable[[], None]]:
+    """SIGTERM to this (parent) process is passed on to the ranks, which checkpoint and stop together. A rank still
+    starting (its interpreter importing, before it wrote its ``ready`` file) would die of it: it gets the signal
+    once it is ready, from the callable this yields (the parent calls it while it waits for the ranks)."""
     import threading
 
+    pending: set[int] = set()
+
+    def forward_pending() -> None:
+        for rank in sorted(pending):
+            process = processes[rank]
+            if not process.is_alive():
+                pending.discard(rank)
+            elif os.path.exists(ready[rank]):
+                pending.discard(rank)
+                os.kill(process.pid, signal.SIGTERM)
+
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield forward_pending
         return
 
     def forward(signum: int, frame: Any) -> None:
-        for process in processes:
-            if process.is_alive():
-                os.kill(process.pid, signum)
+        pending.update(range(len(processes)))
+        forward_pending()
 
     previous = signal.signal(signal.SIGTERM, forward)
     try:
-        yield
+        yield forward_pending
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -184,6 +216,8 @@ class StopRequest:
         def handler(signum: int, frame: Any) -> None:
             self.signal = signum
 
+        if _early_signal in signals:  # a spawned rank signalled while it was starting: stop at the first step
+            self.signal = _early_signal
         for s in signals:
             signal.signal(s, handler)
         try:

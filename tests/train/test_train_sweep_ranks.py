@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import importlib
+import json
 import os
 import signal
 import subprocess
@@ -52,6 +53,45 @@ def test_sigterm_in_a_sweep_writes_the_stopped_jobs_row_and_ends_the_sweep(tmp_p
     assert int(rows[0]["steps"]) >= 2 and float(rows[0]["final_loss"]) > 0
     assert "stopped by SIGTERM" in (sweep / "summary.md").read_text()
     assert not (sweep / "1_synthetic_dlrm").exists()  # the sweep ended: its later job did not run
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as handle:
+            return [int(p) for p in handle.read().split()]
+    except OSError:
+        return []
+
+
+@pytest.mark.dist
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for the ranks' processes")
+def test_sigterm_while_the_spawned_ranks_start_or_end_stops_or_completes_the_job(tmp_path: Path) -> None:
+    """A SIGTERM forwarded to spawned ranks outside their training loop killed them (the job failed with
+    ProcessExitedException): now a signal while they start stops the job at its first step with a checkpoint (143),
+    and one after the last step, while they tear down, leaves a completed run (0)."""
+    for when in ("starting", "ending"):
+        out = tmp_path / when
+        command = [sys.executable, SCRIPT, "dist.nproc=2", "steps=4", "checkpoint_every=0", *TINY,
+                   f"hydra.run.dir={out}"]  # fmt: skip
+        process = subprocess.Popen(command, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and process.poll() is None:
+            ranks = [
+                c for c in _children(process.pid) if "resource_tracker" not in Path(f"/proc/{c}/cmdline").read_text()
+            ]
+            if (when == "starting" and len(ranks) >= 2) or (when == "ending" and (out / "metrics.json").is_file()):
+                break
+            time.sleep(0.01)
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=240)
+        metrics = json.loads((out / "metrics.json").read_text())
+        if when == "starting":
+            assert process.returncode == 143, output[-3000:]
+            assert metrics["stopped_by"] == "SIGTERM" and metrics["steps"] == 1 and metrics["checkpoint"]
+        else:
+            assert process.returncode == 0, output[-3000:]
+            assert metrics["stopped_by"] is None and metrics["steps"] == 4
 
 
 @pytest.mark.dist
