@@ -46,7 +46,12 @@ class TrainPipeline(abc.ABC, Generic[In, Out]):
     def progress(self, dataloader_iter: Iterator[In]) -> Out: ...
 
     def close(self) -> None:
-        """Release what the pipeline holds between steps (background threads); the pipeline can run again."""
+        """Release what the pipeline holds between steps (background threads); the pipeline can run again.
+
+        Going on with the same iterator loses no batch: the ones the background thread already read are handed out
+        first, in order. A read in flight when ``close`` returns finishes on that thread, which still owns the
+        iterator until then: the next ``progress`` waits for it, so two threads never read the iterator (the
+        caller, reading it itself right after ``close``, could still meet that read)."""
 
 
 class TrainPipelineBase(TrainPipeline[In, Out]):

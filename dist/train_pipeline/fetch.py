@@ -26,6 +26,13 @@ class BatchFetcher:
 
     A new iterator (another object than the last one) starts afresh; once the ranks agreed the data is over, the
     iterator is not read again.
+
+    :meth:`close_thread` (a pipeline's ``close()``) loses no batch and never lets two threads read the iterator:
+    the stopped thread keeps the iterator until the batches it took from it (the queued ones, and the one it was
+    reading) are handed out, in order, by the next reads of the same iterator; only then is the iterator read again
+    (by a new thread, or directly). ``close_thread`` itself waits at most a few seconds (a read in flight goes on
+    after it returns); the wait for a read in flight, however long, falls on the next read, where the caller would
+    have waited for that batch anyway: it cannot deadlock unless reading the iterator in the caller's thread would.
     """
 
     def __init__(self, agreement: StepAgreement, host_prefetch: int = 0) -> None:
@@ -33,6 +40,10 @@ class BatchFetcher:
         self.host_prefetch = check_host_prefetch(host_prefetch)
         self._iterator: Iterator[Any] | None = None
         self._thread: DataLoadingThread[Any] | None = None
+        # the stopped thread of the current iterator, until it handed out every batch it took (see close_thread)
+        self._stopped: DataLoadingThread[Any] | None = None
+        # stopped threads of forgotten iterators, which may still be inside their next() (see _connect)
+        self._abandoned: list[DataLoadingThread[Any]] = []
         self.exhausted = False
 
     def _connect(self, iterator: Iterator[Any]) -> None:
@@ -41,16 +52,30 @@ class BatchFetcher:
         if not hasattr(iterator, "__next__"):
             raise TypeError(f"dataloader_iter must be an iterator (iter(loader)), got {type(iterator).__name__}")
         self.close()
+        for thread in self._abandoned:  # an iterator used before (then reset): wait for its old reader's next()
+            if thread.iterator is iterator:
+                thread.join()
+        self._abandoned = [t for t in self._abandoned if t.alive]
         self._iterator = iterator
         self.exhausted = False
-        if self.host_prefetch:
-            self._thread = DataLoadingThread(iterator, self.host_prefetch)
+
+    def _source(self) -> DataLoadingThread[Any] | None:
+        """The thread to read the current iterator's next batch from (None: read it directly)."""
+        if self._thread is None and self._stopped is not None:
+            if self._stopped.has_leftover():  # waits for the stopped thread's read in flight, if any
+                return self._stopped
+            self._stopped = None  # it has ended: the iterator is free again
+        if self._thread is None and self.host_prefetch:
+            assert self._iterator is not None
+            self._thread = DataLoadingThread(self._iterator, self.host_prefetch)
+        return self._thread
 
     def _read(self) -> tuple[Any, BaseException | None]:
         """This rank's next batch (None at its end) and the error reading it raised, if any."""
         try:
-            if self._thread is not None:
-                return self._thread.get(), None
+            source = self._source()
+            if source is not None:
+                return source.get(), None
             assert self._iterator is not None
             return next(self._iterator, None), None
         except Exception as error:
@@ -87,13 +112,19 @@ class BatchFetcher:
         return iterator is self._iterator
 
     def close_thread(self) -> None:
+        """Stop the background thread (see the class docstring: no batch it took is lost; it keeps the iterator
+        until they are handed out)."""
         if self._thread is not None:
             self._thread.stop()
-            self._thread = None
+            assert self._stopped is None  # a new thread starts only once the last stopped one is done
+            self._stopped, self._thread = self._thread, None
 
     def close(self) -> None:
-        """Stop the background thread and forget the iterator."""
+        """Stop the background thread and forget the iterator (and the batches its thread took, not handed out)."""
         self.close_thread()
+        if self._stopped is not None:
+            self._abandoned.append(self._stopped)
+            self._stopped = None
         self._iterator = None
 
 

@@ -91,11 +91,16 @@ class _Failure:
         self.error = error
 
 
+_NOTHING: Any = object()  # no item (the producer holds none; nothing peeked)
+
+
 class DataLoadingThread(Generic[T]):
     """Pulls items from ``iterator`` on a daemon thread, up to ``depth`` ahead of the consumer.
 
     ``get()`` returns the next item in order, None once the iterator is exhausted, and re-raises (in the consumer's
-    thread) an exception the iterator raised. ``stop()`` ends the thread; it is idempotent.
+    thread) an exception the iterator raised. ``stop()`` ends the thread; it is idempotent. Nothing the thread took
+    from the iterator is lost: after ``stop()``, ``get()`` still hands out, in order, the items it had queued and the
+    one it was reading or holding when stopped, while :meth:`has_leftover` says there is one.
     """
 
     def __init__(self, iterator: Iterator[T], depth: int = 2, name: str = "tritonrec-batches") -> None:
@@ -104,6 +109,8 @@ class DataLoadingThread(Generic[T]):
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._stopping = threading.Event()
         self._done = False
+        self._held: Any = _NOTHING  # the item the producer took but could not queue before stop(); read after join
+        self._peeked: Any = _NOTHING  # a leftover has_leftover() took out, for the next get()
         self._thread = threading.Thread(target=self._produce, name=name, daemon=True)
         self._thread.start()
 
@@ -121,29 +128,77 @@ class DataLoadingThread(Generic[T]):
             try:
                 item: Any = next(self._iterator)
             except StopIteration:
-                self._put(_Stop())
-                return
+                item = _Stop()
             except BaseException as error:  # handed to the consumer, who raises it where it can be reported
-                self._put(_Failure(error))
-                return
+                item = _Failure(error)
             if not self._put(item):
+                self._held = item  # stopped while it waited for room: a leftover, after the queued ones
+                return
+            if isinstance(item, (_Stop, _Failure)):
                 return
 
-    def get(self) -> T | None:
-        if self._done:
-            return None
-        item = self._queue.get()
+    def _unwrap(self, item: Any) -> T | None:
         if isinstance(item, _Stop):
             self._done = True
             return None
         if isinstance(item, _Failure):
             self._done = True
             raise item.error
-        return item
+        return item  # type: ignore[no-any-return]
+
+    def get(self) -> T | None:
+        if self._done:
+            return None
+        if not self._stopping.is_set():
+            return self._unwrap(self._queue.get())
+        if not self.has_leftover():
+            raise RuntimeError("DataLoadingThread.get() after stop() with no leftover (see has_leftover())")
+        item, self._peeked = self._peeked, _NOTHING
+        return self._unwrap(item)
+
+    def _take_leftover(self) -> Any:
+        try:
+            return self._queue.get_nowait()
+        except queue.Empty:
+            pass
+        # the producer may still be inside next(): wait for it (however long: its item comes next), after which
+        # neither the queue nor the item it holds changes
+        self._thread.join()
+        try:
+            return self._queue.get_nowait()
+        except queue.Empty:
+            item, self._held = self._held, _NOTHING
+            return item
+
+    def has_leftover(self) -> bool:
+        """After :meth:`stop`: whether :meth:`get` has more to hand out (an item the thread took from the iterator,
+        or its end or error, which then stays). Waits for the thread's read in flight, if any, to return (however
+        long it takes): once this is False the thread has ended and the iterator is free to be read again."""
+        if not self._stopping.is_set():
+            raise RuntimeError("DataLoadingThread.has_leftover() before stop()")
+        if self._done:
+            return True
+        if self._peeked is _NOTHING:
+            self._peeked = self._take_leftover()
+        return self._peeked is not _NOTHING
+
+    stop_timeout_s = 5.0  # how long stop() waits for the thread to end
 
     def stop(self) -> None:
+        """Read no more from the iterator: the thread ends after the read in flight (if any). Waits up to
+        :attr:`stop_timeout_s` for it to end; it may still be inside the iterator's ``next()`` when this returns,
+        and is then the iterator's reader until it ends (:meth:`has_leftover` and :meth:`join` wait for that)."""
         self._stopping.set()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=self.stop_timeout_s)
+
+    def join(self) -> None:
+        """Wait for the thread to end (after :meth:`stop`: for its read in flight, however long it takes)."""
+        self._thread.join()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread is still running (possibly inside the iterator's ``next()``)."""
+        return self._thread.is_alive()
 
     @property
     def iterator(self) -> Iterator[T]:
