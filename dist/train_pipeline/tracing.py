@@ -6,7 +6,11 @@ call's arguments comes from the model's input through attribute reads and indexi
 ``batch["x"][0]``), so the pipeline can compute the arguments from batch ``i+1`` and launch its ``input_dist`` while
 batch ``i`` is in forward. Tracing stops at the first data-dependent Python branch; the sharded modules called
 before it are still found (the partial graph has their calls), any module not reached runs its own forward, with
-the reason logged. Wrappers (``DistributedModelParallel``, ``DistributedDataParallel``) are looked through.
+the reason logged. A module found before the stop is pipelined only when it is certain that the rest of the forward
+does not call it again: the forward is traced once more down every way its data-dependent branches can go (up to
+:data:`MAX_BRANCH_PATHS` ways), and every one must trace to its end with that one call; else the module runs its
+own forward, with the reason (and where tracing stopped) logged. Wrappers (``DistributedModelParallel``,
+``DistributedDataParallel``) are looked through.
 """
 
 from __future__ import annotations
@@ -114,6 +118,58 @@ class _ShardedLeafTracer(torch.fx.Tracer):
         return isinstance(m, ShardedModule) or super().is_leaf_module(m, module_qualified_name)
 
 
+MAX_BRANCH_PATHS = 32  # ways through a forward's data-dependent branches traced to prove a module is called once
+MAX_BRANCHES = 64  # data-dependent branches on one way through a forward (a loop on a tensor's value is unbounded)
+
+
+class _BranchPathTracer(_ShardedLeafTracer):
+    """Goes on past data-dependent branches: the ``k``-th one goes the way ``decisions[k]`` says (False past its
+    end); ``taken`` records the ways all of them went."""
+
+    def __init__(self, decisions: list[bool]) -> None:
+        super().__init__()
+        self._decisions = decisions
+        self.taken: list[bool] = []
+        self.overflowed = False
+
+    def to_bool(self, obj: torch.fx.Proxy) -> bool:
+        if len(self.taken) >= MAX_BRANCHES:
+            self.overflowed = True  # checked after the trace too, in case the forward catches the error
+            raise RuntimeError(f"more than {MAX_BRANCHES} data-dependent branches on one way through the forward")
+        k = len(self.taken)
+        self.taken.append(self._decisions[k] if k < len(self._decisions) else False)
+        return self.taken[-1]
+
+
+def _calls_on_every_branch_path(root: nn.Module, names: set[str]) -> list[dict[str, int]] | str:
+    """How many times each module of ``names`` is called on every way through ``root``'s data-dependent branches
+    (each traced to the end, both ways of every branch: a superset of the ways a forward can take), or why that
+    cannot be known (a way does not trace to its end, or there are more than :data:`MAX_BRANCH_PATHS`)."""
+    todo: list[list[bool]] = [[]]
+    counts: list[dict[str, int]] = []
+    while todo:
+        if len(counts) == MAX_BRANCH_PATHS:
+            return f"the forward has more than {MAX_BRANCH_PATHS} ways through its data-dependent branches"
+        decisions = todo.pop()
+        tracer = _BranchPathTracer(decisions)
+        try:
+            graph = tracer.trace(root)
+        except Exception as error:  # an operation fx cannot follow: what the forward does after it is unknown
+            taken = "".join("T" if t else "F" for t in tracer.taken) or "none"
+            why = f"{type(error).__name__}: {error}"
+            return f"a way through its branches does not trace (branches taken: {taken}; {why})"
+        if tracer.overflowed:
+            return f"a way through the forward has more than {MAX_BRANCHES} data-dependent branches"
+        count: dict[str, int] = dict.fromkeys(names, 0)
+        for node in graph.nodes:
+            if node.op == "call_module" and node.target in count:
+                count[str(node.target)] += 1
+        counts.append(count)
+        # every way not traced yet that shares this one's forced branches: flip one later branch, the rest False
+        todo.extend([*tracer.taken[:k], True] for k in range(len(decisions), len(tracer.taken)))
+    return counts
+
+
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The module inside DistributedModelParallel / DistributedDataParallel wrappers."""
     while True:
@@ -167,6 +223,7 @@ def trace_sharded_inputs(model: nn.Module) -> TracedInputs:
     for node in nodes:
         if node.op == "call_module" and node.target in sharded:
             calls.setdefault(str(node.target), []).append(node)
+    branch_counts: list[dict[str, int]] | str | None = None  # traced when a module found before the stop needs it
     for name, module in sharded.items():
         if name not in calls:
             where = f"tracing stopped before it is called ({trace_error})" if trace_error else "it is never called"
@@ -185,6 +242,22 @@ def trace_sharded_inputs(model: nn.Module) -> TracedInputs:
         if bad:
             reasons[name] = bad[0]
             continue
+        if trace_error is not None:  # the rest of the forward (not in the partial graph) may call it again
+            if branch_counts is None:
+                branch_counts = _calls_on_every_branch_path(root, {str(n) for n in calls})
+            if isinstance(branch_counts, str):
+                reasons[name] = (
+                    f"tracing stopped after its call ({trace_error}), and whether the rest of the forward calls it "
+                    f"again cannot be proven: {branch_counts}"
+                )
+                continue
+            other = [count[name] for count in branch_counts if count[name] != 1]
+            if other:
+                reasons[name] = (
+                    f"tracing stopped after its call ({trace_error}), and a way through the forward's "
+                    f"data-dependent branches calls it {other[0]} times (a pipelined module is called once)"
+                )
+                continue
         pipelineable[name] = (module, CallArgs(tuple(infos), tuple(kw_infos)))  # type: ignore[arg-type]
     return TracedInputs(pipelineable, reasons, trace_error)
 
@@ -342,7 +415,7 @@ def rewrite_model(
     fallback = None
     if not forwards:
         if traced.reasons:
-            fallback = "no sharded module's input could be traced to the batch: " + "; ".join(
+            fallback = "no sharded module can be pipelined: " + "; ".join(
                 f"{n}: {r}" for n, r in traced.reasons.items()
             )
         else:
@@ -352,6 +425,7 @@ def rewrite_model(
 
 
 __all__ = [
+    "MAX_BRANCH_PATHS",
     "ArgInfo",
     "CallArgs",
     "PipelinedForward",
