@@ -124,6 +124,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         self._fetcher.agreement.on_failure.append(renew_input_dist_groups)
         self._gradients: dict[str, torch.Tensor | None] = {}
         self._stopped = False  # execute_all_batches=False: the ranks agreed the data is over
+        self._flushed = False  # flush() dropped the batches in flight: progress refuses to go on (see there)
 
     # ------------------------------------------------------------------------------------------------ the model
     def _rewrite(self, context: TrainPipelineContext) -> None:
@@ -288,6 +289,11 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
                 self._optimizer.step()  # type: ignore[union-attr]
 
     def progress(self, dataloader_iter: Iterator[In]) -> Out:
+        if self._flushed:
+            raise RuntimeError(
+                "TrainPipelineSemiSync.progress after flush(): the batches it had in flight were dropped, so going on "
+                "would skip them; build a new pipeline (or call reset() to start over from a new iterator)"
+            )
         if not self._model_attached:
             self.attach()
         self._fill_pipeline(dataloader_iter)
@@ -347,10 +353,12 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
                 requests.clear()
         self.batches.clear()
         self.contexts.clear()
+        self._flushed = True
 
     def reset(self) -> None:
         super().reset()
         self._stopped = False
+        self._flushed = False
 
 
 __all__ = ["EmbeddingPipelinedForward", "SemiSyncContext", "TrainPipelineSemiSync"]

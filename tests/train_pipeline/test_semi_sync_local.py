@@ -122,6 +122,11 @@ def test_flush_applies_the_stashed_gradients_and_drops_the_batches_in_flight() -
     for name, value in after.items():
         want = before[name] - LR * stashed[name] if name in stashed else before[name]
         assert torch.equal(value, want), name
+    # going on would skip the dropped batches (it trained 5 + 2 of 10 silently): refused; reset() starts over
+    with pytest.raises(RuntimeError, match=r"progress after flush\(\): the batches it had in flight were dropped"):
+        pipeline.progress(data)
+    pipeline.reset()
+    pipeline.progress(toy_batches(2))
     pipeline.close()
 
 
