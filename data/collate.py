@@ -153,11 +153,17 @@ def _kjt_from_id_matrix(
         raise TypeError(f"chunk id_matrix must have an integer dtype, got {id_matrix.dtype}")
     n, num_keys = id_matrix.shape[0], len(keys)
     highest = None
-    if fold is not None:  # the max also reads the rows in order, which makes the transposing read below faster
-        highest = int(id_matrix.max()) if id_matrix.size else -1
+    if fold is not None and id_matrix.size:
+        # One pass (it also reads the rows in order, which makes the transposing read below faster): the OR of the
+        # ids is negative when an id is (an empty bag), else it bounds them from above (max <= OR < 2 * max), which
+        # is all the fold needs to know (ids below every table size are not divided; below 2**32, fold as uint32).
+        bits = int(np.bitwise_or.reduce(id_matrix, axis=None))
+        highest = bits if bits >= 0 else int(id_matrix.max())
+        if bits >= 0 and bits >= fold.min() and folds_narrow(fold, bits):
+            return _kjt_folded_without_empty_bags(id_matrix, keys, batch_size, int(fold[0]))
         fold = fold if highest >= fold.min() else None  # else every id already lies in its table
-    if fold is not None and highest is not None and folds_narrow(fold, highest) and int(id_matrix.min()) >= 0:
-        return _kjt_folded_without_empty_bags(id_matrix, keys, batch_size, int(fold[0]))
+    elif fold is not None:
+        fold = None  # no id to fold
     # a short last batch's padding rows are empty bags
     key_major = np.empty((num_keys, batch_size), np.int64) if n == batch_size else np.full((num_keys, batch_size), -1)
     block = max(1, _TRANSPOSE_BYTES // (8 * num_keys))
