@@ -213,8 +213,10 @@ def precheck_resume(cfg: TrainConfig, world: int) -> None:
 def _read_job_state(path: Path) -> dict[str, Any]:
     """The job state of the checkpoint at ``path``, read alone (before the model is built: the data depends on it)."""
     if not (path / "manifest.json").is_file():
+        hint = "; it is a one-process checkpoint: resume it with dist.nproc=1" if path.is_file() else ""
         raise ValueError(
-            f"resume: no distributed checkpoint (a checkpoints/step_<n>/ folder with a manifest.json) at {str(path)!r}"
+            f"resume: no distributed checkpoint (a checkpoints/step_<n>/ folder with a manifest.json) at "
+            f"{str(path)!r}{hint}"
         )
     return torch.load(io.BytesIO(read_extra_entry(path, "job")), weights_only=False)  # type: ignore[no-any-return]
 

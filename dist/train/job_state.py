@@ -152,10 +152,15 @@ class JobState:
                 "ranks"
             )
         if batch_size * world_size != saved_batch * saved_world:
+            total = saved_batch * saved_world
+            fix = (
+                f"with {world_size} ranks set batch_size={total // world_size} per rank to keep it"
+                if total % world_size == 0
+                else f"{total} samples do not split evenly over {world_size} ranks: resume with a world size that "
+                f"divides {total} (e.g. {saved_world} ranks)"
+            )
             raise ValueError(
-                f"resume: the checkpoint's global batch is {saved_batch} x {saved_world} ranks = "
-                f"{saved_batch * saved_world} samples; with {world_size} ranks set batch_size="
-                f"{saved_batch * saved_world / world_size:g} per rank to keep it"
+                f"resume: the checkpoint's global batch is {saved_batch} x {saved_world} ranks = {total} samples; {fix}"
             )
         chunk = self.state["chunk_size"]
         if chunk is None or batch_size % chunk:

@@ -30,10 +30,16 @@ def iterate_batches(
             produced = True
             yield batch
         if started_fresh and not produced:
-            raise ValueError(
-                f"the training data yields no batch of batch_size={batch_size} (drop_remainder={drop_remainder}); "
-                "it is empty or shorter than one batch"
+            what = (
+                f"fewer than batch_size={batch_size} samples, and drop_remainder=True drops a short batch"
+                if drop_remainder
+                else "no sample"
             )
+            where = "the training data"
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+                where = f"rank {rank}'s part of the training data (each of the {world} ranks reads its own part)"
+            raise ValueError(f"{where} holds {what}: it yields no batch")
 
 
 def train_step(

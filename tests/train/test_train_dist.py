@@ -256,3 +256,11 @@ def test_unwritable_output_dir_fails_before_training(tmp_path: Path) -> None:
     cfg.dist.nproc = 2
     with pytest.raises(ValueError, match="output_dir .* is not writable"):
         run(cfg)
+
+
+def test_a_one_process_checkpoint_resumed_on_ranks_names_the_fix(tmp_path: Path) -> None:
+    run(tiny_config(tmp_path / "one", steps=3, checkpoint_every=3))
+    cfg = tiny_config(tmp_path / "again", steps=6, resume=str(tmp_path / "one" / "checkpoints" / "step_000003.pt"))
+    cfg.dist.nproc = 2
+    with pytest.raises(ValueError, match="it is a one-process checkpoint: resume it with dist.nproc=1"):
+        run(cfg)

@@ -224,3 +224,21 @@ def test_data_position_at_another_world_size() -> None:
         _job_state(1, 16, 16).data_state_for(0, 2, 8, endless_synthetic=True)
     with pytest.raises(ValueError, match="set batch_size=8"):
         job.data_state_for(0, 2, 4, endless_synthetic=True)
+    # 16 samples over 3 ranks: no batch_size keeps them (it advised batch_size=5.33333)
+    with pytest.raises(ValueError, match="16 samples do not split evenly over 3 ranks: resume with a world size that"):
+        job.data_state_for(0, 3, 5, endless_synthetic=True)
+
+
+def test_data_that_yields_no_batch_says_why() -> None:
+    """It said "empty or shorter than one batch" where a short part is padded unless drop_remainder is set."""
+    from tritonrec.data.batcher import Batcher
+    from tritonrec.data.synthetic import SyntheticRecSource
+    from tritonrec.dist.train.loop import iterate_batches
+
+    short = SyntheticRecSource([40, 40], num_dense=2, num_samples=3, chunk_size=8)
+    assert next(iterate_batches(Batcher(short.element_spec), short, 8)).num_valid() == 3  # padded, not refused
+    with pytest.raises(ValueError, match="the training data holds fewer than batch_size=8 samples, and drop_remainder"):
+        next(iterate_batches(Batcher(short.element_spec), short, 8, drop_remainder=True))
+    empty = SyntheticRecSource([40, 40], num_dense=2, num_samples=1, chunk_size=8, rank=0, world_size=2)
+    with pytest.raises(ValueError, match="the training data holds no sample: it yields no batch"):
+        next(iterate_batches(Batcher(empty.element_spec), empty, 8))
