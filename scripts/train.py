@@ -61,6 +61,18 @@ def _remove_if_unused(run_dir: Path) -> None:
     shutil.rmtree(run_dir)
 
 
+def _keep_config_with_results(run_dir: Path, out_dir: Path) -> None:
+    """With an explicit ``output_dir`` the results land there, not in hydra's run folder: hydra's record of the
+    composed config (``.hydra/``) is copied next to them, and hydra's run folder, then holding only hydra's own
+    files, is removed (it was left as an ``outputs/<name>/<date>/`` with nothing of the job's in it)."""
+    if HydraConfig.get().mode == RunMode.MULTIRUN or not run_dir.is_dir() or run_dir.resolve() == out_dir.resolve():
+        return
+    subdir = HydraConfig.get().output_subdir
+    if subdir and (run_dir / str(subdir)).is_dir():
+        shutil.copytree(run_dir / str(subdir), out_dir / str(subdir), dirs_exist_ok=True)
+    _remove_if_unused(run_dir)
+
+
 @hydra.main(config_path="../configs", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any] | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -73,6 +85,7 @@ def main(cfg: DictConfig) -> dict[str, Any] | None:
         raise
     if metrics is None:  # a rank other than 0 of a torchrun job: rank 0 reports
         return
+    _keep_config_with_results(run_dir, Path(cfg.output_dir))
     held_out, window = metrics["eval_auroc"], metrics["loss_window"]
     print(
         f"{metrics['name']}: loss {metrics['first_loss']:.4f} (first {window} steps) -> {metrics['final_loss']:.4f} "

@@ -95,6 +95,19 @@ def test_diverging_run_raises_in_one_process(tmp_path: Path) -> None:
     assert not (tmp_path / "metrics.json").exists() and not (tmp_path / "checkpoints").exists()
 
 
+def test_an_explicit_output_dir_gets_the_config_and_no_stray_run_folder(tmp_path: Path) -> None:
+    """hydra's composed config went to its own run folder, which then held nothing else of the job's."""
+    results, run_dir = tmp_path / "results", tmp_path / "hydra_run"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    command = [sys.executable, str(ROOT / "scripts" / "train.py"), "steps=2", "batch_size=8", "eval_every=0",
+               "data.num_embeddings=40", "model.backend=torch", "progress=false", "plot=false", "num_threads=1",
+               f"output_dir={results}", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "steps: 2" in (results / ".hydra" / "config.yaml").read_text()
+    assert (results / "metrics.json").is_file() and not run_dir.exists()
+
+
 def test_failed_config_still_leaves_no_run_folder_and_failure_keeps_it(tmp_path: Path) -> None:
     """The hydra folder goes only when the job wrote nothing: a mid-run error (here a malformed Criteo line after
     the first logged steps) keeps it with the log, which names the failure."""
