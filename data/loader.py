@@ -15,7 +15,9 @@ its own part), so resume with the ``num_workers`` the state was taken with (``lo
 each pass after the first is the next epoch (reshuffled when the source shuffles). As with any torch loader, a new
 iteration starts a new pass: the next epoch (an interrupted pass is abandoned), except right after
 ``load_state_dict``, which resumes the interrupted pass. Workers are persistent, so their epochs advance across
-iterations as a single-process loader's do.
+iterations as a single-process loader's do, with one difference: the workers start reading a pass ahead as soon as
+the iteration is made, so an ``iter()`` left before its first batch has already started its pass, and the next
+``iter()`` moves on to the following one (a single-process loader starts that pass again).
 """
 
 from __future__ import annotations
@@ -103,11 +105,12 @@ class ShardedBatchDataset(IterableDataset):
             if state["position"] > 0:  # a pass abandoned by the previous iteration: start the next epoch
                 self.set_epoch(state["epoch"] + 1)
             self._first_epoch = self.batcher.get_state()["epoch"]
-        passes = self.batcher.get_state()["epoch"] - self._first_epoch  # passes this iteration already made
-        return self._passes(source, passes)
+        return self._passes(source)
 
-    def _passes(self, source: ElementSource, passes: int) -> Iterator[Batch]:
-        """The batches of the passes left after ``passes`` (of ``num_passes``)."""
+    def _passes(self, source: ElementSource) -> Iterator[Batch]:
+        """The batches of this iteration's passes left (of ``num_passes``; counted at the first batch, so that a
+        :meth:`set_epoch` between ``iter()`` and it starts the iteration there)."""
+        passes = self.batcher.get_state()["epoch"] - self._first_epoch  # passes this iteration already made
         while self.num_passes is None or passes < self.num_passes:
             fresh, produced = self.batcher.get_state()["position"] == 0, False
             for batch in self.batcher.process(source, self.batch_size, self.drop_remainder):
@@ -118,8 +121,11 @@ class ShardedBatchDataset(IterableDataset):
                 return
 
     def set_epoch(self, epoch: int) -> None:
-        """Start the next iteration at the beginning of pass ``epoch`` (call before iterating the loader)."""
+        """Start the next iteration (or the one just made by ``iter()``, before its first batch) at the beginning of
+        pass ``epoch``; it is that iteration's first pass. Without workers: with workers, call it before the loader
+        starts them (their copies of the dataset do not see it)."""
         self.batcher.set_state({"epoch": _check_count(epoch, "epoch", minimum=0), "position": 0, "batches": 0})
+        self._first_epoch, self._resuming = epoch, False
 
     def state_dict(self) -> dict[str, Any]:
         """The Batcher's state and ``first_epoch``, the epoch of the current iteration's first pass (so a resumed

@@ -168,7 +168,9 @@ class MultiHostDataLoadIterator:
         self._yielded = 0  # batches the current local iterator has yielded (the state of a stateless loader)
         self._replay = 0  # batches to skip when the next local iterator starts (restoring a stateless loader)
         self._restored = False
-        self._leave_restored_pass = False  # set_state: the next local iterator must not continue the loaded pass
+        # set_state loaded a stateful loader's state (not at its end), whose next iter() continues the saved pass
+        self._loader_restored = False
+        self._leave_restored_pass = False  # the next local iterator must not continue that pass (see _start_local)
         self._ended = False  # this epoch raised StopIteration (its steps ran out, or a rank's loader did)
 
     # ------------------------------------------------------------------------------------------------- iteration
@@ -185,6 +187,7 @@ class MultiHostDataLoadIterator:
         self.step, self._ended = 0, False
         if self.reset_after_epoch:
             self._local, self._pending, self._replay = None, None, 0
+            self._leave_restored_pass = self._loader_restored  # a new pass, not the one set_state loaded
 
     def __iter__(self) -> MultiHostDataLoadIterator:
         # The epoch restored by set_state continues, unless the state was taken after it ended (step ==
@@ -215,11 +218,12 @@ class MultiHostDataLoadIterator:
 
     def _start_local(self) -> None:
         if self._leave_restored_pass:
-            # The saved iterator's epoch had ended and, with reset_after_epoch, it would start a new pass of its
-            # loader here: a new iter() that leaves the pass it was in. The restored loader's first iter() continues
-            # that pass instead (Stateful protocol), so make that iteration and leave it, as the saved one did.
-            self._leave_restored_pass = False
+            # With reset_after_epoch, a new epoch starts a new pass of the loader here: a new iter() that leaves the
+            # pass it was in. The restored loader's first iter() continues that pass instead (Stateful protocol), so
+            # make that iteration and leave it, as the saved iterator did. (A loader saved at the end of its pass
+            # starts a new one at its first iter() anyway: _loader_restored is not set for it.)
             iter(self.dataloader)
+        self._leave_restored_pass = self._loader_restored = False
         self._local, self._yielded = iter(self.dataloader), 0
         for _ in range(self._replay):
             if next(self._local, None) is None:
@@ -351,9 +355,16 @@ class MultiHostDataLoadIterator:
             raise ValueError(f"state['loader'] does not fit a {type(self.dataloader).__name__}: {loader_state!r}")
         self.step, self._pending, self._replay = step, state["pending"], replay
         self._local, self._restored, self._ended = None, True, ended
-        epoch_over = ended or (self.iterator_length is not None and step >= self.iterator_length)
         stateful = callable(getattr(self.dataloader, "load_state_dict", None))
-        self._leave_restored_pass = self.reset_after_epoch and epoch_over and stateful
+        unfinished = (
+            isinstance(loader_state, Mapping)
+            and bool(loader_state)
+            and not loader_state.get("_iterator_finished", False)
+        )
+        self._loader_restored = stateful and unfinished
+        # At step 0 with reset_after_epoch the saved iterator had not started this epoch's pass yet: it would have
+        # left the loaded one at its first batch (an epoch that is over does so at the next iter(), via reset()).
+        self._leave_restored_pass = self.reset_after_epoch and step == 0 and not ended and self._loader_restored
 
 
 def _own_storage(batch: Any) -> Any:
@@ -366,9 +377,11 @@ def _own_storage(batch: Any) -> Any:
     def own(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor):
             return leaf.clone()
-        if isinstance(leaf, Batch):
-            parts = (leaf.dense_features, leaf.sparse_features, leaf.labels, leaf.valid_mask)
-            return Batch._trusted(*(tree_map(own, part) for part in parts))
+        if isinstance(leaf, Batch):  # a copy keeps a subclass and its other attributes
+            out = copy.copy(leaf)
+            for name in ("dense_features", "sparse_features", "labels", "valid_mask"):
+                setattr(out, name, tree_map(own, getattr(leaf, name)))
+            return out
         return leaf
 
     return tree_map(own, batch)

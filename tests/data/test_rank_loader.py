@@ -226,6 +226,81 @@ def test_a_state_taken_after_a_reset_epoch_ended_starts_a_new_pass(num_workers: 
     assert all(same_batch(a, b) for x, y in zip(uninterrupted, resumed, strict=True) for a, b in zip(x, y, strict=True))
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_state_saved_when_the_loader_ran_out_restores_its_next_pass(num_workers: int) -> None:
+    """reset_after_epoch and no iterator_length: the epoch ends when the loader's pass does. Its state restored
+    starts the loader's next pass, not one after it (the restored loader's first iter() already starts it, and the
+    extra iteration that leaves an unfinished pass skipped it). The old loader's workers are gone first: while they
+    were still exiting the race often went the other way."""
+    import gc
+    import time
+
+    def make() -> MultiHostDataLoadIterator:
+        loader = make_rank_loader(_source(shuffle_buffer=24), 8, num_workers=num_workers,
+                                  multiprocessing_context="fork")  # fmt: skip
+        return MultiHostDataLoadIterator(loader, reset_after_epoch=True)
+
+    iterator = make()
+    list(iterator)
+    state = iterator.get_state()
+    uninterrupted = list(iterator)
+    del iterator
+    gc.collect()
+    time.sleep(1.5 if num_workers else 0)
+    restored = make()
+    restored.set_state(state)
+    again = list(restored)
+    assert len(again) == len(uninterrupted) > 0
+    assert all(same_batch(a, b) for a, b in zip(uninterrupted, again, strict=True))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_reset_epoch_that_has_not_started_leaves_the_restored_pass(num_workers: int) -> None:
+    """With reset_after_epoch an epoch starts a new pass of the loader at its first batch. A state taken at step 0
+    (after iter(), before that batch), and a restored mid-epoch state followed by reset(), resumed the old pass."""
+
+    def make() -> MultiHostDataLoadIterator:
+        loader = make_rank_loader(_source(), 8, num_workers=num_workers, num_passes=None,
+                                  multiprocessing_context="fork")  # fmt: skip
+        return MultiHostDataLoadIterator(loader, iterator_length=3, reset_after_epoch=True)
+
+    iterator = make()
+    stream = iter(iterator)
+    next(stream)
+    mid = iterator.get_state()  # step 1 of epoch 0
+    iter(iterator)  # a new epoch, not started
+    at_start = iterator.get_state()
+    uninterrupted = list(iterator)  # (iter() again: the same not-started epoch)
+    assert at_start["step"] == 0 and len(uninterrupted) == 3
+    restored = make()
+    restored.set_state(at_start)
+    assert all(same_batch(a, b) for a, b in zip(uninterrupted, list(restored), strict=True))
+    reset = make()
+    reset.set_state(mid)
+    reset.reset()  # leave the restored epoch: the next starts a new pass, as on the saved iterator
+    assert all(same_batch(a, b) for a, b in zip(uninterrupted, list(reset), strict=True))
+
+
+def test_set_epoch_between_iter_and_the_first_batch_starts_the_iteration_there() -> None:
+    """The iteration's first pass was settled at iter(): a set_epoch() after it left a stale first_epoch, and its
+    state did not load (first_epoch above the epoch)."""
+    loader = make_rank_loader(_source(shuffle_buffer=24), 8, num_passes=None)
+    stream = iter(loader)
+    for _ in range(15):  # into the second epoch
+        next(stream)
+    stream = iter(loader)
+    loader.dataset.set_epoch(0)
+    first = [next(stream) for _ in range(2)]
+    state = loader.state_dict()
+    rest = [next(stream) for _ in range(3)]
+    resumed = make_rank_loader(_source(shuffle_buffer=24), 8, num_passes=None)
+    resumed.load_state_dict(state)
+    again = list(itertools.islice(iter(resumed), 3))
+    assert all(same_batch(a, b) for a, b in zip(rest, again, strict=True))
+    epoch_zero = list(itertools.islice(iter(make_rank_loader(_source(shuffle_buffer=24), 8)), 2))
+    assert all(same_batch(a, b) for a, b in zip(first, epoch_zero, strict=True))
+
+
 def test_a_state_holding_a_batch_from_a_worker_saves_with_torch_save() -> None:
     """A batch from a loader worker is views of one shared buffer in several dtypes, which torch.save refuses: the
     state's kept batch is copied into tensors of its own (a rank that ran out later than another keeps one)."""
