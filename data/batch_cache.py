@@ -116,6 +116,8 @@ class DataGroup:
                 self.cache_location, self.cache_layouts, batch_size, len(self.data), self.cache_readonly, cache_views,
                 self.cache_key_major,
             )  # fmt: skip
+            if self.persist:  # a group that never persists never writes the cache
+                self._store.check_writable()
 
     def __len__(self) -> int:
         return len(self.data)

@@ -159,7 +159,6 @@ class BatchStore:
                 if not path.is_file():
                     raise ValueError(f"cache_location {str(location)!r} has cache.json but lacks {path.name}")
             self._check_files()
-            self._check_writable()
             return
         (location / "additional").mkdir(parents=True, exist_ok=True)
         for name, (shape, dtype) in self._files.items():
@@ -168,12 +167,16 @@ class BatchStore:
         self._check_files()  # a file left by a job killed before cache.json may have another group's layout
         _create_exclusive(descriptor_path, lambda p: p.write_text(json.dumps(mine, indent=1)))
 
-    def _check_writable(self) -> None:
-        """A group that may cache batches needs to write the existing cache's files: found now, not at the first
-        ``Batch.cache`` (a raw OSError, mid-epoch)."""
+    def check_writable(self) -> None:
+        """For a group that will write cached batches (not read-only, persisting): the cache's files must be writable
+        here, found when the group is made, not at the first ``Batch.cache`` (a raw OSError, mid-epoch). An
+        ``additional/`` folder lost on the way (empty folders often are) is made again."""
         if self.readonly:
             return
-        paths = [self.location, self.location / "additional", self.location / "stored.bin"]
+        additional = self.location / "additional"
+        if not additional.exists() and os.access(self.location, os.W_OK):
+            additional.mkdir()
+        paths = [self.location, additional, self.location / "stored.bin"]
         paths += [self.array_path(name) for name in self._files]
         blocked = next((path for path in paths if not os.access(path, os.W_OK)), None)
         if blocked is not None:

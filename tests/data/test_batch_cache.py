@@ -108,6 +108,19 @@ def test_a_cache_this_process_cannot_write_is_refused_when_opened(
     ):
         _group(tmp_path)
     assert all(not b.uncached for b in GroupLoader(CountingLoader(), _group(tmp_path, cache_readonly=True)))
+    assert all(not b.uncached for b in GroupLoader(CountingLoader(), _group(tmp_path, persist=False)))  # never writes
+    monkeypatch.setattr(batch_store.os, "access", real_access)
+
+    def no_additional(item: int, arrays: dict[str, torch.Tensor], seed: int | None) -> dict[str, object]:
+        arrays["raw"].copy_(torch.arange(item, item + 4))
+        return {}
+
+    bare = tmp_path / "bare"
+    for batch in GroupLoader(no_additional, _group(tmp_path, cache_location=bare)):
+        batch.cache(encode(batch))
+    (bare / "additional").rmdir()  # empty, and empty folders are often lost in copies: made again, not refused
+    assert all(not b.uncached for b in GroupLoader(no_additional, _group(tmp_path, cache_location=bare)))
+    assert (bare / "additional").is_dir()
 
 
 def test_depth_limit_holds_with_a_slow_consumer(tmp_path: Path) -> None:
