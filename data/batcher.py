@@ -49,6 +49,18 @@ def _check_batch_size(batch_size: object) -> int:
     return check_int(batch_size, "batch_size", 1)
 
 
+def _copied(stats: Mapping[str, Any]) -> dict[str, Any]:
+    """Statistics copied deeply, so that the caller and the Batcher never share a mutable value; a value that cannot
+    be deep-copied (a non-leaf autograd tensor, a generator) is shared, as it always was."""
+    out: dict[str, Any] = {}
+    for key, value in stats.items():
+        try:
+            out[key] = copy_module.deepcopy(value)
+        except (TypeError, RuntimeError):
+            out[key] = value
+    return out
+
+
 @dataclass(frozen=True)
 class BatcherConfig:
     """datarax's module config: statistics computed by ``batch_stats_fn`` or given as ``precomputed_stats`` (not
@@ -126,7 +138,7 @@ class Batcher:
         if not isinstance(stats, Mapping):
             raise TypeError(f"batch_stats_fn must return a mapping, got {type(stats).__name__}")
         # kept apart from what the caller gets back (a deep copy, as get_state / clone make)
-        self._computed_stats, self._stats_reset = copy_module.deepcopy(dict(stats)), False
+        self._computed_stats, self._stats_reset = _copied(stats), False
         return dict(stats)
 
     def get_statistics(self) -> dict[str, Any] | None:
@@ -134,16 +146,16 @@ class Batcher:
         if self._stats_reset:
             return None
         if self._computed_stats is not None:  # set statistics win over the config's fixed ones
-            return copy_module.deepcopy(self._computed_stats)  # the caller may change it in place
+            return _copied(self._computed_stats)  # the caller may change it in place
         precomputed = self.config.precomputed_stats
-        return None if precomputed is None else copy_module.deepcopy(dict(precomputed))
+        return None if precomputed is None else _copied(precomputed)
 
     def set_statistics(self, stats: Mapping[str, Any]) -> None:
         """Replace the statistics (also over precomputed ones) and clear a reset. The config stays as it was (it
         was replaced by one without the precomputed statistics before, so ``copy()`` lost them)."""
         if not isinstance(stats, Mapping):
             raise TypeError(f"stats must be a mapping, got {type(stats).__name__}")
-        self._computed_stats, self._stats_reset = copy_module.deepcopy(dict(stats)), False
+        self._computed_stats, self._stats_reset = _copied(stats), False
 
     def reset_statistics(self) -> None:
         """Forget every statistic: :meth:`get_statistics` returns ``None`` until new ones are computed or set."""

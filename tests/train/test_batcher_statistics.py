@@ -261,3 +261,17 @@ def test_statistics_handed_out_do_not_alias_the_kept_ones() -> None:
     fixed = Batcher(SPEC, BatcherConfig(precomputed_stats={"mean": [1.5]}))
     fixed.get_statistics()["mean"].append(9.0)
     assert fixed.get_statistics() == {"mean": [1.5]} and fixed.config.precomputed_stats == {"mean": [1.5]}
+
+
+def test_statistics_that_cannot_be_deep_copied_are_still_kept() -> None:
+    """A non-leaf autograd tensor or a generator refuses deepcopy: such a value is shared, as before the copies."""
+    weight = torch.ones(2, requires_grad=True)
+    stats = {"scaled": weight * 2, "gen": (i for i in range(3)), "mean": [1.0]}
+    batcher = Batcher(SPEC, BatcherConfig(batch_stats_fn=lambda _: stats))
+    batcher.compute_statistics(None)
+    got = batcher.get_statistics()
+    assert got["scaled"] is stats["scaled"] and got["gen"] is stats["gen"] and got["mean"] == [1.0]
+    got["mean"].append(2.0)
+    assert batcher.get_statistics()["mean"] == [1.0]
+    batcher.set_statistics({"scaled": weight * 3})
+    assert torch.equal(batcher.get_statistics()["scaled"], weight.detach() * 3)
