@@ -152,6 +152,12 @@ def _kjt_from_id_matrix(
     if not np.issubdtype(id_matrix.dtype, np.integer):
         raise TypeError(f"chunk id_matrix must have an integer dtype, got {id_matrix.dtype}")
     n, num_keys = id_matrix.shape[0], len(keys)
+    if id_matrix.dtype == np.uint64 and id_matrix.size and int(id_matrix.max()) >= 2**63:
+        # beyond int64 (the KJT's values), where the transposing copy would wrap them negative (empty bags): folded
+        # here, in uint64 (a rare case: one division per id)
+        if fold is None:
+            raise ValueError(f"ids up to {int(id_matrix.max())} do not fit int64 and no table sizes fold them")
+        id_matrix, fold = (id_matrix % fold.astype(np.uint64)).astype(np.int64), None
     highest = None
     if fold is not None and id_matrix.size:
         # One pass (it also reads the rows in order, which makes the transposing read below faster): the OR of the

@@ -184,3 +184,15 @@ def test_blocked_transpose_spans_blocks(rows: int, padding: int, ids_high: int, 
     present = key_major >= 0
     assert kjt.values().tolist() == (key_major[present] % 50_000).tolist()
     assert kjt.lengths().tolist() == present.reshape(-1).astype(int).tolist()
+
+
+def test_uint64_ids_beyond_int64_are_folded_not_dropped() -> None:
+    """uint64 ids >= 2**63 wrapped negative in the transposing copy and became empty bags."""
+    raw = np.array([[2**64 - 1, 2**63, 5, 2**63 + 7]], np.uint64)
+    sizes = np.array([1000, 7, 2**40, 3], np.int64)
+    chunk = ElementChunk.from_id_matrix(np.zeros((1, 2), np.float32), raw, np.zeros(1, np.float32), sizes)
+    kjt = collate_chunk(chunk, SPEC, 2).sparse_features
+    assert kjt.values().tolist() == [int(v) % int(s) for v, s in zip(raw[0], sizes, strict=True)]
+    assert kjt.lengths().tolist() == [1, 0, 1, 0, 1, 0, 1, 0]
+    with pytest.raises(ValueError, match="do not fit int64 and no table sizes fold them"):
+        collate_chunk(ElementChunk.from_id_matrix(np.zeros((1, 2), np.float32), raw, np.zeros(1, np.float32)), SPEC, 1)
