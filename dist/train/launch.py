@@ -16,6 +16,7 @@ import datetime
 import os
 import pickle
 import signal
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -71,23 +72,44 @@ def _error_path(result_path: str, rank: int) -> str:
 
 
 def _ready_path(result_path: str, rank: int) -> str:
-    """Written by a spawned rank once its SIGTERM handler is in: the parent forwards a SIGTERM to it only then."""
+    """Written by a spawned rank once its stop handler is in: the parent forwards a stop to it only then."""
     return os.path.join(os.path.dirname(result_path), f"rank{rank}.ready")
 
 
-# A spawned rank's SIGTERM before its training loop took over the signal (its process group was coming up): the
-# loop's StopRequest picks it up and stops at the first step. One after the loop (its teardown) is kept here and
-# changes nothing: the run completed. Either way the rank is not killed mid-way.
+# The parent of spawned ranks passes a SIGTERM on to them as STOP_SIGNAL, a stop request (reported as SIGTERM). Not
+# as SIGTERM itself: torch.multiprocessing ends the other ranks with SIGTERM when one fails, and a rank that took
+# that for a stop request outside its training loop was only killed after torch's 30 s grace period.
+STOP_SIGNAL = signal.SIGUSR1
+# A spawned rank's stop request before its training loop took over (its process group was coming up): the loop's
+# StopRequest picks it up and stops at the first step. One after the loop (its teardown) is kept here and changes
+# nothing: the run completed.
 _early_signal: int | None = None
 
 
-def _remember_signal(signum: int, frame: Any) -> None:
+def _remember_stop(signum: int, frame: Any) -> None:
     global _early_signal
-    _early_signal = signum
+    _early_signal = signal.SIGTERM
+
+
+def _die_with_parent() -> None:
+    """Linux: this rank is killed when the process that spawned it dies (a parent killed while its ranks start left
+    them waiting for its rendezvous store until ``dist.timeout_s``). Best effort elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before the request took effect
+        os._exit(1)
 
 
 def _spawned_main(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, result_path: str) -> None:
-    signal.signal(signal.SIGTERM, _remember_signal)
+    _die_with_parent()
+    signal.signal(STOP_SIGNAL, _remember_stop)
     with open(_ready_path(result_path, rank), "wb"):
         pass
     os.environ.update(
@@ -120,10 +142,12 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any) -> Any:
     store = hold_local_store()  # bound for as long as the ranks run
     with tempfile.TemporaryDirectory(prefix="tritonrec-spawn-") as scratch:
         result_path = os.path.join(scratch, "rank0.pkl")
-        context = mp.start_processes(_spawned_main, args=(nproc, store.port, fn, args, result_path), nprocs=nproc,
-                                     join=False, start_method="spawn")  # fmt: skip
         ready = [_ready_path(result_path, rank) for rank in range(nproc)]
-        with _forwarding_sigterm(context.processes, ready) as forward_pending:
+        processes: list[Any] = []  # filled once started: a SIGTERM while they start waits for them
+        with _forwarding_sigterm(processes, ready) as forward_pending:
+            context = mp.start_processes(_spawned_main, args=(nproc, store.port, fn, args, result_path),
+                                         nprocs=nproc, join=False, start_method="spawn")  # fmt: skip
+            processes.extend(context.processes)
             try:
                 while not context.join(timeout=0.2):
                     forward_pending()
@@ -166,28 +190,31 @@ def _rank_error(result_path: str, rank: int) -> BaseException | None:
 
 @contextmanager
 def _forwarding_sigterm(processes: list[Any], ready: list[str]) -> Iterator[Callable[[], None]]:
-    """SIGTERM to this (parent) process is passed on to the ranks, which checkpoint and stop together. A rank still
-    starting (its interpreter importing, before it wrote its ``ready`` file) would die of it: it gets the signal
-    once it is ready, from the callable this yields (the parent calls it while it waits for the ranks)."""
+    """SIGTERM to this (parent) process is passed on to the ranks (as :data:`STOP_SIGNAL`), which checkpoint and
+    stop together. A rank not started yet (``processes`` is filled once they are), or still starting (its interpreter
+    importing, before it wrote its ``ready`` file), would die of it: it gets the signal once it is ready, from the
+    callable this yields (the parent calls it while it waits for the ranks)."""
     import threading
 
     pending: set[int] = set()
 
     def forward_pending() -> None:
         for rank in sorted(pending):
+            if rank >= len(processes):
+                continue
             process = processes[rank]
             if not process.is_alive():
                 pending.discard(rank)
             elif os.path.exists(ready[rank]):
                 pending.discard(rank)
-                os.kill(process.pid, signal.SIGTERM)
+                os.kill(process.pid, STOP_SIGNAL)
 
     if threading.current_thread() is not threading.main_thread():
         yield forward_pending
         return
 
     def forward(signum: int, frame: Any) -> None:
-        pending.update(range(len(processes)))
+        pending.update(range(len(ready)))
         forward_pending()
 
     previous = signal.signal(signal.SIGTERM, forward)
@@ -214,10 +241,13 @@ class StopRequest:
         previous = {s: signal.getsignal(s) for s in signals}
 
         def handler(signum: int, frame: Any) -> None:
-            self.signal = signum
+            self.signal = signal.SIGTERM if signum == STOP_SIGNAL else signum  # the parent's SIGTERM, passed on
 
-        if _early_signal in signals:  # a spawned rank signalled while it was starting: stop at the first step
-            self.signal = _early_signal
+        if signal.SIGTERM in signals:
+            signals = (*signals, STOP_SIGNAL)
+            previous[STOP_SIGNAL] = signal.getsignal(STOP_SIGNAL)
+            if _early_signal is not None:  # a spawned rank asked to stop while it was starting: at the first step
+                self.signal = _early_signal
         for s in signals:
             signal.signal(s, handler)
         try:
