@@ -351,9 +351,9 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
                 for request in requests.values():
                     wait_request(request)
                 requests.clear()
+        self._flushed = self._flushed or bool(self.batches)  # only dropped batches make going on wrong
         self.batches.clear()
         self.contexts.clear()
-        self._flushed = True
 
     def reset(self) -> None:
         super().reset()

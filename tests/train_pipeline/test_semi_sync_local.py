@@ -128,6 +128,12 @@ def test_flush_applies_the_stashed_gradients_and_drops_the_batches_in_flight() -
     pipeline.reset()
     pipeline.progress(toy_batches(2))
     pipeline.close()
+    idle = TrainPipelineSemiSync(model, torch.optim.SGD(model.linear.parameters(), lr=LR), CPU, start_batch=0)
+    idle.flush()  # nothing in flight, nothing dropped: it trains on
+    assert len(progress_losses(idle, toy_batches(3))) == 3
+    idle.flush()  # after the data ended: the end stays an end (StopIteration), not an error
+    with pytest.raises(StopIteration):
+        idle.progress(toy_batches(0))
 
 
 def test_evaluation_mode_runs_every_batch_and_changes_nothing() -> None:
