@@ -33,12 +33,13 @@ from tritonrec.dist.train.dist_metrics import BatchFeed, RankMetrics, evaluate_o
 from tritonrec.dist.train.job_report import JobReporter
 from tritonrec.dist.train.job_state import (
     JobState,
-    apply_optim_config,
+    built_hyperparameters,
     check_resume,
     check_resume_optim,
     data_fingerprint,
     later_checkpoints,
     optim_fingerprint,
+    restore_hyperparameters,
     resume_note,
 )
 from tritonrec.dist.train.launch import StopRequest, rank_device
@@ -80,8 +81,10 @@ def train_distributed(
     history = TrainHistory(cfg.train_auroc_window, cfg.batch_size * world)  # a step records every rank's rows
     start = 0
     if resume_path is not None:
+        optimizers = {"sparse": dmp.fused_optimizer, "dense": dense_optimizer}
+        built = built_hyperparameters(optimizers)
         load_checkpoint(resume_path, dmp, {"dense": dense_optimizer}, {"job": job})
-        changed = apply_optim_config(cfg.optim, dmp.fused_optimizer, dense_optimizer)
+        changed = restore_hyperparameters(built, optimizers)
         start = job.state["step"]
         endless = isinstance(cfg.data, SyntheticDataConfig) and cfg.data.num_samples is None
         batcher.set_state(job.data_state_for(rank, world, cfg.batch_size, endless))

@@ -16,6 +16,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+import torch
+
 JOB_STATE_FORMAT = 1
 _EVAL_ONLY_FIELDS = {"num_eval_samples", "eval_paths", "eval_prefixes"}
 _CHECKPOINT_NAME = re.compile(r"^step_(\d+)(\.pt)?$")  # step_000400.pt (one process), step_00000400/ (ranks)
@@ -63,23 +65,35 @@ def check_resume_optim(path: str, saved: dict[str, str] | None, current: dict[st
         )
 
 
-def apply_optim_config(optim_cfg: Any, fused: Any, dense: Any) -> list[str]:
+def built_hyperparameters(optimizers: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """``{"sparse": ..., "dense": ...}`` optimizers -> each param group's hyperparameters (all but its params), taken
+    as built from the config, before a resume loads the saved state (see :func:`restore_hyperparameters`)."""
+    return {
+        prefix: [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        for prefix, optimizer in optimizers.items()
+    }
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):  # hydra gives lists (Adam's betas)
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def restore_hyperparameters(built: dict[str, list[dict[str, Any]]], optimizers: dict[str, Any]) -> list[str]:
     """After a resume loaded the optimizers' saved state (which restores their saved hyperparameters too): the
-    config's learning rates and extra arguments (``optim.sparse_lr`` / ``sparse_kwargs`` on the fused tables'
-    groups, ``optim.dense_lr`` / ``dense_kwargs`` on the dense optimizer's) replace the saved ones, so a run resumed
-    with a lower rate trains with it. Returns ``"optim.X=new (checkpoint: old)"`` for each value that changed."""
+    hyperparameters they were built with from this run's config (:func:`built_hyperparameters`: ``optim.sparse_lr``
+    / ``sparse_kwargs``, ``optim.dense_lr`` / ``dense_kwargs``, and the defaults of what the config leaves out)
+    replace the saved ones, so a run resumed with a lower rate trains with it, and one that drops an argument goes
+    back to its default. Returns ``"optim.X=new (checkpoint: old)"`` for each value that changed."""
     changes: list[str] = []
-    for prefix, optimizer, lr, kwargs in (
-        ("sparse", fused, optim_cfg.sparse_lr, optim_cfg.sparse_kwargs),
-        ("dense", dense, optim_cfg.dense_lr, optim_cfg.dense_kwargs),
-    ):
-        wanted = {"lr": lr, **dict(kwargs)}
-        for key, value in wanted.items():
-            name = f"optim.{prefix}_lr" if key == "lr" else f"optim.{prefix}_kwargs.{key}"
-            for group in optimizer.param_groups:
-                if key in group and isinstance(group[key], tuple) and isinstance(value, list):
-                    value = tuple(value)  # hydra gives lists (Adam's betas)
-                if key in group and group[key] != value:
+    for prefix, optimizer in optimizers.items():
+        for group, wanted in zip(optimizer.param_groups, built[prefix], strict=False):
+            for key, value in wanted.items():
+                if key in group and not _same(group[key], value):
+                    name = f"optim.{prefix}_lr" if key == "lr" else f"optim.{prefix}_kwargs.{key}"
                     changes.append(f"{name}={value!r} (checkpoint: {group[key]!r})")
                     group[key] = value
     return list(dict.fromkeys(changes))
@@ -100,7 +114,7 @@ def resume_note(
 ) -> str:
     """The train.log line that marks where a resumed job takes over (its folder may hold the earlier run's log);
     ``ne_restored`` False: the checkpoint predates the NE state, so the lifetime NE restarts here;
-    ``optim_changes``: the hyperparameters the config changed (:func:`apply_optim_config`)."""
+    ``optim_changes``: the hyperparameters the config changed (:func:`restore_hyperparameters`)."""
     note = f"{name}: resumed from {resume} after step {start}; the lines below are this run's"
     if optim_changes:
         note += f"; from here on {', '.join(optim_changes)}"
@@ -171,5 +185,5 @@ class JobState:
         return {"epoch": 0, "position": step * batch_size, "batches": step}
 
 
-__all__ = ["JobState", "apply_optim_config", "check_resume", "check_resume_optim", "data_fingerprint",
-           "later_checkpoints", "optim_fingerprint", "resume_note"]  # fmt: skip
+__all__ = ["JobState", "built_hyperparameters", "check_resume", "check_resume_optim", "data_fingerprint",
+           "later_checkpoints", "optim_fingerprint", "restore_hyperparameters", "resume_note"]  # fmt: skip

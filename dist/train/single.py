@@ -16,10 +16,11 @@ from tritonrec.dist.train.config import TrainConfig, check_device
 from tritonrec.dist.train.job_config import distributed_only_choices
 from tritonrec.dist.train.job_report import JobReporter
 from tritonrec.dist.train.job_state import (
-    apply_optim_config,
+    built_hyperparameters,
     data_fingerprint,
     later_checkpoints,
     optim_fingerprint,
+    restore_hyperparameters,
     resume_note,
 )
 from tritonrec.dist.train.launch import StopRequest
@@ -38,9 +39,11 @@ def train_single(cfg: TrainConfig, out_dir: Path, stop: StopRequest) -> dict[str
     fingerprint = data_fingerprint(cfg.data)
     start = 0
     if cfg.resume:
+        optimizers = {"sparse": embedding_collection(model).fused_optimizer, "dense": dense_optimizer}
+        built = built_hyperparameters(optimizers)
         start = load_checkpoint(cfg.resume, model, dense_optimizer, batcher, history, cfg.steps, fingerprint,
                                 cfg.batch_size, optim_fingerprint(cfg.optim))  # fmt: skip
-        changed = apply_optim_config(cfg.optim, embedding_collection(model).fused_optimizer, dense_optimizer)
+        changed = restore_hyperparameters(built, optimizers)
 
     batches = iterate_batches(batcher, sources.train, cfg.batch_size, cfg.drop_remainder)
     checkpoint = None

@@ -159,20 +159,26 @@ def test_a_resume_trains_with_the_configs_learning_rates(tmp_path: Path) -> None
         assert note.endswith(f"from here on optim.{field}=1.5 (checkpoint: {getattr(OptimConfig(), field)!r})")
 
 
-def test_apply_optim_config_edits_every_group_and_reports_each_change_once() -> None:
+def test_restore_hyperparameters_puts_back_what_the_config_built() -> None:
+    """Every group gets the hyperparameters its optimizer was built with, each change reported once; an argument
+    the config no longer sets goes back to its default (a weight_decay dropped from dense_kwargs stayed at the
+    checkpoint's)."""
     import torch
 
-    from tritonrec.dist.train.job_state import apply_optim_config
+    from tritonrec.dist.train.job_state import built_hyperparameters, restore_hyperparameters
 
     params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
-    fused = torch.optim.Adam([{"params": params[:1]}, {"params": params[1:2]}], lr=0.05)
-    dense = torch.optim.Adam(params[2:], lr=0.05, betas=(0.9, 0.999))
-    optim = OptimConfig(sparse_lr=0.01, dense_lr=0.05, dense_kwargs={"betas": [0.5, 0.999], "unknown": 1})
-    changes = apply_optim_config(optim, fused, dense)
-    assert changes == ["optim.sparse_lr=0.01 (checkpoint: 0.05)",
-                       "optim.dense_kwargs.betas=(0.5, 0.999) (checkpoint: (0.9, 0.999))"]  # fmt: skip
-    assert [g["lr"] for g in fused.param_groups] == [0.01, 0.01] and dense.param_groups[0]["betas"] == (0.5, 0.999)
-    assert apply_optim_config(optim, fused, dense) == []  # nothing left to change
+    fused = torch.optim.Adam([{"params": params[:1]}, {"params": params[1:2]}], lr=0.01)
+    dense = torch.optim.Adam(params[2:], lr=0.05)  # weight_decay: the default, 0
+    optimizers = {"sparse": fused, "dense": dense}
+    built = built_hyperparameters(optimizers)
+    for group in fused.param_groups:  # as a loaded checkpoint leaves them
+        group["lr"] = 0.05
+    dense.param_groups[0].update(weight_decay=0.5, betas=[0.9, 0.999])  # betas: equal, as a list
+    changes = restore_hyperparameters(built, optimizers)
+    assert changes == ["optim.sparse_lr=0.01 (checkpoint: 0.05)", "optim.dense_kwargs.weight_decay=0 (checkpoint: 0.5)"]
+    assert [g["lr"] for g in fused.param_groups] == [0.01, 0.01] and dense.param_groups[0]["weight_decay"] == 0
+    assert restore_hyperparameters(built, optimizers) == []  # nothing left to change
 
 
 def test_multirun_sweep_lands_in_one_folder_with_a_summary(tmp_path: Path) -> None:
