@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import operator
+import os
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -141,6 +143,22 @@ class _BranchPathTracer(_ShardedLeafTracer):
         return self.taken[-1]
 
 
+def _raised_by_the_model(error: BaseException) -> bool:
+    """Whether ``error`` comes from a ``raise`` or ``assert`` statement of the model's own code (a check on the data,
+    e.g. ``assert labels.sum() >= 0``: a forward taking that way ends there), not from fx or torch failing to trace
+    an operation (whose effect, and what the forward does after it, is unknown)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return False
+    last = frames[-1]
+    if os.path.abspath(last.filename).startswith(_TORCH_DIR):
+        return False
+    return (last.line or "").lstrip().startswith(("raise", "assert"))
+
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
 def _calls_on_every_branch_path(root: nn.Module, names: set[str]) -> list[dict[str, int]] | str:
     """How many times each module of ``names`` is called on every way through ``root``'s data-dependent branches
     (each traced to the end, both ways of every branch: a superset of the ways a forward can take), or why that
@@ -154,10 +172,13 @@ def _calls_on_every_branch_path(root: nn.Module, names: set[str]) -> list[dict[s
         tracer = _BranchPathTracer(decisions)
         try:
             graph = tracer.trace(root)
-        except Exception as error:  # an operation fx cannot follow: what the forward does after it is unknown
-            taken = "".join("T" if t else "F" for t in tracer.taken) or "none"
-            why = f"{type(error).__name__}: {error}"
-            return f"a way through its branches does not trace (branches taken: {taken}; {why})"
+        except Exception as error:
+            if tracer.overflowed or not _raised_by_the_model(error):
+                # an operation fx cannot follow: what the forward does after it is unknown
+                taken = "".join("T" if t else "F" for t in tracer.taken) or "none"
+                why = f"{type(error).__name__}: {error}"
+                return f"a way through its branches does not trace (branches taken: {taken}; {why})"
+            graph = tracer.graph  # the model's own raise or assert: this way ends here (a run taking it fails)
         if tracer.overflowed:
             return f"a way through the forward has more than {MAX_BRANCHES} data-dependent branches"
         count: dict[str, int] = dict.fromkeys(names, 0)

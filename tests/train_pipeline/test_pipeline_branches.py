@@ -120,6 +120,24 @@ class LoopUntilAValue(ToyModel):
         return _loss(emb, batch, self.linear)
 
 
+class AssertAfterTheLookup(ToyModel):
+    """A check on the data after the lookup: the way on which it fails ends the forward there (QA wave 2: any
+    exception on a re-traced way made the module unprovable, and such models stopped being pipelined)."""
+
+    def forward(self, batch: Batch) -> tuple:
+        emb = self.sharded(batch.sparse_features)
+        assert batch.labels.sum() >= 0, "labels must be non-negative"
+        return _loss(emb, batch, self.linear)
+
+
+class RaiseAfterTheLookup(ToyModel):
+    def forward(self, batch: Batch) -> tuple:
+        emb = self.sharded(batch.sparse_features)
+        if not torch.isfinite(emb).all():
+            raise ValueError("non-finite embedding")
+        return _loss(emb, batch, self.linear)
+
+
 def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -208,6 +226,8 @@ def test_the_pipelines_fall_back_and_equal_base(
 @pytest.mark.parametrize(("model_type", "expected"), [
     (OnceAcrossBranches, ["sharded"]),
     (OneOfTwoAfterBranch, ["sharded"]),
+    (AssertAfterTheLookup, ["sharded"]),
+    (RaiseAfterTheLookup, ["sharded"]),
 ])  # fmt: skip
 def test_the_provably_fine_modules_stay_pipelined_and_equal_base(
     pipeline: str, model_type: type, expected: list[str]
