@@ -226,7 +226,16 @@ def top_level_sharded_modules(model: nn.Module) -> dict[str, ShardedModule]:
 
 
 def trace_sharded_inputs(model: nn.Module) -> TracedInputs:
-    """Trace ``model`` (wrappers looked through) and find how each sharded module's inputs derive from the batch."""
+    """Trace ``model`` (wrappers looked through) and find how each sharded module's inputs derive from the batch.
+
+    The traces run the forward's Python code (once, and once per way through its branches when tracing stopped at
+    one): torch's CPU random state is restored after them, so a forward drawing random numbers draws the same ones
+    in training as without the pipeline."""
+    with torch.random.fork_rng(devices=[]):
+        return _trace_sharded_inputs(model)
+
+
+def _trace_sharded_inputs(model: nn.Module) -> TracedInputs:
     root = unwrap_model(model)
     sharded = top_level_sharded_modules(root)
     tracer = _ShardedLeafTracer()
