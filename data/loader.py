@@ -99,8 +99,12 @@ class ShardedBatchDataset(IterableDataset):
         state = self.batcher.get_state()
         if self._resuming:
             self._resuming = False
-            if self.num_passes is not None and state["epoch"] - self._first_epoch >= self.num_passes:
-                self._first_epoch = state["epoch"]  # saved after its iteration ended: this is the next iteration
+            done = self.num_passes is not None and state["epoch"] - self._first_epoch >= self.num_passes
+            # Saved after its iteration ended: this is the next iteration. Not in a loader worker: there it only
+            # says this worker's share had ended (with uneven shares the others go on, and the restored worker made
+            # a whole pass too many); a loader whose iteration had ended starts the next one itself (torchdata).
+            if done and get_worker_info() is None:
+                self._first_epoch = state["epoch"]
         else:
             if state["position"] > 0:  # a pass abandoned by the previous iteration: start the next epoch
                 self.set_epoch(state["epoch"] + 1)

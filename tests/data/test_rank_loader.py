@@ -109,6 +109,29 @@ def test_resume_after_an_unfinished_pass_is_exact(num_workers: int, left_after: 
     assert all(same_batch(a, b) for a, b in zip(uninterrupted, again, strict=True))
 
 
+def test_a_worker_snapshot_on_the_last_batch_of_uneven_shares_resumes_exactly() -> None:
+    """3 workers with 6 + 5 + 5 batches: the workers' snapshot (every 16 batches) lands on the pass's last batch,
+    taken when the two short workers had already moved past their share. Restored, those workers took it for the end
+    of the loader's iteration and made a whole new pass in it (10 batches too many; the next epoch then differed)."""
+    source = SyntheticRecSource([50, 20], num_dense=3, num_samples=31, chunk_size=16, shuffle_buffer=8)
+
+    def loader() -> object:
+        return make_rank_loader(source, 2, num_workers=3, multiprocessing_context="fork")
+
+    original = loader()
+    stream = iter(original)
+    assert len([next(stream) for _ in range(16)]) == 16  # the whole pass, not yet told it ended
+    state = original.state_dict()
+    rest, next_epoch = list(stream), list(original)
+    del stream, original
+    restored = loader()
+    restored.load_state_dict(state)
+    assert list(iter(restored)) == rest == []
+    again = list(restored)
+    assert len(again) == len(next_epoch) == 16
+    assert all(same_batch(a, b) for a, b in zip(next_epoch, again, strict=True))
+
+
 def test_a_new_iteration_is_the_next_epoch_with_or_without_workers() -> None:
     source = _source(shuffle_buffer=32)
     first_epochs = []
