@@ -14,7 +14,18 @@ from typing import Any
 
 import torch
 
-from tests.sharding.mc_cases import BATCH, LR, Model, _local, _pooled, _same_kjt, diff, shard_setup
+from tests.sharding.mc_cases import (
+    BATCH,
+    Model,
+    _local,
+    _pooled,
+    _same_kjt,
+    count_evictions,
+    diff,
+    sgd_step,
+    shard_setup,
+    shard_weight_diff,
+)
 from tritonrec.data import KeyedJaggedTensor
 
 FEATURES = ["f0", "f1", "f2"]
@@ -118,14 +129,7 @@ def stream(rank: int, world: int, build: Any, module: Any, ttl: bool) -> dict[st
     sharded, ref = build(module), copy.deepcopy(module)
     lo, hi = rank * BATCH, (rank + 1) * BATCH
     out: dict[str, Any] = {"rows": 0, "forward": 0.0, "weights": 0.0, "state": 0, "evicted": 0, "outputs": []}
-    mcc_evict = ref._managed_collision_collection.evict
-
-    def counting_evict() -> dict[str, Any]:
-        evictions = mcc_evict()
-        out["evicted"] += sum(0 if v is None else v.numel() for v in evictions.values())
-        return evictions
-
-    ref._managed_collision_collection.evict = counting_evict
+    count_evictions(ref, out)
     divide = world if get_gradient_division() else 1
     size0 = module._managed_collision_collection._managed_collision_modules["t0"].input_size()
     for step in range(STEPS):
@@ -145,15 +149,9 @@ def stream(rank: int, world: int, build: Any, module: Any, ttl: bool) -> dict[st
         if training:
             (pooled * grad[lo:hi]).sum().backward()
             (full.values() * grad).sum().backward()
-            with torch.no_grad():
-                for table in ref._embedding_module.embedding_bags.values():
-                    table.weight -= LR * table.weight.grad / divide
-                    table.weight.grad = None
-        for table, sharded_table in sharded._embedding_module.embedding_bags.items():
-            whole = ref._embedding_module.embedding_bags[table].weight
-            for shard, weight in sharded_table.local:
-                s = shard.spec
-                out["weights"] = max(out["weights"], diff(weight.weight, whole[s.row_offset : s.row_offset + s.rows]))
+            sgd_step(ref._embedding_module.embedding_bags, divide)
+        worst = shard_weight_diff(sharded._embedding_module.embedding_bags, ref._embedding_module.embedding_bags)
+        out["weights"] = max(out["weights"], worst)
         out["state"] += state_mismatches(sharded, ref)
     return out
 

@@ -21,7 +21,7 @@ from tests.sharding.hash_zch_cases import (
     kjt,
     state_mismatches,
 )
-from tests.sharding.mc_cases import BATCH, LR, _same_kjt, diff, shard_setup
+from tests.sharding.mc_cases import BATCH, _same_kjt, diff, sgd_step, shard_setup, shard_weight_diff
 
 DIM = 4  # one width for every table: the sequence all-to-all's rows
 
@@ -79,14 +79,8 @@ def ec_stream(rank: int, world: int) -> dict[str, Any]:
         if training:
             loss.backward()  # type: ignore[union-attr]
             loss_full.backward()  # type: ignore[union-attr]
-            with torch.no_grad():
-                for table in ref._embedding_module.embeddings.values():
-                    table.weight -= LR * table.weight.grad / divide
-                    table.weight.grad = None
-        for table, sharded_table in sharded._embedding_module.embeddings.items():
-            whole = ref._embedding_module.embeddings[table].weight
-            for shard, weight in sharded_table.local:
-                s = shard.spec
-                out["weights"] = max(out["weights"], diff(weight.weight, whole[s.row_offset : s.row_offset + s.rows]))
+            sgd_step(ref._embedding_module.embeddings, divide)
+        worst = shard_weight_diff(sharded._embedding_module.embeddings, ref._embedding_module.embeddings)
+        out["weights"] = max(out["weights"], worst)
         out["state"] += state_mismatches(sharded, ref)
     return out

@@ -195,6 +195,39 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).detach().abs().amax()) if a.numel() else 0.0
 
 
+def sgd_step(tables: Any, divide: int) -> None:
+    """The reference's update: plain SGD on each table of ``tables`` (a module dict of tables with ``.weight``),
+    its gradient divided as the sharded lookups' (``divide``: the world size under gradient division)."""
+    with torch.no_grad():
+        for table in tables.values():
+            table.weight -= LR * table.weight.grad / divide
+            table.weight.grad = None
+
+
+def shard_weight_diff(sharded_tables: Any, whole_tables: Any) -> float:
+    """Largest difference between this rank's row shards (``sharded_tables[t].local``) and the same rows of the
+    reference's whole tables."""
+    worst = 0.0
+    for table, sharded_table in sharded_tables.items():
+        whole = whole_tables[table].weight
+        for shard, weight in sharded_table.local:
+            s = shard.spec
+            worst = max(worst, diff(weight.weight, whole[s.row_offset : s.row_offset + s.rows]))
+    return worst
+
+
+def count_evictions(reference: Any, out: dict[str, Any]) -> None:
+    """Wrap the reference MC module's ``evict`` so that ``out["evicted"]`` counts the rows it evicts."""
+    evict = reference._managed_collision_collection.evict
+
+    def counting_evict() -> dict[str, Any]:
+        evictions = evict()
+        out["evicted"] += sum(0 if v is None else v.numel() for v in evictions.values())
+        return evictions
+
+    reference._managed_collision_collection.evict = counting_evict
+
+
 class TrainingStream:
     """One rank's training stream against :class:`Reference`: ``STEPS`` global batches (inserts and evictions, one
     eval-mode step that only remaps), this rank's samples fed to the sharded MC-EBC's ``forward``. Counted in
@@ -270,16 +303,10 @@ class TrainingStream:
             if training:
                 loss.backward()
                 loss_full.backward()
-                with torch.no_grad():
-                    for table in getattr(ref.module._embedding_module, self.tables).values():
-                        table.weight -= LR * table.weight.grad / divide
-                        table.weight.grad = None
-            for table, sharded_table in getattr(sharded._embedding_module, self.tables).items():
-                whole = getattr(ref.module._embedding_module, self.tables)[table].weight
-                for shard, weight in sharded_table.local:
-                    s = shard.spec
-                    d = (weight.weight.detach() - whole[s.row_offset : s.row_offset + s.rows]).abs().max()
-                    result["weights"] = max(result["weights"], float(d))
+                sgd_step(getattr(ref.module._embedding_module, self.tables), divide)
+            whole_tables = getattr(ref.module._embedding_module, self.tables)
+            worst = shard_weight_diff(getattr(sharded._embedding_module, self.tables), whole_tables)
+            result["weights"] = max(result["weights"], worst)
             result["state"] += _state_mismatches(sharded, ref, self.rank)
         result["open_slots"] = {t: int(v) for t, v in sharded._managed_collision_collection.open_slots().items()}
         return result

@@ -19,13 +19,15 @@ from tests.sharding.mc_cases import (
     BATCH,
     FEATURES,
     HASH,
-    LR,
     STEPS,
     TABLES,
     Reference,
     _state_mismatches,
+    count_evictions,
     make_module,
+    sgd_step,
     shard_setup,
+    shard_weight_diff,
 )
 from tritonrec.data import KeyedJaggedTensor
 
@@ -128,16 +130,8 @@ def vbe_stream(rank: int, world: int, build: Any, pooling: str) -> dict[str, Any
         if training:
             (got * grads[rank]).sum().backward()
             sum((expand(full, b[3], r) * grads[r]).sum() for r, b in enumerate(batch)).backward()  # type: ignore[union-attr]
-            with torch.no_grad():
-                for table in bags.values():
-                    table.weight -= LR * table.weight.grad / divide
-                    table.weight.grad = None
-        for table, sharded_table in sharded._embedding_module.embedding_bags.items():
-            whole = bags[table].weight
-            for shard, weight in sharded_table.local:
-                s = shard.spec
-                d = (weight.weight - whole[s.row_offset : s.row_offset + s.rows]).detach().abs().max()
-                result["weights"] = max(result["weights"], float(d))
+            sgd_step(bags, divide)
+        result["weights"] = max(result["weights"], shard_weight_diff(sharded._embedding_module.embedding_bags, bags))
         result["state"] += _state_mismatches(sharded, ref, rank)
     result["open_slots"] = {t: int(v) for t, v in sharded._managed_collision_collection.open_slots().items()}
     return result
@@ -155,14 +149,7 @@ def hash_zch_vbe_stream(rank: int, world: int, build: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"forward": 0.0, "weights": 0.0, "evicted": 0}
     divide = world if get_gradient_division() else 1
     hz.CLOCK[0] = 1000
-    mcc_evict = ref._managed_collision_collection.evict
-
-    def counting_evict() -> dict[str, Any]:
-        evictions = mcc_evict()
-        out["evicted"] += sum(0 if v is None else v.numel() for v in evictions.values())
-        return evictions
-
-    ref._managed_collision_collection.evict = counting_evict
+    count_evictions(ref, out)
     for step in range(STEPS):
         hz.CLOCK[0] += 2
         training = step != STEPS - 2
@@ -178,16 +165,9 @@ def hash_zch_vbe_stream(rank: int, world: int, build: Any) -> dict[str, Any]:
             grads = [torch.randn(BATCH, sum(DIMS), generator=seed) for _ in range(world)]
             (got * grads[rank]).sum().backward()
             sum((expand(full, b[3], r) * grads[r]).sum() for r, b in enumerate(batch)).backward()  # type: ignore[union-attr]
-            with torch.no_grad():
-                for table in ref._embedding_module.embedding_bags.values():
-                    table.weight -= LR * table.weight.grad / divide
-                    table.weight.grad = None
-        for table, sharded_table in sharded._embedding_module.embedding_bags.items():
-            whole = ref._embedding_module.embedding_bags[table].weight
-            for shard, weight in sharded_table.local:
-                s = shard.spec
-                d = (weight.weight - whole[s.row_offset : s.row_offset + s.rows]).detach().abs().max()
-                out["weights"] = max(out["weights"], float(d))
+            sgd_step(ref._embedding_module.embedding_bags, divide)
+        worst = shard_weight_diff(sharded._embedding_module.embedding_bags, ref._embedding_module.embedding_bags)
+        out["weights"] = max(out["weights"], worst)
     return out
 
 
